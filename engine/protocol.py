@@ -97,8 +97,12 @@ class Runner(Protocol):
 
     def release(self, request_id: str) -> None: ...
 
-    def cache_bytes_per_token_bound(self, num_tokens: int) -> int:
-        """Bytes a sequence's cache needs at `num_tokens` tokens (admission control)."""
+    def cache_bytes_at(self, num_tokens: int) -> int:
+        """Bytes one sequence's cache holds at `num_tokens` tokens (admission control, DESIGN.md §4)."""
+        ...
+
+    def memory_snapshot(self) -> dict[str, int]:
+        """Bytes by kind: weights, kv_cache, planned_workspace, mlx_active, mlx_peak, mlx_cache."""
         ...
 
 
