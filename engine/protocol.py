@@ -73,6 +73,12 @@ class StepPlan:
     def is_empty(self) -> bool:
         return self.num_tokens == 0
 
+    @property
+    def request_ids(self) -> tuple[str, ...]:
+        """Every request this step touches: decodes in order, then the prefill's."""
+        prefill_ids = (self.prefill.request_id,) if self.prefill else ()
+        return tuple(slot.request_id for slot in self.decodes) + prefill_ids
+
 
 @dataclass(frozen=True)
 class SampledToken:
@@ -126,6 +132,9 @@ class Progress:
 
 @dataclass(frozen=True)
 class Done:
+    """The stream's last event. A stop token (EOS or one of `stop_token_ids`) that ended the sequence is not
+    sent as a `Token` (it never becomes text) but is counted in `num_generated_tokens`, as OpenAI usage does."""
+
     finish_reason: FinishReason
     num_prompt_tokens: int
     num_generated_tokens: int
@@ -138,3 +147,28 @@ class Error:
 
 
 Event = Union[Token, Progress, Done, Error]
+
+
+def is_terminal(event: Event) -> bool:
+    """Done and Error end a stream; nothing follows them."""
+    return isinstance(event, (Done, Error))
+
+
+# ---- admission (raised to the server before any event) -----------------------------------------
+
+AdmissionReason = Literal["queue_full", "too_long", "never_fits", "shutting_down"]
+
+
+class AdmissionError(Exception):
+    """A request the engine will not take. Raised synchronously, before any event, so the server can answer
+    with an HTTP error instead of a stream: `is_overload` reasons are transient (503 + Retry-After), the
+    others are the request's own fault (400)."""
+
+    def __init__(self, reason: AdmissionReason, message: str):
+        super().__init__(message)
+        self.reason: AdmissionReason = reason
+        self.message = message
+
+    @property
+    def is_overload(self) -> bool:
+        return self.reason in ("queue_full", "shutting_down")

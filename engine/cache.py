@@ -1,0 +1,142 @@
+"""Per-sequence, per-layer cache (DESIGN.md §2): window rows, compressed rows, index keys and the
+compressor frontier. The model declares the layout (`SequenceCache.for_model`); accounting of bytes
+lives here too, so the memory plan and the scheduler read one source of truth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from engine.config import CSA, ModelConfig, WINDOW
+
+
+class RowBuffer:
+    """Append-only [rows, width] buffer with spare capacity, so decode does not copy the whole cache
+    on every emitted row (same idea as mlx-lm's KVCache step)."""
+
+    STEP = 256
+
+    def __init__(self, width: int, dtype: mx.Dtype = mx.float32) -> None:
+        self.width, self.dtype = width, dtype
+        self.num_rows = 0
+        self._data: mx.array | None = None
+
+    def append(self, rows: mx.array) -> None:
+        n = rows.shape[0]
+        if n == 0:
+            return
+        needed = self.num_rows + n
+        if self._data is None or needed > self._data.shape[0]:
+            capacity = max(needed, self.num_rows + self.num_rows // 4, self.STEP)
+            capacity = -(-capacity // self.STEP) * self.STEP
+            grown = mx.zeros((capacity, self.width), dtype=self.dtype)
+            if self.num_rows:
+                grown[: self.num_rows] = self._data[: self.num_rows]
+            self._data = grown
+        self._data[self.num_rows : needed] = rows.astype(self.dtype)
+        self.num_rows = needed
+
+    def view(self) -> mx.array:
+        """[num_rows, width]."""
+        if self._data is None:
+            return mx.zeros((0, self.width), dtype=self.dtype)
+        return self._data[: self.num_rows]
+
+    def arrays(self) -> list[mx.array]:
+        return [] if self._data is None else [self._data]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows held (what a sequence needs); capacity slack is at most one step."""
+        return self.num_rows * self.width * self.dtype.size
+
+    @property
+    def capacity_nbytes(self) -> int:
+        return 0 if self._data is None else self._data.nbytes
+
+
+@dataclass
+class CompressorFrontier:
+    """What a compressor carries between calls: the open group's projected rows (fewer than `ratio`,
+    gate without the positional bias) and, for the overlapping ratio-4 compressor, the previous
+    window's Ca half (kv and biased gate) — DESIGN.md §2, "the classic bug"."""
+
+    pending_kv: mx.array | None = None  # [n_open, width]
+    pending_gate: mx.array | None = None  # [n_open, width]
+    overlap_kv: mx.array | None = None  # [ratio, head_dim]
+    overlap_gate: mx.array | None = None  # [ratio, head_dim]
+    num_emitted: int = 0
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.pending_kv, self.pending_gate, self.overlap_kv, self.overlap_gate) if a is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+
+@dataclass
+class LayerCache:
+    window: mx.array  # [≤ sliding_window - 1, head_dim]: the rows a later query can still see
+    compressed: RowBuffer | None = None  # [num_compressed, head_dim] (CSA/HCA)
+    compressor: CompressorFrontier | None = None
+    index_keys: RowBuffer | None = None  # [num_compressed, index_head_dim] (CSA)
+    indexer_compressor: CompressorFrontier | None = None
+
+    def arrays(self) -> list[mx.array]:
+        out = [self.window]
+        for part in (self.compressed, self.compressor, self.index_keys, self.indexer_compressor):
+            if part is not None:
+                out += part.arrays()
+        return out
+
+    @property
+    def nbytes_by_part(self) -> dict[str, int]:
+        return {
+            "window": self.window.nbytes,
+            "compressed": self.compressed.nbytes if self.compressed else 0,
+            "index_keys": self.index_keys.nbytes if self.index_keys else 0,
+            "frontier": sum(f.nbytes for f in (self.compressor, self.indexer_compressor) if f is not None),
+        }
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.nbytes_by_part.values())
+
+
+@dataclass
+class SequenceCache:
+    layers: list[LayerCache]
+    num_tokens: int = 0  # tokens already run through every layer
+    token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, dtype: mx.Dtype = mx.float32) -> "SequenceCache":
+        layers = []
+        for i, kind in enumerate(cfg.layer_types):
+            layer = LayerCache(window=mx.zeros((0, cfg.head_dim), dtype=dtype))
+            if kind != WINDOW:
+                layer.compressed = RowBuffer(cfg.head_dim, dtype)
+                layer.compressor = CompressorFrontier()
+            if kind == CSA:
+                layer.index_keys = RowBuffer(cfg.index_head_dim, dtype)
+                layer.indexer_compressor = CompressorFrontier()
+            layers.append(layer)
+        return cls(layers=layers)
+
+    def arrays(self) -> list[mx.array]:
+        return [a for layer in self.layers for a in layer.arrays()]
+
+    @property
+    def nbytes_by_part(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for layer in self.layers:
+            for part, n in layer.nbytes_by_part.items():
+                total[part] = total.get(part, 0) + n
+        return total
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)

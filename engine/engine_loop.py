@@ -1,0 +1,359 @@
+"""The engine thread and its asyncio bridge (DESIGN.md §1, STYLE.md §5).
+
+`EngineLoop` owns the runner (and so MLX) on one thread and runs `step()` = schedule -> execute ->
+postprocess until there is no work, then sleeps on a condition variable. Other threads only queue requests,
+abort them and read stats; they touch the scheduler under the loop's lock and never touch the runner, so
+`runner.add_request/execute/release` all happen on the engine thread and never overlap.
+
+`AsyncEngine` is what the FastAPI side holds: `generate()` yields one request's events
+(Token | Progress | Done | Error), carried from the engine thread by `loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Iterable, Mapping, Sequence
+
+from engine.protocol import AdmissionError, Event, Runner, SamplingParams, StepOutput, StepPlan, is_terminal
+from engine.request import Request
+from engine.scheduler import RequestEvent, Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+EmitFn = Callable[[str, Event], None]
+"""Receives every event, on whichever thread produced it, under the loop's lock: it must not block."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    reserved_cache_bytes: int  # admitted requests' caches at max length (KV usage = this / memory_budget_bytes)
+    memory_budget_bytes: int | None
+    num_steps_total: int
+    num_failed_steps_total: int  # steps whose runner raised (their requests got an Error)
+    num_prefill_tokens_total: int
+    num_decode_tokens_total: int
+    last_step_num_tokens: int
+    last_step_seconds: Mapping[str, float]  # schedule, execute, postprocess
+    last_stage_seconds: Mapping[str, float]  # the runner's breakdown of execute (StepOutput.stage_seconds)
+    memory: Mapping[str, int]  # runner.memory_snapshot(), taken on the engine thread after the last step
+    is_alive: bool  # the engine thread is running
+    is_accepting: bool  # False once shutdown began
+
+
+@dataclass
+class _Counters:
+    """Mutable step counters, read into EngineStats under the lock."""
+
+    num_steps_total: int = 0
+    num_failed_steps_total: int = 0
+    num_prefill_tokens_total: int = 0
+    num_decode_tokens_total: int = 0
+    last_step_num_tokens: int = 0
+    last_step_seconds: dict[str, float] = field(default_factory=dict)
+    last_stage_seconds: dict[str, float] = field(default_factory=dict)
+    memory: dict[str, int] = field(default_factory=dict)
+
+    def record(self, plan: StepPlan, output: StepOutput, step_seconds: dict[str, float]) -> None:
+        self.num_steps_total += 1
+        self.num_decode_tokens_total += len(plan.decodes)
+        self.num_prefill_tokens_total += plan.num_tokens - len(plan.decodes)
+        self.last_step_num_tokens = plan.num_tokens
+        self.last_step_seconds = step_seconds
+        self.last_stage_seconds = dict(output.stage_seconds)
+
+
+class EngineLoop:
+    """One thread that owns the runner. `submit`, `abort`, `stats`, `shutdown` may be called from any thread."""
+
+    _STOP_GRACE_S = 30.0  # how long shutdown waits for the step in flight after aborting everything
+    _IDLE_RETRY_S = 0.01  # guard against spinning if work exists but nothing could be scheduled
+
+    def __init__(
+        self,
+        runner: Runner,
+        config: SchedulerConfig,
+        emit: EmitFn,
+        *,
+        eos_token_ids: Iterable[int] = (),
+    ):
+        self._runner = runner
+        self._scheduler = Scheduler(config, runner.cache_bytes_at, eos_token_ids=eos_token_ids)
+        self._emit = emit
+        self._cv = threading.Condition()  # guards the scheduler and everything below
+        self._pending_release: list[str] = []  # finished requests whose runner state is still to be released
+        self._counters = _Counters()
+        self._is_accepting = True
+        self._is_stopping = False
+        self._thread: threading.Thread | None = None
+        self._registered: set[str] = set()  # engine thread only: requests the runner knows
+
+    # ---- any thread ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the engine loop was already started")
+        self._thread = threading.Thread(target=self._run, name="tessera-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: Request) -> None:
+        """Queue a request; raises AdmissionError (nothing queued) if it is refused."""
+        with self._cv:
+            if not self._is_accepting:
+                raise AdmissionError("shutting_down", "the server is shutting down and takes no new requests")
+            self._scheduler.add(request)
+            self._cv.notify_all()
+
+    def abort(self, request_id: str) -> None:
+        """End a request now (Done 'abort'); its runner state is released at the start of the next step."""
+        with self._cv:
+            self._dispatch(self._scheduler.abort(request_id))
+            self._cv.notify_all()
+
+    def stats(self) -> EngineStats:
+        with self._cv:
+            c = self._counters
+            return EngineStats(
+                num_running=self._scheduler.num_running,
+                num_waiting=self._scheduler.num_waiting,
+                reserved_cache_bytes=self._scheduler.num_reserved_bytes,
+                memory_budget_bytes=self._scheduler.config.memory_budget_bytes,
+                num_steps_total=c.num_steps_total,
+                num_failed_steps_total=c.num_failed_steps_total,
+                num_prefill_tokens_total=c.num_prefill_tokens_total,
+                num_decode_tokens_total=c.num_decode_tokens_total,
+                last_step_num_tokens=c.last_step_num_tokens,
+                last_step_seconds=dict(c.last_step_seconds),
+                last_stage_seconds=dict(c.last_stage_seconds),
+                memory=dict(c.memory),
+                is_alive=self._thread is not None and self._thread.is_alive(),
+                is_accepting=self._is_accepting,
+            )
+
+    def shutdown(self, timeout: float) -> None:
+        """Stop admitting, let in-flight requests finish for up to `timeout` s, abort the rest, stop the thread.
+
+        Blocking; from async code use `await asyncio.to_thread(engine.shutdown, timeout)`."""
+        with self._cv:
+            self._is_accepting = False
+            if self._thread is not None and self._thread.is_alive():
+                self._cv.wait_for(lambda: not self._scheduler.has_work, timeout)
+            self._dispatch(self._scheduler.abort_all())
+            self._is_stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(self._STOP_GRACE_S)
+            if self._thread.is_alive():
+                logger.warning("engine thread still busy %.0f s after shutdown; leaving it", self._STOP_GRACE_S)
+
+    # ---- engine thread -------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Run one step: schedule -> execute -> postprocess. False when there was nothing to do."""
+        has_released = self._release_pending()
+        started = time.perf_counter()
+        with self._cv:
+            plan = self._scheduler.schedule()
+            new_requests = [self._scheduler.get(i) for i in plan.request_ids if i not in self._registered]
+        scheduled = time.perf_counter()
+        if plan.is_empty:
+            if has_released:
+                self._snapshot_memory()
+            return has_released
+        try:
+            self._register(r for r in new_requests if r is not None)
+            output = self._runner.execute(plan)
+        except Exception as exc:  # fail this step's requests only; the loop and everyone else go on
+            logger.exception("step failed for requests %s", ", ".join(plan.request_ids))
+            self._fail_plan(plan, exc)
+            return True
+        executed = time.perf_counter()
+        with self._cv:
+            self._dispatch(self._scheduler.postprocess(plan, output))
+            seconds = {"schedule": scheduled - started, "execute": executed - scheduled}
+            seconds["postprocess"] = time.perf_counter() - executed
+            self._counters.record(plan, output, seconds)
+            self._cv.notify_all()  # shutdown waits for the scheduler to drain
+        self._release_pending()
+        self._snapshot_memory()
+        return True
+
+    def run_until_idle(self, max_steps: int | None = None) -> int:
+        """Step on the calling thread until no work is left (or `max_steps`); for tests and benchmarks that
+        drive the engine without its thread. Returns the number of steps run."""
+        num_steps = 0
+        while (max_steps is None or num_steps < max_steps) and self.step():
+            num_steps += 1
+        return num_steps
+
+    def _run(self) -> None:
+        self._snapshot_memory()
+        while self._wait_for_work():
+            try:
+                has_run = self.step()
+            except Exception:  # a bug outside the runner: fail everything rather than spin on it
+                logger.exception("engine step failed outside the runner; failing all requests")
+                with self._cv:
+                    self._dispatch(self._scheduler.fail(self._scheduler.request_ids, "internal engine error"))
+                has_run = True
+            if not has_run:
+                with self._cv:
+                    self._cv.wait(self._IDLE_RETRY_S)
+        self._release_pending()
+        self._release(list(self._registered))
+
+    def _wait_for_work(self) -> bool:
+        """Sleep until there is work or a stop; True to go on stepping."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._is_stopping or self._scheduler.has_work or bool(self._pending_release))
+            return not self._is_stopping
+
+    def _register(self, requests: Iterable[Request]) -> None:
+        # A request meets the runner on its first scheduled step, after admission: waiting requests hold no
+        # runner state, matching the scheduler's memory accounting.
+        for request in requests:
+            self._runner.add_request(request.request_id, request.prompt_ids, request.sampling)
+            self._registered.add(request.request_id)
+
+    def _fail_plan(self, plan: StepPlan, exc: Exception) -> None:
+        message = f"internal error while running this request: {type(exc).__name__}: {exc}"
+        with self._cv:
+            self._dispatch(self._scheduler.fail(plan.request_ids, message))
+            self._counters.num_failed_steps_total += 1
+            self._cv.notify_all()
+        self._release_pending()
+        self._snapshot_memory()
+
+    def _release_pending(self) -> bool:
+        """Release the runner state of requests that finished since the last call; True if there were any."""
+        with self._cv:
+            request_ids, self._pending_release = self._pending_release, []
+        self._release(request_ids)
+        return bool(request_ids)
+
+    def _release(self, request_ids: Sequence[str]) -> None:
+        for request_id in request_ids:
+            if request_id not in self._registered:
+                continue  # finished before the runner ever saw it
+            self._registered.discard(request_id)
+            try:
+                self._runner.release(request_id)
+            except Exception:
+                logger.exception("runner.release(%r) failed", request_id)
+
+    def _snapshot_memory(self) -> None:
+        # On the engine thread: the runner's memory queries touch MLX, which only this thread may.
+        try:
+            memory = dict(self._runner.memory_snapshot())
+        except Exception:
+            logger.exception("runner.memory_snapshot() failed")
+            return
+        with self._cv:
+            self._counters.memory = memory
+
+    def _dispatch(self, events: list[RequestEvent]) -> None:
+        """Send events (caller holds the lock, so a request's events keep their order across threads)."""
+        for request, event in events:
+            try:
+                self._emit(request.request_id, event)
+            except Exception:
+                logger.exception("event sink failed for %r", request.request_id)
+            if request.is_finished:
+                self._pending_release.append(request.request_id)
+
+
+class RequestStream:
+    """One request's events in order, ending with Done or Error. Iterate it on the event loop that made it."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._is_finished = False
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the terminal event has been taken from the stream."""
+        return self._is_finished
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._is_finished:
+            raise StopAsyncIteration
+        event = await self._queue.get()
+        self._is_finished = is_terminal(event)
+        return event
+
+    def put_threadsafe(self, event: Event) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:
+            pass  # the event loop is closed: nobody is listening any more
+
+
+class AsyncEngine:
+    """The server's handle on the engine: submit/generate, abort, stats, start, shutdown."""
+
+    def __init__(self, runner: Runner, config: SchedulerConfig, *, eos_token_ids: Iterable[int] = ()):
+        self._streams: dict[str, RequestStream] = {}
+        self._streams_lock = threading.Lock()
+        self._engine = EngineLoop(runner, config, self._deliver, eos_token_ids=eos_token_ids)
+
+    def start(self) -> None:
+        self._engine.start()
+
+    def shutdown(self, timeout: float) -> None:
+        """Blocking (see EngineLoop.shutdown): every open stream ends, with Done or Done('abort')."""
+        self._engine.shutdown(timeout)
+
+    def stats(self) -> EngineStats:
+        return self._engine.stats()
+
+    def abort(self, request_id: str) -> None:
+        """End a request (the client went away). Its cache is released within one step; unknown ids: no-op."""
+        self._engine.abort(request_id)
+
+    def submit(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> RequestStream:
+        """Queue a request and return its stream. Call on the event loop. Raises AdmissionError (or ValueError
+        for an empty prompt or a request id in use) at once, before any event."""
+        request = Request(request_id, tuple(prompt_ids), sampling)
+        stream = RequestStream(request_id)
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        try:
+            self._engine.submit(request)
+        except BaseException:
+            with self._streams_lock:
+                self._streams.pop(request_id, None)
+            raise
+        return stream
+
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
+    ) -> AsyncIterator[Event]:
+        """Yield the request's events until Done or Error. AdmissionError is raised by the first `__anext__`,
+        before any event. Leaving early (break, aclose, cancellation) aborts the request."""
+        stream = self.submit(request_id, prompt_ids, sampling)
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            if not stream.is_finished:
+                self.abort(request_id)
+
+    def _deliver(self, request_id: str, event: Event) -> None:
+        with self._streams_lock:
+            stream = self._streams.get(request_id)
+            if stream is not None and is_terminal(event):
+                del self._streams[request_id]
+        if stream is not None:
+            stream.put_threadsafe(event)

@@ -1,0 +1,103 @@
+"""`tessera make-model`: write a random-weight V4 checkpoint that Tessera and transformers both load.
+
+Every parameter and buffer is randomized at a scale that keeps activations O(1) — transformers'
+default init leaves norms at 1, sinks/biases/`ape` at 0 and `tid2eid` all zeros, which hides bugs
+(DESIGN.md §2). Same preset, overrides and seed -> byte-identical files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from engine.config import CSA, HCA, WINDOW, ModelConfig, config_from_dict
+from engine.weights import expected_shapes
+
+_YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Seconds-fast equivalence tests: every layer type, hash and learned routing.
+    "tiny": dict(
+        vocab_size=2048, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        head_dim=32, qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=16,
+        n_routed_experts=4, num_experts_per_tok=2, index_n_heads=32, index_head_dim=32, index_topk=16,
+        layer_types=[WINDOW, CSA, HCA, CSA], num_hash_layers=2, max_position_embeddings=65536,
+    ),
+    # CPU benchmarks at 32k–64k context: V4 ratios, window and top-k; narrow everywhere else.
+    "small": dict(
+        vocab_size=2048, hidden_size=256, moe_intermediate_size=256, num_hidden_layers=6, num_attention_heads=8,
+        head_dim=128, qk_rope_head_dim=64, q_lora_rank=128, o_groups=2, o_lora_rank=128, sliding_window=128,
+        n_routed_experts=8, num_experts_per_tok=2, index_n_heads=16, index_head_dim=64, index_topk=512,
+        layer_types=[WINDOW, WINDOW, CSA, HCA, CSA, HCA], num_hash_layers=2, max_position_embeddings=1048576,
+    ),
+    # V4 Flash attention and indexer dimensions with few layers and a small MoE (GPU memory benchmarks).
+    "flash-attn": dict(
+        vocab_size=2048, hidden_size=4096, moe_intermediate_size=512, num_hidden_layers=4, num_attention_heads=64,
+        head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, sliding_window=128,
+        n_routed_experts=8, num_experts_per_tok=2, index_n_heads=64, index_head_dim=128, index_topk=512,
+        layer_types=[WINDOW, CSA, HCA, CSA], num_hash_layers=1, max_position_embeddings=1048576,
+    ),
+}
+
+
+def preset_config(preset: str, **overrides: Any) -> ModelConfig:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    raw: dict[str, Any] = {"model_type": "deepseek_v4", "rope_scaling": dict(_YARN), **PRESETS[preset]}
+    layers = overrides.pop("layers", None)
+    raw.update(overrides)
+    if layers is not None:  # --layers L: first two window-only as V4, then CSA/HCA alternating
+        pattern = [WINDOW] * min(layers, 1) + [CSA if i % 2 == 0 else HCA for i in range(max(layers - 1, 0))]
+        raw["layer_types"], raw["num_hidden_layers"] = pattern, layers
+        raw["num_hash_layers"] = min(raw.get("num_hash_layers", 1), layers)
+    return config_from_dict(raw)
+
+
+def random_weights(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {name: _init(name, shape, cfg, rng) for name, shape in expected_shapes(cfg).items()}
+
+
+def _init(name: str, shape: tuple[int, ...], cfg: ModelConfig, rng: np.random.Generator) -> np.ndarray:
+    leaf = name.rsplit(".", 1)[-1] if not name.endswith(".weight") else name.rsplit(".", 2)[-2]
+    if name.endswith("gate.tid2eid"):  # distinct experts per token
+        return np.argsort(rng.random((shape[0], cfg.n_routed_experts)), axis=1)[:, : shape[1]].astype(np.int64)
+    if name == "embed.weight":
+        return rng.standard_normal(shape, dtype=np.float32)
+    if leaf in ("norm", "q_norm", "attn_norm", "ffn_norm") or name == "norm.weight":
+        return (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+    if name.endswith(("_scale",)):
+        return (1.0 + 0.2 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+    if name.endswith(("_base", "attn_sink", ".ape", "gate.bias")):
+        return (0.5 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+    fan_in = shape[-1]
+    return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)).astype(np.float32)
+
+
+def write_checkpoint(out_dir: Path, cfg: ModelConfig, seed: int = 0, dtype: str = "float32") -> Path:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}[dtype]
+    tensors = {}
+    for name, value in random_weights(cfg, seed).items():
+        arr = mx.array(value)
+        tensors[name] = arr.astype(target) if value.dtype == np.float32 else arr
+    mx.save_safetensors(str(out_dir / "model.safetensors"), tensors, metadata={"format": "pt"})
+    config = cfg.to_transformers_dict()
+    config["dtype"] = dtype
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out_dir
+
+
+def make_model(out_dir: Path, preset: str = "tiny", seed: int = 0, with_tokenizer: bool = True, dtype: str = "float32", **overrides: Any) -> Path:
+    cfg = preset_config(preset, **overrides)
+    write_checkpoint(out_dir, cfg, seed, dtype)
+    if with_tokenizer:
+        from engine.tokenizer_train import train_tokenizer
+
+        train_tokenizer(Path(out_dir), vocab_size=cfg.vocab_size, seed=seed)
+    return Path(out_dir)

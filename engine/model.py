@@ -1,0 +1,179 @@
+"""DeepSeek V4 forward pass in MLX over a batch of segments (DESIGN.md §2).
+
+A step's tokens are one flat batch: embeddings, hyper-connections, projections and MoE run on all
+of them at once; attention splits them back into segments (a prefill chunk, or one decode token of
+each running sequence) because each segment has its own cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import mlx.core as mx
+
+from engine.attention import AttentionWeights, SegmentSlice, attention
+from engine.cache import SequenceCache
+from engine.compressor import CompressorWeights
+from engine.config import HASH_MOE, ModelConfig
+from engine.hyper import HyperWeights, expand, head_collapse, hyper_weights
+from engine.moe import MoEWeights, moe
+from engine.norms import rms_norm
+from engine.stages import StageTimer
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    attn_norm: mx.array
+    ffn_norm: mx.array
+    attn_hc: HyperWeights
+    ffn_hc: HyperWeights
+    attn: AttentionWeights
+    ffn: MoEWeights
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Run `token_ids` as the next tokens of the sequence whose cache is `cache`."""
+
+    cache: SequenceCache
+    token_ids: Sequence[int]
+
+
+class DeepseekV4:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, mx.array]) -> None:
+        self.cfg = cfg
+        self.weights = weights  # canonical (official) names, see engine/weights.py
+        self.layers = [_layer_weights(weights, cfg, i) for i in range(cfg.num_hidden_layers)]
+        self.dtype = weights["embed.weight"].dtype
+
+    def new_cache(self) -> SequenceCache:
+        return SequenceCache.for_model(self.cfg, self.dtype)
+
+    def forward(
+        self,
+        segments: Sequence[Segment],
+        tile: int | None = None,
+        all_logits: bool = False,
+        timer: StageTimer | None = None,
+    ) -> list[mx.array]:
+        """Runs every segment's tokens through the model, appending to their caches.
+
+        Returns per segment the logits [L, vocab] (all_logits) or [1, vocab] of its last token.
+        `tile`: indexer/attention query rows per tile (None: the whole segment, the untiled path).
+        """
+        cfg, timer = self.cfg, timer or StageTimer()
+        token_ids = mx.array([t for s in segments for t in s.token_ids], dtype=mx.int32)
+        positions = mx.concatenate([mx.arange(s.cache.num_tokens, s.cache.num_tokens + len(s.token_ids)) for s in segments])
+        tile = tile or max(len(s.token_ids) for s in segments)
+        embedded = self.weights["embed.weight"][token_ids]  # [T, D]
+        streams = mx.broadcast_to(embedded[:, None, :], (embedded.shape[0], cfg.hc_mult, embedded.shape[1]))
+        for i, layer in enumerate(self.layers):
+            slices = _slices(segments, i)
+            streams = self._layer(streams, token_ids, positions, slices, layer, i, tile, timer)
+            timer.stage("other", streams)
+        for s in segments:
+            s.cache.num_tokens += len(s.token_ids)
+            s.cache.token_ids.extend(s.token_ids)
+        return self._logits(streams, segments, all_logits)
+
+    def _layer(self, streams, token_ids, positions, slices, layer: LayerWeights, i: int, tile: int, timer: StageTimer):
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        post, comb, collapsed = hyper_weights(streams, layer.attn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+        attn_out = attention(rms_norm(collapsed, layer.attn_norm, eps), positions, slices, layer.attn, cfg, i, tile, timer)
+        streams = expand(attn_out, streams, post, comb)
+        post, comb, collapsed = hyper_weights(streams, layer.ffn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+        timer.stage("other", collapsed)
+        ffn_in = rms_norm(collapsed, layer.ffn_norm, eps)
+        ffn_out = moe(ffn_in, token_ids, layer.ffn, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit)
+        timer.stage("moe", ffn_out)
+        return expand(ffn_out, streams, post, comb)
+
+    def _logits(self, streams: mx.array, segments: Sequence[Segment], all_logits: bool) -> list[mx.array]:
+        cfg, w = self.cfg, self.weights
+        if not all_logits:  # only each segment's last token is sampled
+            ends = mx.array(_segment_ends(segments))
+            streams = streams[ends]
+        hidden = head_collapse(streams, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], cfg.hc_eps, cfg.rms_norm_eps)
+        logits = rms_norm(hidden, w["norm.weight"], cfg.rms_norm_eps) @ w["head.weight"].T  # [rows, vocab]
+        if not all_logits:
+            return [logits[i : i + 1] for i in range(len(segments))]
+        out, offset = [], 0
+        for s in segments:
+            out.append(logits[offset : offset + len(s.token_ids)])
+            offset += len(s.token_ids)
+        return out
+
+
+def _segment_ends(segments: Sequence[Segment]) -> list[int]:
+    ends, offset = [], 0
+    for s in segments:
+        offset += len(s.token_ids)
+        ends.append(offset - 1)
+    return ends
+
+
+def _slices(segments: Sequence[Segment], layer: int) -> list[SegmentSlice]:
+    out, offset = [], 0
+    for s in segments:
+        out.append(SegmentSlice(offset, len(s.token_ids), s.cache.num_tokens, s.cache.layers[layer]))
+        offset += len(s.token_ids)
+    return out
+
+
+# ---- weights by layer --------------------------------------------------------------------------
+
+
+def _layer_weights(w: dict[str, mx.array], cfg: ModelConfig, i: int) -> LayerWeights:
+    p = f"layers.{i}."
+    return LayerWeights(
+        attn_norm=w[p + "attn_norm.weight"],
+        ffn_norm=w[p + "ffn_norm.weight"],
+        attn_hc=HyperWeights(w[p + "hc_attn_fn"], w[p + "hc_attn_base"], w[p + "hc_attn_scale"]),
+        ffn_hc=HyperWeights(w[p + "hc_ffn_fn"], w[p + "hc_ffn_base"], w[p + "hc_ffn_scale"]),
+        attn=_attention_weights(w, cfg, i),
+        ffn=_moe_weights(w, cfg, i),
+    )
+
+
+def _compressor(w: dict[str, mx.array], prefix: str) -> CompressorWeights:
+    return CompressorWeights(w[prefix + "wkv.weight"], w[prefix + "wgate.weight"], w[prefix + "ape"], w[prefix + "norm.weight"])
+
+
+def _attention_weights(w: dict[str, mx.array], cfg: ModelConfig, i: int) -> AttentionWeights:
+    p = f"layers.{i}.attn."
+    kind = cfg.compress_ratio(i)
+    extra = {}
+    if kind:
+        extra["compressor"] = _compressor(w, p + "compressor.")
+    if cfg.has_indexer(i):
+        extra["index_compressor"] = _compressor(w, p + "indexer.compressor.")
+        extra["index_wq_b"] = w[p + "indexer.wq_b.weight"]
+        extra["index_weights_proj"] = w[p + "indexer.weights_proj.weight"]
+    return AttentionWeights(
+        wq_a=w[p + "wq_a.weight"],
+        q_norm=w[p + "q_norm.weight"],
+        wq_b=w[p + "wq_b.weight"],
+        wkv=w[p + "wkv.weight"],
+        kv_norm=w[p + "norm.weight"],
+        wo_a=w[p + "wo_a.weight"],
+        wo_b=w[p + "wo_b.weight"],
+        sinks=w[p + "attn_sink"],
+        **extra,
+    )
+
+
+def _moe_weights(w: dict[str, mx.array], cfg: ModelConfig, i: int) -> MoEWeights:
+    p = f"layers.{i}.ffn."
+    is_hash = cfg.mlp_layer_types[i] == HASH_MOE
+    return MoEWeights(
+        router=w[p + "gate.weight"],
+        correction_bias=None if is_hash else w[p + "gate.bias"],
+        tid2eid=w[p + "gate.tid2eid"] if is_hash else None,
+        w1=w[p + "experts.w1"],
+        w2=w[p + "experts.w2"],
+        w3=w[p + "experts.w3"],
+        shared_w1=w[p + "shared_experts.w1.weight"],
+        shared_w2=w[p + "shared_experts.w2.weight"],
+        shared_w3=w[p + "shared_experts.w3.weight"],
+    )

@@ -1,0 +1,99 @@
+"""One request's whole state, as the scheduler sees it (STYLE.md: one object, derived numbers are properties).
+
+Token accounting follows vLLM v1: `num_computed_tokens` counts tokens whose keys/values the runner has
+written into the request's cache. A prefill catches it up to the prompt; the chunk that completes the prompt
+also samples the first output token, which is not yet in the cache. From then on every decode step feeds the
+last token (at position `num_computed_tokens`) and samples the next, so while decoding
+`num_computed_tokens == num_tokens - 1`.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from engine.protocol import FinishReason, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no cache
+    RUNNING = "running"  # admitted: holds a cache reservation, prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = tuple(self.prompt_ids)  # any sequence in; immutable inside
+        if not self.prompt_ids:
+            raise ValueError(f"request {self.request_id!r} has an empty prompt; send at least one token")
+
+    # ---- derived numbers ----------------------------------------------------------------------
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def num_remaining_prompt_tokens(self) -> int:
+        return max(self.num_prompt_tokens - self.num_computed_tokens, 0)
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Prompt + max_tokens: the longest this sequence can grow (before the model's own length cap)."""
+        return self.num_prompt_tokens + self.sampling.max_tokens
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def is_prefill_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
+    def is_waiting(self) -> bool:
+        return self.status is RequestStatus.WAITING
+
+    @property
+    def is_running(self) -> bool:
+        return self.status is RequestStatus.RUNNING
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    # ---- transitions ------------------------------------------------------------------------
+
+    def append_output(self, token_id: int, now: float) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.output_ids.append(token_id)
+
+    def finish(self, reason: FinishReason, now: float) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.finish_time = now

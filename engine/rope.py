@@ -1,0 +1,69 @@
+"""V4's interleaved RoPE on the trailing `dim` channels of each head (DESIGN.md §2).
+
+Two tables exist: "main" (window-only layers, plain RoPE) and "compress" (CSA/HCA layers, their
+compressors and the indexer; YaRN in the released models). Frequencies follow transformers'
+`_compute_yarn_parameters` exactly, so logits match the reference.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import mlx.core as mx
+import numpy as np
+
+from engine.config import RopeSpec
+
+
+@lru_cache(maxsize=16)
+def _inv_freq_np(spec: RopeSpec) -> np.ndarray:
+    dim, base = spec.dim, spec.theta
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    pos_freqs = np.power(np.float32(base), exponents, dtype=np.float32)
+    inv_freq = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    if spec.yarn_factor is None:
+        return inv_freq
+    low, high = _yarn_correction_range(spec)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / np.float32(high - low), 0, 1).astype(np.float32)
+    extrapolation = np.float32(1.0) - ramp
+    interpolation = (np.float32(1.0) / (np.float32(spec.yarn_factor) * pos_freqs)).astype(np.float32)
+    return (interpolation * (np.float32(1.0) - extrapolation) + inv_freq * extrapolation).astype(np.float32)
+
+
+def _yarn_correction_range(spec: RopeSpec) -> tuple[float, float]:
+    def correction_dim(num_rotations: float) -> float:
+        original = spec.yarn_original_max_positions
+        return (spec.dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(spec.theta))
+
+    low = max(math.floor(correction_dim(spec.yarn_beta_fast)), 0)
+    high = min(math.ceil(correction_dim(spec.yarn_beta_slow)), spec.dim - 1)
+    return low, (high + 0.001 if low == high else high)
+
+
+def inv_freq(spec: RopeSpec) -> mx.array:
+    return mx.array(_inv_freq_np(spec))
+
+
+def cos_sin(spec: RopeSpec, positions: mx.array) -> tuple[mx.array, mx.array]:
+    """positions: [L] int -> cos, sin: [L, dim // 2] float32 (one angle per interleaved pair)."""
+    freqs = positions.astype(mx.float32)[:, None] * inv_freq(spec)[None, :]
+    return mx.cos(freqs) * spec.attention_factor, mx.sin(freqs) * spec.attention_factor
+
+
+def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """Rotate the trailing 2·cos.shape[-1] channels of x in interleaved pairs.
+
+    x: [L, ..., D] with the position on axis 0; cos/sin: [L, dim // 2]. Pass -sin to undo.
+    """
+    half = cos.shape[-1]
+    rope_dim = 2 * half
+    extra_axes = x.ndim - 2
+    shape = (cos.shape[0],) + (1,) * extra_axes + (half,)
+    cos, sin = cos.reshape(shape), sin.reshape(shape)
+    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
+    pairs = rope.reshape(*rope.shape[:-1], half, 2).astype(mx.float32)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = mx.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+    rotated = rotated.reshape(rope.shape).astype(x.dtype)
+    return mx.concatenate([nope, rotated], axis=-1)

@@ -1,0 +1,219 @@
+"""Next-token sampling on MLX: logits [B, V] -> one token per row, each row under its own SamplingParams.
+
+Pipeline per row, in vLLM v1's order:
+  logit_bias -> repetition penalty -> frequency and presence penalties   (`penalize`: can change the argmax)
+  greedy: argmax;  else temperature -> min_p -> top_k -> top_p -> draw   (`warp`)
+
+Penalty semantics:
+  repetition_penalty r (HF / vLLM), over prompt + generated tokens: a seen token's logit l becomes l / r if
+    l > 0, else l * r.
+  frequency_penalty f, presence_penalty p (OpenAI), over generated tokens only: l -= f * count + p * (count > 0).
+
+Logprobs are taken from the *processed* distribution, the one the token is drawn from (vLLM's
+`logprobs_mode="processed_logprobs"`, and vLLM V0's behaviour): after bias, penalties, temperature and
+truncation, so tokens cut by top_k / top_p / min_p have logprob -inf (an HTTP layer may clamp it, as vLLM
+does to -9999.0). Greedy rows use the penalized logits at temperature 1, untruncated.
+
+Seeds: each request owns a `RequestRng` (an `mx.random.key`, split once per drawn token), and every row is
+processed on its own, so a row's token depends only on its logits, its history and its key, never on which
+other requests share the batch (or whether it is batched at all).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from engine.protocol import SamplingParams
+
+_GREEDY_TEMPERATURE = 1e-5  # vLLM's epsilon: temperatures below it sample greedily
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One row's result: the chosen token, its logprob and the top alternatives (descending) if asked."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+class TokenHistory:
+    """The tokens one request has seen, kept in the form the penalties need. Append every sampled token."""
+
+    def __init__(self, prompt_ids: Sequence[int]):
+        self._prompt_ids: np.ndarray | None = np.asarray(prompt_ids, dtype=np.int64)
+        self._prompt_unique_ids: np.ndarray | None = None
+        self._output_counts: dict[int, int] = {}
+
+    def append(self, token_id: int) -> None:
+        self._output_counts[token_id] = self._output_counts.get(token_id, 0) + 1
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self._output_counts.values())
+
+    def output_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, how often each was generated), for frequency / presence penalties."""
+        ids = np.fromiter(self._output_counts.keys(), dtype=np.int64, count=len(self._output_counts))
+        counts = np.fromiter(self._output_counts.values(), dtype=np.float32, count=len(self._output_counts))
+        return ids, counts
+
+    def seen_ids(self) -> np.ndarray:
+        """Unique ids of prompt + generated tokens, for the repetition penalty."""
+        if self._prompt_unique_ids is None:  # once, lazily: a 1M-token prompt is worth deduplicating only if used
+            self._prompt_unique_ids = np.unique(self._prompt_ids)
+            self._prompt_ids = None
+        output_ids = np.fromiter(self._output_counts.keys(), dtype=np.int64, count=len(self._output_counts))
+        return np.union1d(self._prompt_unique_ids, output_ids)
+
+
+class RequestRng:
+    """One request's random stream: `mx.random.key(seed)`, split once per drawn token."""
+
+    def __init__(self, seed: int | None):
+        # No seed: a fresh random one, so unseeded requests still never share a stream.
+        self._key = mx.random.key(secrets.randbits(63) if seed is None else seed)
+
+    def next_key(self) -> mx.array:
+        self._key, key = mx.random.split(self._key)
+        return key
+
+
+def sample(
+    logits: mx.array,
+    params: Sequence[SamplingParams],
+    histories: Sequence[TokenHistory],
+    rngs: Sequence[RequestRng],
+) -> list[Sample]:
+    """Choose one token per row of `logits` [B, V]. Does not append to the histories: the caller does, once the
+    token is accepted."""
+    num_rows = logits.shape[0]
+    if not (len(params) == len(histories) == len(rngs) == num_rows):
+        raise ValueError(f"{num_rows} logit rows but {len(params)} params, {len(histories)} histories, {len(rngs)} rngs")
+    logits = logits.astype(mx.float32)
+    rows = [_choose(logits[i], params[i], histories[i], rngs[i]) for i in range(num_rows)]
+    mx.eval([array for row in rows for array in row if array is not None])  # one sync for the whole batch
+    return [_to_sample(*row) for row in rows]
+
+
+def process_logits(row: mx.array, params: SamplingParams, history: TokenHistory) -> mx.array:
+    """The distribution a row is drawn from, as logits [V] (its log_softmax is what logprobs report)."""
+    row = penalize(row, params, history)
+    return row if _is_greedy(params) else warp(row, params)
+
+
+# ---- argmax-changing adjustments ---------------------------------------------------------------------
+
+
+def penalize(row: mx.array, params: SamplingParams, history: TokenHistory) -> mx.array:
+    """logit_bias, then repetition, frequency and presence penalties. row: [V] float32."""
+    row = _apply_logit_bias(row, params.logit_bias)
+    if params.repetition_penalty != 1.0:
+        row = _apply_repetition_penalty(row, history.seen_ids(), params.repetition_penalty)
+    if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
+        row = _apply_frequency_presence(row, history, params.frequency_penalty, params.presence_penalty)
+    return row
+
+
+def _apply_logit_bias(row: mx.array, logit_bias: tuple[tuple[int, float], ...]) -> mx.array:
+    if not logit_bias:
+        return row
+    ids = np.array([token_id for token_id, _ in logit_bias], dtype=np.int64)
+    if ids.min() < 0 or ids.max() >= row.shape[0]:
+        raise ValueError(f"logit_bias names token ids outside the vocabulary [0, {row.shape[0]})")
+    bias = mx.array([value for _, value in logit_bias], dtype=mx.float32)
+    return row.at[mx.array(ids)].add(bias)
+
+
+def _apply_repetition_penalty(row: mx.array, seen_ids: np.ndarray, penalty: float) -> mx.array:
+    if seen_ids.size == 0:
+        return row
+    ids = mx.array(seen_ids)
+    factor = mx.where(row[ids] > 0, 1.0 / penalty, penalty)  # shrinks positive logits, pushes negative ones down
+    return row.at[ids].multiply(factor)
+
+
+def _apply_frequency_presence(row: mx.array, history: TokenHistory, frequency: float, presence: float) -> mx.array:
+    ids, counts = history.output_counts()
+    if ids.size == 0:
+        return row
+    return row.at[mx.array(ids)].subtract(mx.array(frequency * counts + presence))
+
+
+# ---- argmax-keeping warps (random rows only) ---------------------------------------------------------
+
+
+def warp(row: mx.array, params: SamplingParams) -> mx.array:
+    """Temperature, then min_p, top_k, top_p truncation (cut tokens become -inf). row: [V] float32."""
+    row = row / params.temperature
+    if params.min_p > 0.0:
+        row = _apply_min_p(row, params.min_p)
+    if params.top_k is not None and params.top_k < row.shape[0]:
+        row = _apply_top_k(row, params.top_k)
+    if params.top_p < 1.0:
+        row = _apply_top_p(row, params.top_p)
+    return row
+
+
+def _apply_min_p(row: mx.array, min_p: float) -> mx.array:
+    # p_i >= min_p * p_max  <=>  l_i >= l_max + log(min_p): no softmax needed.
+    threshold = mx.max(row) + float(np.log(min_p))
+    return mx.where(row >= threshold, row, -mx.inf)
+
+
+def _apply_top_k(row: mx.array, top_k: int) -> mx.array:
+    # Keep everything tied with the k-th largest logit (as vLLM does).
+    threshold = mx.min(mx.topk(row, top_k))
+    return mx.where(row >= threshold, row, -mx.inf)
+
+
+def _apply_top_p(row: mx.array, top_p: float) -> mx.array:
+    # Keep the smallest prefix of tokens, by descending probability, whose mass reaches top_p: a token stays
+    # while the mass strictly before it is < top_p, so the most likely token always stays.
+    sorted_row = -mx.sort(-row)  # [V] descending
+    probs = mx.softmax(sorted_row)
+    mass_before = mx.cumsum(probs) - probs
+    threshold = mx.min(mx.where(mass_before < top_p, sorted_row, mx.inf))
+    return mx.where(row >= threshold, row, -mx.inf)
+
+
+# ---- choosing -------------------------------------------------------------------------------------
+
+
+def _is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < _GREEDY_TEMPERATURE
+
+
+def _choose(
+    row: mx.array, params: SamplingParams, history: TokenHistory, rng: RequestRng
+) -> tuple[mx.array, mx.array | None, mx.array | None]:
+    """Lazy (token [], logprob [], top-n candidate ids [n] or None) for one row; evaluated by `sample`."""
+    processed = process_logits(row, params, history)  # [V]
+    if _is_greedy(params):
+        token = mx.argmax(processed)  # ties: the lowest id
+    else:
+        token = mx.random.categorical(processed, key=rng.next_key())
+    if params.logprobs is None:
+        return token, None, None
+    logprobs = processed - mx.logsumexp(processed)  # [V]
+    num_top = min(params.logprobs, row.shape[0])
+    top_ids = mx.argpartition(-logprobs, num_top - 1)[:num_top] if num_top > 0 else None
+    return token, logprobs, top_ids
+
+
+def _to_sample(token: mx.array, logprobs: mx.array | None, top_ids: mx.array | None) -> Sample:
+    token_id = int(token.item())
+    if logprobs is None:
+        return Sample(token_id)
+    values = np.array(logprobs)
+    top: tuple[tuple[int, float], ...] = ()
+    if top_ids is not None:
+        ids = np.array(top_ids)
+        ids = ids[np.lexsort((ids, -values[ids]))]  # descending logprob, ties by lower id
+        top = tuple((int(i), float(values[i])) for i in ids)
+    return Sample(token_id, float(values[token_id]), top)

@@ -1,0 +1,52 @@
+"""Lightning-indexer scoring and top-k selection for one tile of query rows (DESIGN.md §3).
+
+score[r, s] = Σ_h w[r, h] · ReLU(q[r, h] · k[s]) · scale, rows s ≥ visible[r] masked to -inf; the
+top-k keeps the best `k` visible rows (all of them when fewer), ties going to the lower index, and
+returns them in ascending order so attention sums run in one fixed order.
+
+The scratch is one [T, N] float32 accumulator: heads are added into it one at a time in a fixed
+order, never materializing [T, heads, N] (GPU.md: such ops also crash MLX beyond 2³² elements).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def indexer_scores_reference(
+    q: mx.array, head_weights: mx.array, keys: mx.array, visible: mx.array, scale: float
+) -> mx.array:
+    """q: [T, heads, d], head_weights: [T, heads], keys: [N, d], visible: [T] -> scores [T, N] fp32."""
+    keys_t = keys.astype(mx.float32).T  # [d, N]
+    scores = mx.zeros((q.shape[0], keys.shape[0]), dtype=mx.float32)
+    for h in range(q.shape[1]):
+        per_head = mx.maximum(q[:, h, :].astype(mx.float32) @ keys_t, 0.0) * scale  # [T, N]
+        scores = scores + per_head * head_weights[:, h : h + 1].astype(mx.float32)
+    return mask_invisible(scores, visible)
+
+
+def mask_invisible(scores: mx.array, visible: mx.array) -> mx.array:
+    """Rows s ≥ visible[r] (not yet compressed from tokens the query may see) get -inf."""
+    row = mx.arange(scores.shape[1])[None, :]
+    return mx.where(row < visible[:, None], scores, -mx.inf)
+
+
+def select_topk_reference(scores: mx.array, visible: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """scores: [T, N] -> (rows [T, min(k, N)] int32 ascending, valid [T, min(k, N)] bool).
+
+    A stable sort makes ties go to the lower row index; picks beyond the visible rows come back
+    marked invalid (they only appear when fewer than k rows are visible).
+    """
+    k = min(k, scores.shape[1])
+    best = mx.argsort(-scores, axis=-1)[:, :k]
+    rows = mx.sort(best.astype(mx.int32), axis=-1)
+    return rows, rows < visible[:, None]
+
+
+def indexer_scores(q: mx.array, head_weights: mx.array, keys: mx.array, visible: mx.array, scale: float) -> mx.array:
+    """Dispatch: a fused kernel where one exists for the device, else the reference."""
+    return indexer_scores_reference(q, head_weights, keys, visible, scale)
+
+
+def select_topk(scores: mx.array, visible: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    return select_topk_reference(scores, visible, k)
