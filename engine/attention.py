@@ -124,7 +124,7 @@ def _segment_attention(
         r1 = min(r0 + tile, seg.length)
         outs.append(_tile_attention(queries, keys, num_prev, seg, r0, r1, w, cfg, layer, timer))
     keep = cfg.sliding_window - 1
-    cache.window = keys[keys.shape[0] - keep :] if keep > 0 else keys[:0]
+    cache.window = keys[max(keys.shape[0] - keep, 0) :] if keep > 0 else keys[:0]
     return mx.concatenate(outs) if len(outs) > 1 else outs[0]
 
 

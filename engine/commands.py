@@ -1,9 +1,146 @@
-"""Engine-side CLI subcommands (make-model, check, plan, bench). `server/cli.py` owns the entry point."""
+"""Engine-side CLI subcommands (make-model, check, plan, bench). `server/cli.py` owns the entry point
+and calls `register`; each handler parses nothing itself and returns an exit status."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the engine's subcommands; each sets `func(args) -> int` as its handler."""
+    _register_make_model(subparsers)
+    _register_check(subparsers)
+    _register_plan(subparsers)
+    _register_bench(subparsers)
+
+
+def _register_make_model(subparsers) -> None:
+    p = subparsers.add_parser("make-model", help="write a random-weight V4 checkpoint (+ tokenizer)")
+    p.add_argument("dir", type=Path)
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "flash-attn"])
+    p.add_argument("--layers", type=int, default=None, help="number of layers (window, then CSA/HCA alternating)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--no-tokenizer", action="store_true", help="skip training the byte-level BPE tokenizer")
+    p.set_defaults(func=_make_model)
+
+
+def _make_model(args) -> int:
+    from engine.make_model import make_model
+
+    overrides = {} if args.layers is None else {"layers": args.layers}
+    out = make_model(args.dir, args.preset, seed=args.seed, with_tokenizer=not args.no_tokenizer, dtype=args.dtype, **overrides)
+    print(f"wrote {args.preset} checkpoint to {out}")
+    return 0
+
+
+def _register_check(subparsers) -> None:
+    p = subparsers.add_parser("check", help="numerical checks of a checkpoint")
+    sub = p.add_subparsers(dest="check", required=True)
+    ref = sub.add_parser("reference", help="Tessera vs transformers' full forward (needs the test extra)")
+    ref.add_argument("--model", type=Path, required=True)
+    ref.add_argument("--tokens", type=int, required=True)
+    ref.add_argument("--chunk", type=int, default=None)
+    ref.add_argument("--tile", type=int, default=None)
+    ref.add_argument("--decode", type=int, default=0)
+    ref.add_argument("--seed", type=int, default=0)
+    ref.add_argument("--json", action="store_true")
+    ref.set_defaults(func=_check_reference)
+    con = sub.add_parser("consistency", help="tiled/chunked prefill + decode vs untiled and whole-sequence runs")
+    con.add_argument("--model", type=Path, required=True)
+    con.add_argument("--ctx", type=int, required=True)
+    con.add_argument("--decode", type=int, default=16)
+    con.add_argument("--chunk", type=int, required=True)
+    con.add_argument("--tile", type=int, required=True)
+    con.add_argument("--seed", type=int, default=0)
+    con.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    con.add_argument("--json", action="store_true")
+    con.set_defaults(func=_check_consistency)
+
+
+def _check_reference(args) -> int:
+    from engine.reference_check import ReferenceUnavailable, check_reference
+
+    try:
+        report = check_reference(args.model, args.tokens, args.chunk, args.tile, args.decode, args.seed)
+    except ReferenceUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    _print_report(report.as_dict(), args.json)
+    return 0
+
+
+def _check_consistency(args) -> int:
+    from engine.consistency import check_consistency
+
+    report = check_consistency(args.model, args.ctx, args.decode, args.chunk, args.tile, args.seed, args.dtype)
+    _print_report(report.as_dict(), args.json)
+    return 0 if report.differing_selections == 0 else 1
+
+
+def _register_plan(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="memory plan: chunk-scaled buffers, cache at N, weights")
+    p.add_argument("--model", type=Path, default=None, help="model directory (or --preset)")
+    p.add_argument("--preset", default=None, choices=["tiny", "small", "flash-attn", "v4-flash"])
+    p.add_argument("--ctx", type=int, required=True)
+    p.add_argument("--chunk", type=int, required=True)
+    p.add_argument("--tile", type=int, default=None, help="indexer tile (default: = chunk, the untiled path)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_plan)
+
+
+def _plan(args) -> int:
+    from engine.memory_plan import format_plan, plan_for
+
+    plan = plan_for(args.model, args.preset, args.ctx, args.chunk, args.tile or args.chunk, args.dtype)
+    print(json.dumps(plan.as_dict(), indent=2) if args.json else format_plan(plan))
+    return 0
+
+
+def _register_bench(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="benchmarks")
+    sub = p.add_subparsers(dest="bench", required=True)
+    pre = sub.add_parser("prefill", help="prefill N random tokens, report speed, memory and stages")
+    pre.add_argument("--model", type=Path, required=True)
+    pre.add_argument("--ctx", type=int, required=True)
+    pre.add_argument("--chunk", type=int, required=True)
+    pre.add_argument("--tile", type=int, default=None)
+    pre.add_argument("--repeat", type=int, default=1)
+    pre.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    pre.add_argument("--json", action="store_true")
+    pre.set_defaults(func=_bench_prefill)
+    mat = sub.add_parser("matrix", help="the five (chunk, tile) rows: markdown table + PNG plot under docs/")
+    mat.add_argument("--model", type=Path, required=True)
+    mat.add_argument("--ctx", type=int, required=True)
+    mat.add_argument("--repeat", type=int, default=1)
+    mat.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    mat.add_argument("--out", type=Path, default=Path("docs"))
+    mat.set_defaults(func=_bench_matrix)
+
+
+def _bench_prefill(args) -> int:
+    from engine.bench import bench_prefill
+
+    result = bench_prefill(args.model, args.ctx, args.chunk, args.tile or args.chunk, args.repeat, args.dtype)
+    _print_report(result, args.json)
+    return 0
+
+
+def _bench_matrix(args) -> int:
+    from engine.bench import bench_matrix
+
+    table = bench_matrix(args.model, args.ctx, args.repeat, args.dtype, args.out)
+    print(table)
+    return 0
+
+
+def _print_report(report: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report))
+        return
+    for key, value in report.items():
+        print(f"{key:>24}: {value}")

@@ -1,0 +1,95 @@
+"""`tessera check reference`: Tessera's logits against transformers' full forward of the same
+checkpoint (DESIGN.md §2: the reference is the cache-free forward; transformers' cached CSA decode
+is known to deviate, so it is never used here).
+
+Tessera runs the tokens as a user's server would: prefill in chunks of C (indexer tiles of T), then
+M single-token decode steps; every logit row is compared with the full forward at that position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from engine.loader import load_model
+from engine.model import DeepseekV4, Segment
+
+
+class ReferenceUnavailable(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ReferenceReport:
+    num_tokens: int
+    chunk: int
+    tile: int
+    decode: int
+    max_abs_diff: float
+    prefill_max_abs_diff: float
+    decode_max_abs_diff: float
+    top1_agreement: float
+    worst_position: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def random_tokens(vocab_size: int, count: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab_size, count).tolist()
+
+
+def tessera_logits(model: DeepseekV4, tokens: list[int], num_prefill: int, chunk: int, tile: int | None) -> np.ndarray:
+    """Prefill tokens[:num_prefill] in chunks, then decode the rest one by one -> [len(tokens), vocab]."""
+    cache, rows = model.new_cache(), []
+    for start in range(0, num_prefill, chunk):
+        piece = tokens[start : min(start + chunk, num_prefill)]
+        rows.append(np.array(model.forward([Segment(cache, piece)], tile=tile, all_logits=True)[0]))
+    for token in tokens[num_prefill:]:
+        rows.append(np.array(model.forward([Segment(cache, [token])])[0]))
+    return np.concatenate(rows).astype(np.float32)
+
+
+def reference_logits(model_dir: Path, tokens: list[int]) -> np.ndarray:
+    try:
+        import torch
+        from transformers import DeepseekV4ForCausalLM
+    except ImportError as exc:  # the test extra is not installed
+        raise ReferenceUnavailable(
+            "the reference needs torch and transformers==5.23.0: pip install 'tessera[test]' "
+            f"(import failed: {exc})"
+        ) from exc
+    model = DeepseekV4ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([tokens]), use_cache=False).logits[0].float().numpy()
+
+
+def compare(ours: np.ndarray, ref: np.ndarray, num_prefill: int, chunk: int, tile: int) -> ReferenceReport:
+    diff = np.abs(ours - ref)
+    per_position = diff.max(axis=1)
+    decode = per_position[num_prefill:]
+    return ReferenceReport(
+        num_tokens=num_prefill,
+        chunk=chunk,
+        tile=tile,
+        decode=len(decode),
+        max_abs_diff=float(per_position.max()),
+        prefill_max_abs_diff=float(per_position[:num_prefill].max()) if num_prefill else 0.0,
+        decode_max_abs_diff=float(decode.max()) if len(decode) else 0.0,
+        top1_agreement=float((ours.argmax(axis=1) == ref.argmax(axis=1)).mean()),
+        worst_position=int(per_position.argmax()),
+    )
+
+
+def check_reference(model_dir: Path, num_tokens: int, chunk: int | None = None, tile: int | None = None,
+                    decode: int = 0, seed: int = 0) -> ReferenceReport:
+    model = load_model(Path(model_dir), dtype="float32")
+    tokens = random_tokens(model.cfg.vocab_size, num_tokens + decode, seed)
+    chunk = chunk or num_tokens
+    ours = tessera_logits(model, tokens, num_tokens, chunk, tile)
+    mx.clear_cache()
+    ref = reference_logits(Path(model_dir), tokens)
+    return compare(ours, ref, num_tokens, chunk, tile or chunk)
