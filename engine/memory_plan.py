@@ -1,0 +1,251 @@
+"""Memory plan (DESIGN.md §4): bytes of every chunk- and tile-scaled buffer of a prefill, the cache of
+one sequence at N tokens, and the weights — from the model config alone.
+
+The same numbers feed `tessera plan`, admission control (a sequence's cache at its max length) and
+the Prometheus memory gauges; `tessera bench prefill` checks the planned peak against MLX's measured
+peak. Buffers are listed as this engine allocates them (engine/attention.py, kernels/), so a change
+there that adds a [T, N] temporary belongs here too.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from math import prod
+from pathlib import Path
+
+from engine.cache import RowBuffer
+from engine.config import CSA, HCA, WINDOW, ModelConfig, config_from_dict
+from engine.weights import expected_shapes
+
+GiB = 2**30
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Buffer:
+    name: str
+    nbytes: int
+    formula: str  # how it scales, for a reader of `tessera plan`
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    ctx: int
+    chunk: int
+    tile: int
+    dtype: str
+    indexer: list[Buffer]  # per CSA tile, one reused scratch: bounded by T, not C
+    attention: list[Buffer]  # per tile of the mixed attention
+    chunk_activations: list[Buffer]  # the layer pipeline on the whole chunk (C)
+    cache_by_part: dict[str, int]
+    weights_bytes: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def indexer_bytes(self) -> int:
+        return sum(b.nbytes for b in self.indexer)
+
+    @property
+    def attention_bytes(self) -> int:
+        return sum(b.nbytes for b in self.attention)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return sum(b.nbytes for b in self.chunk_activations)
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(self.cache_by_part.values())
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Chunk activations plus the larger of the two tile workspaces (they are never live together)."""
+        return self.chunk_bytes + max(self.indexer_bytes, self.attention_bytes)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.weights_bytes + self.cache_bytes + self.workspace_bytes
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out.update(
+            indexer_bytes=self.indexer_bytes,
+            attention_bytes=self.attention_bytes,
+            chunk_bytes=self.chunk_bytes,
+            cache_bytes=self.cache_bytes,
+            workspace_bytes=self.workspace_bytes,
+            peak_bytes=self.peak_bytes,
+        )
+        return out
+
+
+# ---- the plan ----------------------------------------------------------------------------------
+
+
+def make_plan(cfg: ModelConfig, ctx: int, chunk: int, tile: int, dtype: str = "float32") -> MemoryPlan:
+    if not 1 <= tile <= chunk:
+        raise ValueError(f"indexer tile ({tile}) must be between 1 and the prefill chunk ({chunk})")
+    b = _DTYPE_BYTES[dtype]
+    return MemoryPlan(
+        ctx=ctx,
+        chunk=chunk,
+        tile=tile,
+        dtype=dtype,
+        indexer=indexer_buffers(cfg, ctx, tile),
+        attention=attention_buffers(cfg, ctx, tile, b),
+        chunk_activations=chunk_buffers(cfg, chunk, b),
+        cache_by_part=cache_bytes_by_part(cfg, ctx, chunk, b),
+        weights_bytes=weights_bytes(cfg, b),
+    )
+
+
+def indexer_buffers(cfg: ModelConfig, ctx: int, tile: int) -> list[Buffer]:
+    """One CSA tile: fp32 scores, the visibility-masked copy, the top-k sort scratch (the seed's
+    'scores + mask + top-k' = 3 × T × N × 4 bytes), then the compact selection."""
+    if CSA not in cfg.layer_types:
+        return []
+    rows = ctx // cfg.compress_rates[CSA]
+    k = min(cfg.index_topk, rows)
+    return [
+        Buffer("indexer_scores", tile * rows * 4, "T × N/4 × 4 (fp32, heads accumulated in place)"),
+        Buffer("indexer_mask", tile * rows * 4, "T × N/4 × 4 (masked scores)"),
+        Buffer("topk_scratch", tile * rows * 4, "T × N/4 × 4 (sort indices)"),
+        Buffer("selected_rows", tile * k * 4, "T × k × 4"),
+    ]
+
+
+def attention_buffers(cfg: ModelConfig, ctx: int, tile: int, b: int) -> list[Buffer]:
+    """One tile of mixed attention at the widest layer: gathered window ∪ selected rows, or HCA's
+    shared compressed rows; logits and probabilities in fp32 for every head."""
+    heads, hd, w = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+    widest = w
+    gathered = w
+    if CSA in cfg.layer_types:
+        k = min(cfg.index_topk, ctx // cfg.compress_rates[CSA])
+        widest, gathered = max(widest, w + k), w + k
+    if HCA in cfg.layer_types:
+        widest = max(widest, w + ctx // cfg.compress_rates[HCA])
+    return [
+        Buffer("gathered_rows", tile * gathered * hd * b, "T × (window + k) × head_dim × dtype"),
+        Buffer("attention_logits", tile * heads * (widest + 1) * 4, "T × heads × (widest row set + sink) × 4"),
+        Buffer("attention_probs", tile * heads * (widest + 1) * 4, "T × heads × (widest row set + sink) × 4"),
+        Buffer("attention_out", tile * heads * hd * 4, "T × heads × head_dim × 4"),
+    ]
+
+
+def chunk_buffers(cfg: ModelConfig, chunk: int, b: int) -> list[Buffer]:
+    """The layer pipeline on C tokens at its widest point (one layer live at a time)."""
+    c, d, hc = chunk, cfg.hidden_size, cfg.hc_mult
+    q = cfg.num_attention_heads * cfg.head_dim
+    index_q = cfg.index_n_heads * cfg.index_head_dim if CSA in cfg.layer_types else 0
+    routed = cfg.num_experts_per_tok * cfg.moe_intermediate_size
+    return [
+        Buffer("hidden_streams", 2 * c * hc * d * b, "2 × C × hc × hidden (in and out of a layer)"),
+        Buffer("queries", 2 * c * q * b, "2 × C × heads × head_dim (q and its rotated copy)"),
+        Buffer("attention_output", 2 * c * q * b, "2 × C × heads × head_dim (tiles joined, un-rotated)"),
+        Buffer("index_queries", c * index_q * b, "C × index_heads × index_head_dim"),
+        Buffer("moe_intermediate", 3 * c * routed * b, "3 × C × top_k × moe_intermediate (gate, up, product)"),
+        Buffer("router", 2 * c * cfg.n_routed_experts * 4, "2 × C × experts × 4"),
+    ]
+
+
+def cache_bytes_by_part(cfg: ModelConfig, ctx: int, chunk: int | None, b: int) -> dict[str, int]:
+    """One sequence's cache after `ctx` tokens prefilled in chunks of `chunk` (row buffers keep spare
+    capacity; `chunk=None` counts rows only, the floor a sequence needs)."""
+    parts = {"window": 0, "compressed": 0, "index_keys": 0, "frontier": 0}
+    for i, kind in enumerate(cfg.layer_types):
+        parts["window"] += min(ctx, cfg.sliding_window - 1) * cfg.head_dim * b
+        if kind == WINDOW:
+            continue
+        ratio = cfg.compress_rates[kind]
+        parts["compressed"] += _rows_bytes(ctx, chunk, ratio, cfg.head_dim, b)
+        width = 2 * cfg.head_dim if kind == CSA else cfg.head_dim
+        parts["frontier"] += 2 * (ctx % ratio) * width * b
+        if kind == CSA:
+            parts["index_keys"] += _rows_bytes(ctx, chunk, ratio, cfg.index_head_dim, b)
+            parts["frontier"] += 2 * (ctx % ratio) * 2 * cfg.index_head_dim * b
+            if ctx >= ratio:
+                parts["frontier"] += 2 * ratio * (cfg.head_dim + cfg.index_head_dim) * b
+    return parts
+
+
+def _rows_bytes(ctx: int, chunk: int | None, ratio: int, width: int, b: int) -> int:
+    if chunk is None:
+        return (ctx // ratio) * width * b
+    return _simulated_capacity(ctx, chunk, ratio) * width * b
+
+
+def _simulated_capacity(ctx: int, chunk: int, ratio: int) -> int:
+    """Capacity RowBuffer ends with when rows arrive chunk by chunk (same growth rule as the cache)."""
+    rows = capacity = 0
+    step = RowBuffer.STEP
+    for end in range(chunk, ctx + chunk, chunk):
+        rows = min(end, ctx) // ratio
+        if rows > capacity:
+            grown = max(rows, capacity + capacity // 4, step)
+            capacity = -(-grown // step) * step
+    return capacity
+
+
+def weights_bytes(cfg: ModelConfig, b: int) -> int:
+    total = 0
+    for name, shape in expected_shapes(cfg).items():
+        total += prod(shape) * (8 if name.endswith("tid2eid") else b)
+    return total
+
+
+def cache_bytes_at(cfg: ModelConfig, num_tokens: int, b: int) -> int:
+    """Admission control: what one sequence's cache holds at `num_tokens` (rows + one step of slack)."""
+    parts = cache_bytes_by_part(cfg, num_tokens, None, b)
+    slack = sum(RowBuffer.STEP * cfg.head_dim * b for kind in cfg.layer_types if kind != WINDOW)
+    return sum(parts.values()) + slack
+
+
+# ---- the CLI's view ----------------------------------------------------------------------------
+
+V4_FLASH = {
+    "model_type": "deepseek_v4", "vocab_size": 129280, "hidden_size": 4096, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 43, "num_attention_heads": 64, "head_dim": 512, "qk_rope_head_dim": 64,
+    "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024, "sliding_window": 128, "n_routed_experts": 256,
+    "num_experts_per_tok": 6, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+    "compress_ratios": [0, 0] + [4 if i % 2 == 0 else 128 for i in range(41)], "num_hash_layers": 3,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1},
+}
+
+
+def plan_for(model_dir: Path | None, preset: str | None, ctx: int, chunk: int, tile: int, dtype: str | None) -> MemoryPlan:
+    if model_dir is not None:
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        cfg = config_from_dict(raw)
+        dtype = dtype or raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
+    elif preset == "v4-flash" or preset is None:
+        cfg, dtype = config_from_dict(V4_FLASH), dtype or "bfloat16"
+    else:
+        from engine.make_model import preset_config
+
+        cfg, dtype = preset_config(preset), dtype or "float32"
+    return make_plan(cfg, ctx, chunk, tile, dtype)
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    untiled_scratch = 3 * plan.chunk * (plan.indexer[0].nbytes // (plan.tile * 4)) * 4 if plan.indexer else 0
+    lines = [f"memory plan: ctx {plan.ctx:,}  chunk C={plan.chunk}  tile T={plan.tile}  dtype {plan.dtype}", ""]
+    for title, buffers in (("indexer tile (one reused scratch)", plan.indexer), ("attention tile", plan.attention),
+                           ("chunk activations", plan.chunk_activations)):
+        lines.append(f"{title}:")
+        lines += [f"  {b.name:<20} {_gib(b.nbytes):>12}   {b.formula}" for b in buffers]
+    lines.append("cache at ctx (one sequence):")
+    lines += [f"  {part:<20} {_gib(n):>12}" for part, n in plan.cache_by_part.items()]
+    scratch = sum(b.nbytes for b in plan.indexer[:3])
+    lines += [
+        "",
+        f"indexer scores + mask + top-k scratch: {_gib(scratch)}  (untiled at this chunk: {_gib(untiled_scratch)})",
+        f"weights {_gib(plan.weights_bytes)}  cache {_gib(plan.cache_bytes)}  workspace {_gib(plan.workspace_bytes)}",
+        f"planned peak: {_gib(plan.peak_bytes)}",
+    ]
+    return "\n".join(lines)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:,.3f} GiB"

@@ -1,0 +1,108 @@
+"""ModelRunner: executes the scheduler's StepPlan on the V4 model (the `Runner` of engine/protocol.py).
+
+One step = all running decodes plus at most one prefill chunk, run as one flat batch of segments;
+then one token is sampled for every decode and for a prefill chunk that completes its prompt.
+Owns each request's cache, token history and random stream, keyed by request id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import mlx.core as mx
+
+from engine.cache import SequenceCache
+from engine.loader import load_model
+from engine.memory_plan import cache_bytes_at, make_plan
+from engine.model import DeepseekV4, Segment
+from engine.protocol import SampledToken, SamplingParams, StepOutput, StepPlan
+from engine.sampler import RequestRng, TokenHistory, sample
+from engine.stages import StageTimer
+
+
+@dataclass
+class _Sequence:
+    cache: SequenceCache
+    sampling: SamplingParams
+    history: TokenHistory
+    rng: RequestRng
+
+
+class ModelRunner:
+    def __init__(self, model: DeepseekV4, prefill_chunk: int, indexer_tile: int, max_context: int | None = None) -> None:
+        if not 1 <= indexer_tile <= prefill_chunk:
+            raise ValueError(f"indexer_tile ({indexer_tile}) must be between 1 and prefill_chunk ({prefill_chunk})")
+        self.model = model
+        self.prefill_chunk = prefill_chunk
+        self.indexer_tile = indexer_tile
+        self.max_context = max_context or model.cfg.max_position_embeddings
+        self._dtype_name = {mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "float16"}[model.dtype]
+        self._sequences: dict[str, _Sequence] = {}
+        self._weights_bytes = sum(w.nbytes for w in model.weights.values())
+        self._planned_workspace = make_plan(model.cfg, self.max_context, prefill_chunk, indexer_tile, self._dtype_name).workspace_bytes
+
+    # ---- Runner protocol -----------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
+        self._sequences[request_id] = _Sequence(self.model.new_cache(), sampling, TokenHistory(prompt_ids), RequestRng(sampling.seed))
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        ids, segments = [], []
+        for slot in plan.decodes:
+            ids.append(slot.request_id)
+            segments.append(Segment(self._sequences[slot.request_id].cache, [slot.token_id]))
+        sampled_ids = list(ids)
+        if plan.prefill is not None:
+            chunk = plan.prefill
+            segments.append(Segment(self._sequences[chunk.request_id].cache, list(chunk.token_ids)))
+            if chunk.is_last:
+                sampled_ids.append(chunk.request_id)
+        if not segments:
+            return StepOutput()
+        timer = StageTimer()
+        logits = self.model.forward(segments, tile=self.indexer_tile, timer=timer)
+        rows = logits[: len(sampled_ids)]  # the prefill is last: its row only counts when it samples
+        sampled = self._sample(sampled_ids, mx.concatenate(rows) if rows else None)
+        return StepOutput(sampled=tuple(sampled), stage_seconds=timer.as_dict())
+
+    def release(self, request_id: str) -> None:
+        if self._sequences.pop(request_id, None) is not None:
+            mx.clear_cache()  # give the freed cache back, so memory returns to idle within the step
+
+    def cache_bytes_at(self, num_tokens: int) -> int:
+        return cache_bytes_at(self.model.cfg, num_tokens, self.model.dtype.size)
+
+    def memory_snapshot(self) -> dict[str, int]:
+        return {
+            "weights": self._weights_bytes,
+            "kv_cache": sum(s.cache.nbytes for s in self._sequences.values()),
+            "planned_workspace": self._planned_workspace,
+            "mlx_active": mx.get_active_memory(),
+            "mlx_peak": mx.get_peak_memory(),
+            "mlx_cache": mx.get_cache_memory(),
+        }
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _sample(self, request_ids: list[str], logits: mx.array | None) -> list[SampledToken]:
+        if logits is None:
+            return []
+        seqs = [self._sequences[r] for r in request_ids]
+        samples = sample(logits, [s.sampling for s in seqs], [s.history for s in seqs], [s.rng for s in seqs])
+        out = []
+        for request_id, seq, s in zip(request_ids, seqs, samples):
+            seq.history.append(s.token_id)
+            out.append(SampledToken(request_id, s.token_id, s.logprob, s.top_logprobs))
+        return out
+
+
+def default_compute_dtype() -> str:
+    """float32 on CPU (bf16 matmul there runs at a few GFLOP/s), the checkpoint's dtype on a GPU."""
+    return "float32" if mx.default_device() == mx.cpu else None
+
+
+def build_runner(model_dir: Path, prefill_chunk: int, indexer_tile: int, max_context: int | None = None) -> ModelRunner:
+    model = load_model(Path(model_dir), dtype=default_compute_dtype())
+    return ModelRunner(model, prefill_chunk, indexer_tile, max_context)
