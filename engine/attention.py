@@ -13,12 +13,12 @@ import mlx.core as mx
 
 from engine.cache import LayerCache
 from engine.compressor import CompressorWeights, compress
-from engine.config import CSA, HCA, ModelConfig
+from engine.config import CSA, HCA, WINDOW, ModelConfig
 from engine.norms import rms_norm, unweighted_rms_norm
 from engine.rope import apply_rope, cos_sin
-from engine.stages import StageTimer
+from engine.trace import ForwardTrace
 from kernels.indexer import indexer_scores, select_topk
-from kernels.sparse_attention import mixed_attention
+from kernels.sparse_attention import mixed_attention, shared_rows
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def attention(
     cfg: ModelConfig,
     layer: int,
     tile: int,
-    timer: StageTimer,
+    timer: ForwardTrace,
 ) -> mx.array:
     """x: [T, D] (normed block input), positions: [T] -> [T, D]."""
     rope = cfg.rope_for(layer)
@@ -108,7 +108,7 @@ def _segment_attention(
     cfg: ModelConfig,
     layer: int,
     tile: int,
-    timer: StageTimer,
+    timer: ForwardTrace,
 ) -> mx.array:
     """Attention of one segment's queries -> [L, H, hd]; appends to its layer cache."""
     lo, hi = seg.offset, seg.offset + seg.length
@@ -151,45 +151,43 @@ def _tile_attention(
     w: AttentionWeights,
     cfg: ModelConfig,
     layer: int,
-    timer: StageTimer,
+    timer: ForwardTrace,
 ) -> mx.array:
     """Query rows [r0, r1) of the segment -> [t, H, hd]."""
     window = cfg.sliding_window
     local = mx.arange(r0, r1)  # [t]
     # Query at local row r sees keys[num_prev + r - window + 1 .. num_prev + r]; earlier ones don't exist.
     key_idx = num_prev + local[:, None] - (window - 1) + mx.arange(window)[None, :]  # [t, W]
-    rows, valid = keys[mx.maximum(key_idx, 0)], key_idx >= 0  # [t, W, hd], [t, W]
+    groups = [(keys[mx.maximum(key_idx, 0)], key_idx >= 0)]  # window rows [t, W, hd]
     lo = seg.offset
     q = queries.q[lo + r0 : lo + r1]
-    scale = cfg.head_dim**-0.5
-    shared = shared_valid = None
     kind = cfg.layer_types[layer]
-    if kind != "sliding_attention":
-        ratio = cfg.compress_ratio(layer)
-        visible = (seg.start + local + 1) // ratio  # [t]: rows compressed from tokens ≤ the query
-        compressed = seg.cache.compressed.view()
+    if kind != WINDOW:
+        visible = (seg.start + local + 1) // cfg.compress_ratio(layer)  # [t]: rows from tokens ≤ the query
+        compressed = seg.cache.compressed.view()  # [N, hd]
         if kind == CSA:
-            selected, selected_valid = _select(queries, lo + r0, lo + r1, seg, visible, cfg, timer)
-            rows = mx.concatenate([rows, compressed[selected]], axis=1)  # [t, W + k, hd]
-            valid = mx.concatenate([valid, selected_valid], axis=1)
+            selected, selected_valid = _select(queries, lo + r0, lo + r1, seg, visible, cfg, layer, timer)
+            groups.append((compressed[selected], selected_valid))  # [t, k, hd]
         else:
-            shared = compressed
-            shared_valid = mx.arange(compressed.shape[0])[None, :] < visible[:, None]
-    out = mixed_attention(q, rows, valid, w.sinks, scale, shared, shared_valid)
+            groups.append((shared_rows(compressed, r1 - r0), mx.arange(compressed.shape[0])[None, :] < visible[:, None]))
+    out = mixed_attention(q, groups, w.sinks, cfg.head_dim**-0.5)
     return timer.stage("attention", out)
 
 
 def _select(
-    queries: _Queries, q0: int, q1: int, seg: SegmentSlice, visible: mx.array, cfg: ModelConfig, timer: StageTimer
+    queries: _Queries, q0: int, q1: int, seg: SegmentSlice, visible: mx.array, cfg: ModelConfig, layer: int,
+    timer: ForwardTrace,
 ) -> tuple[mx.array, mx.array]:
     """Indexer for one tile: [t, N] scores in one scratch, then top-k -> (rows, valid) [t, k]."""
     index_keys = seg.cache.index_keys.view()  # [N, ID]
     if index_keys.shape[0] == 0:
         empty = mx.zeros((q1 - q0, 0), dtype=mx.int32)
+        timer.record_selection(layer, seg.start + q0 - seg.offset, empty, empty.astype(mx.bool_))
         return empty, empty.astype(mx.bool_)
     scale = cfg.index_head_dim**-0.5
     scores = indexer_scores(queries.index_q[q0:q1], queries.index_w[q0:q1], index_keys, visible, scale)
     scores = timer.stage("indexer_score", scores)
     selected, valid = select_topk(scores, visible, cfg.index_topk)
     timer.stage("topk", selected, valid)
+    timer.record_selection(layer, seg.start + q0 - seg.offset, selected, valid)
     return selected, valid

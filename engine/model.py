@@ -19,7 +19,7 @@ from engine.config import HASH_MOE, ModelConfig
 from engine.hyper import HyperWeights, expand, head_collapse, hyper_weights
 from engine.moe import MoEWeights, moe
 from engine.norms import rms_norm
-from engine.stages import StageTimer
+from engine.trace import ForwardTrace
 
 
 @dataclass(frozen=True)
@@ -55,14 +55,14 @@ class DeepseekV4:
         segments: Sequence[Segment],
         tile: int | None = None,
         all_logits: bool = False,
-        timer: StageTimer | None = None,
+        timer: ForwardTrace | None = None,
     ) -> list[mx.array]:
         """Runs every segment's tokens through the model, appending to their caches.
 
         Returns per segment the logits [L, vocab] (all_logits) or [1, vocab] of its last token.
         `tile`: indexer/attention query rows per tile (None: the whole segment, the untiled path).
         """
-        cfg, timer = self.cfg, timer or StageTimer()
+        cfg, timer = self.cfg, timer or ForwardTrace()
         token_ids = mx.array([t for s in segments for t in s.token_ids], dtype=mx.int32)
         positions = mx.concatenate([mx.arange(s.cache.num_tokens, s.cache.num_tokens + len(s.token_ids)) for s in segments])
         tile = tile or max(len(s.token_ids) for s in segments)
@@ -77,7 +77,7 @@ class DeepseekV4:
             s.cache.token_ids.extend(s.token_ids)
         return self._logits(streams, segments, all_logits)
 
-    def _layer(self, streams, token_ids, positions, slices, layer: LayerWeights, i: int, tile: int, timer: StageTimer):
+    def _layer(self, streams, token_ids, positions, slices, layer: LayerWeights, i: int, tile: int, timer: ForwardTrace):
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         post, comb, collapsed = hyper_weights(streams, layer.attn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
         attn_out = attention(rms_norm(collapsed, layer.attn_norm, eps), positions, slices, layer.attn, cfg, i, tile, timer)

@@ -138,6 +138,18 @@ class Done:
     finish_reason: FinishReason
     num_prompt_tokens: int
     num_generated_tokens: int
+    timings: RequestTimings | None = field(default=None, compare=False)  # for metrics; not part of equality
+
+
+@dataclass(frozen=True)
+class RequestTimings:
+    """Where a finished request spent its time inside the engine (vLLM's per-request histograms).
+    A phase the request never reached is None (e.g. prefill_seconds of a request aborted while waiting)."""
+
+    queue_seconds: float | None  # arrival -> admission
+    prefill_seconds: float | None  # admission -> first token
+    decode_seconds: float | None  # first token -> finish
+    e2e_seconds: float  # arrival -> finish
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from engine.protocol import FinishReason, SamplingParams
+from engine.protocol import FinishReason, RequestTimings, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -30,6 +30,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    admitted_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     finish_reason: FinishReason | None = None
@@ -83,10 +84,20 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     @property
-    def time_to_first_token(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+    def timings(self) -> RequestTimings:
+        """Time per phase; call once finished."""
+        return RequestTimings(
+            queue_seconds=_elapsed(self.arrival_time, self.admitted_time),
+            prefill_seconds=_elapsed(self.admitted_time, self.first_token_time),
+            decode_seconds=_elapsed(self.first_token_time, self.finish_time),
+            e2e_seconds=_elapsed(self.arrival_time, self.finish_time) or 0.0,
+        )
 
     # ---- transitions ------------------------------------------------------------------------
+
+    def admit(self, now: float) -> None:
+        self.status = RequestStatus.RUNNING
+        self.admitted_time = now
 
     def append_output(self, token_id: int, now: float) -> None:
         if self.first_token_time is None:
@@ -97,3 +108,7 @@ class Request:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.finish_time = now
+
+
+def _elapsed(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start

@@ -19,7 +19,7 @@ from engine.memory_plan import cache_bytes_at, make_plan
 from engine.model import DeepseekV4, Segment
 from engine.protocol import SampledToken, SamplingParams, StepOutput, StepPlan
 from engine.sampler import RequestRng, TokenHistory, sample
-from engine.stages import StageTimer
+from engine.trace import ForwardTrace
 
 
 @dataclass
@@ -61,7 +61,7 @@ class ModelRunner:
                 sampled_ids.append(chunk.request_id)
         if not segments:
             return StepOutput()
-        timer = StageTimer()
+        timer = ForwardTrace()
         logits = self.model.forward(segments, tile=self.indexer_tile, timer=timer)
         rows = logits[: len(sampled_ids)]  # the prefill is last: its row only counts when it samples
         sampled = self._sample(sampled_ids, mx.concatenate(rows) if rows else None)

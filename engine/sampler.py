@@ -76,8 +76,9 @@ class RequestRng:
     """One request's random stream: `mx.random.key(seed)`, split once per drawn token."""
 
     def __init__(self, seed: int | None):
-        # No seed: a fresh random one, so unseeded requests still never share a stream.
-        self._key = mx.random.key(secrets.randbits(63) if seed is None else seed)
+        # No seed: a fresh random one, so unseeded requests still never share a stream. OpenAI seeds may be
+        # negative; mx.random.key takes a uint64.
+        self._key = mx.random.key(secrets.randbits(64) if seed is None else seed % 2**64)
 
     def next_key(self) -> mx.array:
         self._key, key = mx.random.split(self._key)
@@ -94,7 +95,9 @@ def sample(
     token is accepted."""
     num_rows = logits.shape[0]
     if not (len(params) == len(histories) == len(rngs) == num_rows):
-        raise ValueError(f"{num_rows} logit rows but {len(params)} params, {len(histories)} histories, {len(rngs)} rngs")
+        raise ValueError(
+            f"{num_rows} logit rows but {len(params)} params, {len(histories)} histories, {len(rngs)} rngs"
+        )
     logits = logits.astype(mx.float32)
     rows = [_choose(logits[i], params[i], histories[i], rngs[i]) for i in range(num_rows)]
     mx.eval([array for row in rows for array in row if array is not None])  # one sync for the whole batch

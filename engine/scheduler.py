@@ -143,7 +143,8 @@ class Scheduler:
         Raises AdmissionError ('too_long', 'never_fits', 'queue_full') before the request is queued."""
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        self._check_can_ever_run(request)
+        self._check_length(request)
+        self._check_memory(request)
         if not self._can_admit_now(request) and self.num_waiting >= self.config.max_queued_requests:
             raise AdmissionError(
                 "queue_full",
@@ -155,8 +156,7 @@ class Scheduler:
         self._waiting.append(request)
         self._admit_waiting()
 
-    def _check_can_ever_run(self, request: Request) -> None:
-        """Refuse what would be refused however long it waited."""
+    def _check_length(self, request: Request) -> None:
         max_model_len = self.config.max_model_len
         if request.num_prompt_tokens >= max_model_len:
             raise AdmissionError(
@@ -165,16 +165,23 @@ class Scheduler:
                 f"{max_model_len} tokens (max_model_len) and must leave room for at least one generated token. "
                 "Shorten the prompt.",
             )
+
+    def _check_memory(self, request: Request) -> None:
+        """Refuse a request whose cache alone, at its longest, exceeds the whole budget: waiting cannot help."""
         budget = self.config.memory_budget_bytes
-        num_tokens = self.max_num_tokens(request)
-        num_bytes = self._cache_bytes_at(num_tokens)
-        if budget is not None and num_bytes > budget:
+        if budget is None:
+            return
+        num_bytes = self._reservation_bytes(request)
+        if num_bytes > budget:
             raise AdmissionError(
                 "never_fits",
-                f"this request's cache at its maximum length ({num_tokens} tokens: prompt + max_tokens) needs "
-                f"{num_bytes} bytes, more than the whole memory budget ({budget} bytes). Lower max_tokens or "
-                "shorten the prompt.",
+                f"this request's cache at its maximum length ({self.max_num_tokens(request)} tokens: prompt + "
+                f"max_tokens) needs {num_bytes} bytes, more than the whole memory budget ({budget} bytes). "
+                "Lower max_tokens or shorten the prompt.",
             )
+
+    def _reservation_bytes(self, request: Request) -> int:
+        return self._cache_bytes_at(self.max_num_tokens(request))
 
     def _can_admit_now(self, request: Request) -> bool:
         return not self._waiting and self._can_admit(request)
@@ -185,14 +192,14 @@ class Scheduler:
         budget = self.config.memory_budget_bytes
         if budget is None:
             return True
-        return self.num_reserved_bytes + self._cache_bytes_at(self.max_num_tokens(request)) <= budget
+        return self.num_reserved_bytes + self._reservation_bytes(request) <= budget
 
     def _admit_waiting(self) -> None:
         """FIFO: admit from the head of the queue while it fits; never skip the head."""
         while self._waiting and self._can_admit(self._waiting[0]):
             request = self._waiting.popleft()
-            self._reserved_bytes[request.request_id] = self._cache_bytes_at(self.max_num_tokens(request))
-            request.status = RequestStatus.RUNNING
+            self._reserved_bytes[request.request_id] = self._reservation_bytes(request)
+            request.admit(self._clock())
             self._running.append(request)
 
     # ---- one step's plan -----------------------------------------------------------------------
@@ -300,5 +307,5 @@ class Scheduler:
         self._reserved_bytes.pop(request.request_id, None)
         request.finish(reason, self._clock())
         if event is None:
-            event = Done(reason, request.num_prompt_tokens, request.num_output_tokens)
+            event = Done(reason, request.num_prompt_tokens, request.num_output_tokens, request.timings)
         return [(request, event)]

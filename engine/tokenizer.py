@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import codecs
 import json
+from collections.abc import Iterable
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import tokenizers
 
@@ -80,7 +81,9 @@ class Tokenizer:
             bos_token=_token_content(config.get("bos_token", DEFAULT_BOS_TOKEN)),
             eos_token=_token_content(config.get("eos_token", DEFAULT_EOS_TOKEN)),
             chat_template=chat_template,
-            model_max_length=int(max_length) if isinstance(max_length, (int, float)) and max_length < _UNSET_MAX_LENGTH else None,
+            model_max_length=int(max_length)
+            if isinstance(max_length, (int, float)) and max_length < _UNSET_MAX_LENGTH
+            else None,
         )
 
     # ---- text <-> ids ---------------------------------------------------------------------------
@@ -137,7 +140,8 @@ class Tokenizer:
         if not isinstance(self._backend.decoder, tokenizers.decoders.ByteLevel):
             kind = type(self._backend.decoder).__name__ if self._backend.decoder is not None else "none"
             raise NotImplementedError(
-                f"token bytes need a byte-level BPE tokenizer (decoder ByteLevel, as DeepSeek's); this one's decoder is {kind}"
+                "token bytes need a byte-level BPE tokenizer (decoder ByteLevel, as DeepSeek's); "
+                f"this one's decoder is {kind}"
             )
 
 

@@ -1,55 +1,40 @@
-"""Mixed attention of one tile of queries over its own gathered rows (window ∪ selected compressed
-rows), optionally rows shared by every query (HCA's compressed rows), and a per-head sink.
+"""Mixed attention of one tile of queries over groups of rows — the query's window rows, its
+selected compressed rows (CSA), or compressed rows shared by every query (HCA, broadcast without a
+copy) — plus a per-head sink, under one softmax.
 
 Every product is batched per query row with a fixed per-row shape, so a row's output does not
-depend on which tile it lands in, whatever BLAS runs underneath (DESIGN.md §3.3).
+depend on which tile it lands in, whatever BLAS runs underneath (DESIGN.md §3.3). Groups are kept
+apart rather than concatenated so the gathered rows exist once.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import mlx.core as mx
 
+RowGroup = tuple[mx.array, mx.array]  # rows [T, R, d] (K = V), valid [T, R] bool
 
-def mixed_attention_reference(
-    q: mx.array,
-    rows: mx.array,
-    row_valid: mx.array,
-    sinks: mx.array,
-    scale: float,
-    shared: mx.array | None = None,
-    shared_valid: mx.array | None = None,
-) -> mx.array:
-    """q: [T, H, d]; rows: [T, R, d] (K = V); row_valid: [T, R]; sinks: [H];
-    shared: [S, d] with shared_valid: [T, S] -> out [T, H, d]."""
+
+def mixed_attention_reference(q: mx.array, groups: Sequence[RowGroup], sinks: mx.array, scale: float) -> mx.array:
+    """q: [T, H, d], groups of (rows [T, R_i, d], valid [T, R_i]), sinks: [H] -> [T, H, d]."""
     num_q, num_heads, _ = q.shape
-    values = [rows]
-    logits = [_masked(q @ rows.transpose(0, 2, 1) * scale, row_valid)]  # [T, H, R]
-    if shared is not None and shared.shape[0] > 0:
-        shared_b = mx.broadcast_to(shared[None], (num_q,) + shared.shape)  # [T, S, d], no copy
-        logits.append(_masked(q @ shared_b.transpose(0, 2, 1) * scale, shared_valid))
-        values.append(shared_b)
+    logits = [mx.where(valid[:, None, :], q @ rows.transpose(0, 2, 1) * scale, -mx.inf) for rows, valid in groups]
     sink = mx.broadcast_to(sinks.astype(q.dtype)[None, :, None], (num_q, num_heads, 1))
-    probs = mx.softmax(mx.concatenate(logits + [sink], axis=-1), axis=-1, precise=True)
+    probs = mx.softmax(mx.concatenate(logits + [sink], axis=-1), axis=-1, precise=True)  # [T, H, ΣR + 1]
     out, start = None, 0
-    for v in values:
-        part = probs[..., start : start + v.shape[1]] @ v  # [T, H, d]
+    for rows, _ in groups:
+        part = probs[..., start : start + rows.shape[1]] @ rows  # [T, H, d]
         out = part if out is None else out + part
-        start += v.shape[1]
+        start += rows.shape[1]
     return out
 
 
-def _masked(logits: mx.array, valid: mx.array) -> mx.array:
-    return mx.where(valid[:, None, :], logits, -mx.inf)
+def shared_rows(rows: mx.array, num_queries: int) -> mx.array:
+    """[S, d] rows every query sees -> a [T, S, d] view (stride 0, no copy)."""
+    return mx.broadcast_to(rows[None], (num_queries,) + rows.shape)
 
 
-def mixed_attention(
-    q: mx.array,
-    rows: mx.array,
-    row_valid: mx.array,
-    sinks: mx.array,
-    scale: float,
-    shared: mx.array | None = None,
-    shared_valid: mx.array | None = None,
-) -> mx.array:
+def mixed_attention(q: mx.array, groups: Sequence[RowGroup], sinks: mx.array, scale: float) -> mx.array:
     """Dispatch: a fused kernel where one exists for the device, else the reference."""
-    return mixed_attention_reference(q, rows, row_valid, sinks, scale, shared, shared_valid)
+    return mixed_attention_reference(q, groups, sinks, scale)

@@ -1,4 +1,5 @@
-"""Per-stage wall time of a forward pass (indexer score, top-k, attention, MoE, other).
+"""What a forward pass leaves behind for benchmarks and checks: per-stage wall time (indexer score,
+top-k, attention, MoE, other) and, when asked, the indexer's selected rows per layer and position.
 
 MLX is lazy: a stage's time is only its own if the graph is evaluated at the stage boundary, so
 `stage()` evaluates what it is given. The tile loop relies on that anyway: evaluating each tile
@@ -15,10 +16,18 @@ import mlx.core as mx
 STAGES = ("indexer_score", "topk", "attention", "moe", "other")
 
 
-class StageTimer:
-    def __init__(self) -> None:
+class ForwardTrace:
+    def __init__(self, record_selections: bool = False) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self._last = time.perf_counter()
+        # (layer, absolute position) -> selected compressed rows, ascending (valid picks only)
+        self.selections: dict[tuple[int, int], tuple[int, ...]] | None = {} if record_selections else None
+
+    def record_selection(self, layer: int, first_position: int, rows: mx.array, valid: mx.array) -> None:
+        if self.selections is None:
+            return
+        for offset, (row, ok) in enumerate(zip(rows.tolist(), valid.tolist())):
+            self.selections[(layer, first_position + offset)] = tuple(r for r, v in zip(row, ok) if v)
 
     def stage(self, name: str, *arrays: mx.array) -> mx.array:
         """Evaluate `arrays` and charge the time since the previous boundary to `name`."""

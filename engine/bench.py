@@ -1,0 +1,132 @@
+"""`tessera bench prefill` and `tessera bench matrix`: prefill speed, MLX peak memory against the
+memory plan, and per-stage time, for a (chunk C, indexer tile T) setting."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from engine.loader import load_model
+from engine.memory_plan import make_plan
+from engine.model import DeepseekV4, Segment
+from engine.reference_check import random_tokens
+from engine.runner import default_compute_dtype
+from engine.trace import ForwardTrace
+
+MATRIX = ((4096, 4096), (2048, 2048), (1024, 1024), (4096, 2048), (4096, 1024))
+_DTYPE_NAMES = {mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "float16"}
+
+
+def prefill_once(model: DeepseekV4, tokens: list[int], chunk: int, tile: int, label: str = "") -> tuple[float, int, dict]:
+    """-> (seconds, MLX peak bytes, stage seconds) of one prefill from an empty cache."""
+    cache = model.new_cache()
+    mx.synchronize()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    timer = ForwardTrace()
+    start = time.perf_counter()
+    for lo in range(0, len(tokens), chunk):
+        logits = model.forward([Segment(cache, tokens[lo : lo + chunk])], tile=tile, timer=timer)
+        mx.eval(logits, cache.arrays())
+        _progress(label, lo + chunk, len(tokens))
+    seconds = time.perf_counter() - start
+    peak = mx.get_peak_memory()
+    del cache, logits
+    mx.clear_cache()
+    return seconds, peak, timer.as_dict()
+
+
+def _progress(label: str, done: int, total: int) -> None:
+    done = min(done, total)
+    filled = 30 * done // total
+    sys.stderr.write(f"\r{label} prefill [{'#' * filled}{'.' * (30 - filled)}] {done}/{total} tokens")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def bench_with_model(model: DeepseekV4, ctx: int, chunk: int, tile: int, repeat: int = 1) -> dict:
+    tokens = random_tokens(model.cfg.vocab_size, ctx, seed=0)
+    runs = [prefill_once(model, tokens, chunk, tile, f"C={chunk} T={tile} run {r + 1}/{repeat}") for r in range(repeat)]
+    seconds = statistics.median(r[0] for r in runs)
+    plan = make_plan(model.cfg, ctx, chunk, tile, _DTYPE_NAMES[model.dtype])
+    stages = {k: statistics.median(r[2][k] for r in runs) for k in runs[0][2]}
+    peak = max(r[1] for r in runs)
+    return {
+        "ctx": ctx,
+        "chunk": chunk,
+        "tile": tile,
+        "dtype": _DTYPE_NAMES[model.dtype],
+        "repeat": repeat,
+        "prefill_seconds": seconds,
+        "prefill_tokens_per_s": ctx / seconds,
+        "peak_memory_bytes": peak,
+        "planned_peak_bytes": plan.peak_bytes,
+        "peak_vs_plan": peak / plan.peak_bytes,
+        "weights_bytes": plan.weights_bytes,
+        "planned_cache_bytes": plan.cache_bytes,
+        "planned_workspace_bytes": plan.workspace_bytes,
+        "stage_seconds": stages,
+        **stages,
+    }
+
+
+def bench_prefill(model_dir: Path, ctx: int, chunk: int, tile: int, repeat: int = 1, dtype: str | None = None) -> dict:
+    model = load_model(Path(model_dir), dtype=dtype or default_compute_dtype())
+    return bench_with_model(model, ctx, chunk, tile, repeat)
+
+
+def bench_matrix(model_dir: Path, ctx: int, repeat: int = 1, dtype: str | None = None, out_dir: Path = Path("docs")) -> str:
+    """Runs the five rows in one process, writes `bench-matrix-ctx{N}.{md,json,png}` under out_dir."""
+    model = load_model(Path(model_dir), dtype=dtype or default_compute_dtype())
+    rows = [bench_with_model(model, ctx, c, t, repeat) for c, t in MATRIX]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"bench-matrix-ctx{ctx}"
+    stem.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
+    table = matrix_table(rows)
+    stem.with_suffix(".md").write_text(table + "\n")
+    _plot(rows, stem.with_suffix(".png"))
+    return table
+
+
+def matrix_table(rows: list[dict]) -> str:
+    base = {(r["chunk"], r["tile"]): r for r in rows}
+    ref_speed = base[(4096, 4096)]["prefill_tokens_per_s"]
+    ref_peak = base[(1024, 1024)]["peak_memory_bytes"]
+    lines = [
+        "| chunk C | tile T | tokens/s | vs (4096,4096) | peak MiB | vs (1024,1024) peak | planned MiB | peak/plan | indexer s | top-k s | attention s | MoE s | other s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['chunk']} | {r['tile']} | {r['prefill_tokens_per_s']:.1f} | {r['prefill_tokens_per_s'] / ref_speed:.3f} "
+            f"| {r['peak_memory_bytes'] / 2**20:,.0f} | {r['peak_memory_bytes'] / ref_peak:.3f} "
+            f"| {r['planned_peak_bytes'] / 2**20:,.0f} | {r['peak_vs_plan']:.3f} | {r['indexer_score']:.2f} "
+            f"| {r['topk']:.2f} | {r['attention']:.2f} | {r['moe']:.2f} | {r['other']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # plotting is optional; the table and JSON carry the numbers
+        print("matplotlib not installed: skipping the PNG plot", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        ax.scatter(r["peak_memory_bytes"] / 2**30, r["prefill_tokens_per_s"])
+        ax.annotate(f"C={r['chunk']}, T={r['tile']}", (r["peak_memory_bytes"] / 2**30, r["prefill_tokens_per_s"]))
+    ax.set_xlabel("MLX peak memory (GiB)")
+    ax.set_ylabel("prefill tokens/s")
+    ax.set_title(f"prefill at ctx {rows[0]['ctx']:,} ({rows[0]['dtype']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,85 @@
+"""`tessera check consistency` (ds4's "decode consistency"): after changing chunk or tile, prefill
+with (C, T) and decode M tokens, then compare with (a) the untiled prefill (T = C) and the same
+decodes — selected rows and logits — and (b) a fresh whole-sequence prefill at every decoded
+position. On CPU in float32 with a row-invariant BLAS every difference is exactly zero
+(DESIGN.md §3); OpenBLAS's gemm is not row-invariant, so across chunk sizes a few ulps appear.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine.loader import load_model
+from engine.model import DeepseekV4, Segment
+from engine.reference_check import random_tokens
+from engine.runner import default_compute_dtype
+from engine.trace import ForwardTrace
+
+
+@dataclass(frozen=True)
+class ConsistencyReport:
+    ctx: int
+    chunk: int
+    tile: int
+    decode: int
+    max_abs_diff: float
+    untiled_max_abs_diff: float
+    whole_sequence_max_abs_diff: float
+    differing_selections: int
+    compared_selections: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Run:
+    logits: np.ndarray  # [ctx + decode, vocab]: prefill rows, then one row per decode step
+    selections: dict[tuple[int, int], tuple[int, ...]]
+
+
+def run_sequence(model: DeepseekV4, tokens: list[int], num_prefill: int, chunk: int, tile: int) -> Run:
+    cache, trace, rows = model.new_cache(), ForwardTrace(record_selections=True), []
+    for lo in range(0, num_prefill, chunk):
+        piece = tokens[lo : min(lo + chunk, num_prefill)]
+        rows.append(np.array(model.forward([Segment(cache, piece)], tile=tile, all_logits=True, timer=trace)[0]))
+    for token in tokens[num_prefill:]:
+        rows.append(np.array(model.forward([Segment(cache, [token])], timer=trace)[0]))
+    return Run(np.concatenate(rows).astype(np.float32), trace.selections)
+
+
+def differing(a: dict, b: dict, keys=None) -> tuple[int, int]:
+    keys = sorted(set(a) | set(b)) if keys is None else keys
+    return sum(a.get(k) != b.get(k) for k in keys), len(keys)
+
+
+def check_model_consistency(model: DeepseekV4, ctx: int, decode: int, chunk: int, tile: int, seed: int = 0) -> ConsistencyReport:
+    tokens = random_tokens(model.cfg.vocab_size, ctx + decode, seed)
+    tiled = run_sequence(model, tokens, ctx, chunk, tile)
+    untiled = run_sequence(model, tokens, ctx, chunk, chunk)
+    untiled_diff = float(np.abs(tiled.logits - untiled.logits).max())
+    num_diff, num_compared = differing(tiled.selections, untiled.selections)
+    whole_diff = 0.0
+    for p in range(ctx, ctx + decode):  # a fresh whole-sequence prefill ending at each decoded position
+        whole = run_sequence(model, tokens[: p + 1], p + 1, p + 1, p + 1)
+        whole_diff = max(whole_diff, float(np.abs(whole.logits[-1] - tiled.logits[p]).max()))
+        keys = [k for k in whole.selections if k[1] == p]
+        d, n = differing(tiled.selections, whole.selections, keys)
+        num_diff, num_compared = num_diff + d, num_compared + n
+    return ConsistencyReport(
+        ctx=ctx, chunk=chunk, tile=tile, decode=decode,
+        max_abs_diff=max(untiled_diff, whole_diff),
+        untiled_max_abs_diff=untiled_diff,
+        whole_sequence_max_abs_diff=whole_diff,
+        differing_selections=num_diff,
+        compared_selections=num_compared,
+    )
+
+
+def check_consistency(model_dir: Path, ctx: int, decode: int, chunk: int, tile: int, seed: int = 0,
+                      dtype: str | None = None) -> ConsistencyReport:
+    model = load_model(Path(model_dir), dtype=dtype or default_compute_dtype())
+    return check_model_consistency(model, ctx, decode, chunk, tile, seed)
