@@ -1,0 +1,161 @@
+"""The FastAPI application: state (loading / ready / draining), the edge guard, routes and error handlers.
+
+`create_app(settings, engine, tokenizer, model_info)` serves an engine built elsewhere (tests pass one over
+ScriptedRunner); `create_app(settings)` starts in the loading state and `AppState.attach` makes it ready
+once serve.py has built the real engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import time
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine.tokenizer import Tokenizer
+from server.errors import APIError, install_error_handlers, payload_too_large, unauthorized, unavailable
+from server.prepare import ModelInfo, ServedModel
+from server.routes import router
+from server.settings import Settings
+
+logger = logging.getLogger("tessera.server")
+
+Phase = Literal["loading", "ready", "draining"]
+
+
+class AppState:
+    """What the routes share: the served model once loaded, the phase, and the live engine request ids."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.served: ServedModel | None = None
+        self.is_draining = False
+        self.inflight: set[str] = set()  # engine request ids of unfinished choices (generation.ChoiceRun)
+
+    @property
+    def phase(self) -> Phase:
+        if self.is_draining:
+            return "draining"
+        return "ready" if self.served is not None else "loading"
+
+    def attach(self, served: ServedModel) -> None:
+        self.served = served
+
+    def require_model(self) -> ServedModel:
+        """The served model, or 503 while loading or draining (readiness says the same)."""
+        if self.is_draining:
+            raise unavailable("The server is shutting down and takes no new requests")
+        if self.served is None:
+            raise unavailable("The model is still loading; retry when /ready returns 200")
+        return self.served
+
+    async def drain(self, timeout_s: float) -> None:
+        """Graceful shutdown: refuse new requests, let in-flight ones finish for `timeout_s`, abort the rest.
+
+        Aborted requests end with a 503 (or an in-stream error); we wait briefly for those responses too."""
+        self.is_draining = True
+        logger.info("draining: %d engine requests in flight, %.1f s to finish", len(self.inflight), timeout_s)
+        if self.served is not None:
+            # Blocking: waits for the scheduler to empty, then aborts what is left and stops the engine thread.
+            await asyncio.to_thread(self.served.engine.shutdown, timeout_s)
+        deadline = time.monotonic() + 2.0
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        logger.info("drained; %d responses still being written", len(self.inflight))
+
+
+class EdgeGuard:
+    """Pure ASGI middleware, before any parsing: API keys on inference routes, then the body-size limit."""
+
+    _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+    def __init__(self, app: ASGIApp, api_keys: list[str], max_body_bytes: int) -> None:
+        self.app = app
+        self._key_digests = [_digest(key.encode()) for key in api_keys]
+        self._max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            if self._key_digests and scope["path"].startswith(self._PROTECTED_PREFIXES):
+                self._check_key(_header(scope, b"authorization"))
+            if scope["method"] in ("POST", "PUT", "PATCH"):
+                receive = await self._buffered_body(scope, receive)
+        except APIError as exc:
+            await exc.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _check_key(self, authorization: bytes | None) -> None:
+        scheme, _, key = (authorization or b"").partition(b" ")
+        # Constant time: fixed-length digests (no length leak), every key compared whatever matched already.
+        digest = _digest(key.strip())
+        matched = False
+        for candidate in self._key_digests:
+            matched |= hmac.compare_digest(digest, candidate)
+        if scheme.lower() != b"bearer" or not matched:
+            raise unauthorized()
+
+    async def _buffered_body(self, scope: Scope, receive: Receive) -> Receive:
+        """Read the whole body (the app would anyway), refusing it past the limit; replay it to the app."""
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self._max_body_bytes:
+            raise payload_too_large(self._max_body_bytes)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return _replay([message], receive)  # disconnected mid-body: let the app see it
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self._max_body_bytes:
+                raise payload_too_large(self._max_body_bytes)
+            if not message.get("more_body", False):
+                break
+        return _replay([{"type": "http.request", "body": b"".join(chunks), "more_body": False}], receive)
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    return next((value for key, value in scope["headers"] if key.lower() == name), None)
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    """A receive that returns `messages` first, then the real ones (so disconnects still arrive)."""
+    pending = list(messages)
+
+    async def replayed() -> Message:
+        return pending.pop(0) if pending else await receive()
+
+    return replayed
+
+
+def create_app(
+    settings: Settings,
+    engine: Any | None = None,
+    tokenizer: Tokenizer | None = None,
+    model_info: ModelInfo | None = None,
+) -> FastAPI:
+    """The app; with an engine (+ tokenizer, model_info) it is ready at once, else it waits for `attach`."""
+    state = AppState(settings)
+    if engine is not None:
+        if tokenizer is None or model_info is None:
+            raise ValueError("create_app needs the tokenizer and model_info with the engine")
+        state.attach(ServedModel(engine, tokenizer, model_info))
+    app = FastAPI(title="Tessera", summary="OpenAI-compatible server for DeepSeek-V4 on MLX")
+    app.state.tessera = state
+    install_error_handlers(app)
+    app.include_router(router)
+    app.add_middleware(EdgeGuard, api_keys=list(settings.api_keys), max_body_bytes=settings.max_body_bytes)
+    return app

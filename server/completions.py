@@ -1,0 +1,111 @@
+"""POST /v1/completions: raw prompts (text or token ids, one or many) in, text out, streamed or whole.
+
+Choice index = prompt index * n + sample index, as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from engine.protocol import SamplingParams
+from server.generation import ChoiceRun, Piece, close_runs, collect_all, merge_pieces, open_runs
+from server.logprobs import CompletionLogprobsBuilder
+from server.prepare import (
+    ServedModel,
+    check_model,
+    check_token_ids,
+    new_response_id,
+    resolve_max_tokens,
+    sampling_params,
+    start_runs,
+    text_prompt_ids,
+    until_disconnected,
+)
+from server.schemas import Completion, CompletionChoice, CompletionRequest, Usage
+from server.sse import Chunk, Keepalive, sse_response
+
+
+def _prompt_ids(body: CompletionRequest, served: ServedModel) -> list[tuple[list[int], str]]:
+    """(ids, text to echo) per prompt; a token-id prompt is checked against the vocabulary."""
+    tokenizer = served.tokenizer
+    prompts = []
+    for prompt in body.prompts():
+        if isinstance(prompt, str):
+            prompts.append((text_prompt_ids(tokenizer, prompt), prompt))
+        else:
+            check_token_ids(prompt, tokenizer.vocab_size, param="prompt")
+            prompts.append((list(prompt), tokenizer.decode(prompt, skip_special_tokens=True) if body.echo else ""))
+    return prompts
+
+
+def _choices(body: CompletionRequest, served: ServedModel,
+             prompts: list[tuple[list[int], str]]) -> list[tuple[list[int], SamplingParams]]:
+    choices = []
+    for ids, _ in prompts:
+        max_tokens = resolve_max_tokens(body.max_tokens, len(ids), served.info.max_model_len, "prompt")
+        for _ in range(body.n):
+            sampling = sampling_params(body, max_tokens=max_tokens, num_logprobs=body.logprobs,
+                                       choice=len(choices), vocab_size=served.tokenizer.vocab_size)
+            choices.append((ids, sampling))
+    return choices
+
+
+async def create_completion(
+    body: CompletionRequest, served: ServedModel, inflight: set[str], request: Request
+) -> Completion | Response:
+    body.unsupported_values()
+    check_model(body.model, served.info)
+    prompts = _prompt_ids(body, served)
+    echoes = [text for _, text in prompts for _ in range(body.n)] if body.echo else None
+    response_id = new_response_id("cmpl")
+    runs = start_runs(served, inflight, response_id, _choices(body, served, prompts), body.stop_strings)
+    head = Completion(id=response_id, created=int(time.time()), model=served.info.name, choices=[])
+    num_prompt_tokens = sum(len(ids) for ids, _ in prompts)
+    if body.stream:
+        await until_disconnected(request, open_runs(runs))
+        chunks = _chunks(runs, body, served, head, echoes, num_prompt_tokens)
+        return sse_response(chunks, lambda: close_runs(runs))
+    outputs = await until_disconnected(request, _complete(runs))
+    choices = [_choice(i, pieces, body, served, echoes) for i, pieces in enumerate(outputs)]
+    usage = Usage.of(num_prompt_tokens, sum(run.num_generated_tokens for run in runs))
+    return head.model_copy(update={"choices": choices, "usage": usage})
+
+
+async def _complete(runs: list[ChoiceRun]) -> list[list[Piece]]:
+    await open_runs(runs)
+    return await collect_all(runs)
+
+
+def _choice(index: int, pieces: list[Piece], body: CompletionRequest, served: ServedModel,
+            echoes: list[str] | None) -> CompletionChoice:
+    echo = echoes[index] if echoes else ""
+    logprobs = None
+    if body.logprobs is not None:
+        builder = CompletionLogprobsBuilder(served.tokenizer, start_offset=len(echo))
+        logprobs = builder.build([token for piece in pieces for token in piece.tokens])
+    return CompletionChoice(index=index, text=echo + "".join(piece.text for piece in pieces), logprobs=logprobs,
+                            finish_reason=pieces[-1].finish_reason if pieces else "stop")
+
+
+async def _chunks(runs: list[ChoiceRun], body: CompletionRequest, served: ServedModel, head: Completion,
+                  echoes: list[str] | None, num_prompt_tokens: int) -> AsyncIterator[Chunk]:
+    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
+        return head.model_copy(update={"choices": choices, "usage": usage})
+
+    builders = [CompletionLogprobsBuilder(served.tokenizer, len(echoes[i]) if echoes else 0) for i in range(len(runs))]
+    for index, echo in enumerate(echoes or []):
+        yield chunk([CompletionChoice(index=index, text=echo)])
+    async for index, piece in merge_pieces(runs):
+        if piece.is_keepalive:
+            yield Keepalive("prefill")
+            continue
+        logprobs = builders[index].build(piece.tokens) if body.logprobs is not None else None
+        if piece.text or piece.finish_reason or (logprobs and logprobs.tokens):
+            yield chunk([CompletionChoice(index=index, text=piece.text, logprobs=logprobs,
+                                          finish_reason=piece.finish_reason)])
+    if body.include_usage:
+        yield chunk([], Usage.of(num_prompt_tokens, sum(run.num_generated_tokens for run in runs)))

@@ -1,0 +1,160 @@
+"""From a validated request to engine requests: prompt ids, context checks, sampling, one run per choice.
+
+Shared by /v1/chat/completions and /v1/completions, so both check the model name, the context length and
+the vocabulary the same way and start their choices identically.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+from typing import Any, Awaitable, Sequence, TypeVar
+
+from starlette.requests import Request
+
+from engine.protocol import SamplingParams
+from engine.tokenizer import Tokenizer
+from server.chat_format import render_prompt, render_with_template
+from server.errors import ClientDisconnected, context_length_exceeded, invalid_request, model_not_found
+from server.generation import ChoiceRun
+from server.schemas import ChatCompletionRequest, _Sampling
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What /v1/models says about the served model."""
+
+    name: str  # the id clients send as `model`
+    root: str  # where it came from (model directory)
+    max_model_len: int
+    created: int  # unix time the server loaded it
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The loaded model as the routes see it: the engine handle, its tokenizer and facts."""
+
+    engine: Any  # engine.engine_loop.AsyncEngine (duck-typed so tests may pass any engine)
+    tokenizer: Tokenizer
+    info: ModelInfo
+
+
+def new_response_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_model(requested: str | None, info: ModelInfo) -> None:
+    if requested is not None and requested != info.name:
+        raise model_not_found(requested)
+
+
+# ---- prompts ---------------------------------------------------------------------------------------
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, body: ChatCompletionRequest, thinking: bool,
+                    add_generation_prompt: bool = True) -> list[int]:
+    """Render the messages in V4's format (or the model dir's Jinja template) and encode; BOS is in the text."""
+    messages = [message.to_prompt_dict() for message in body.messages]
+    if tokenizer.chat_template:
+        text = render_with_template(tokenizer.chat_template, messages, body.active_tools, thinking,
+                                    bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "",
+                                    add_generation_prompt=add_generation_prompt)
+    else:
+        text = render_prompt(messages, body.active_tools, thinking, add_generation_prompt=add_generation_prompt,
+                             reasoning_effort=body.v4_reasoning_effort if thinking else None)
+    return tokenizer.encode(text)
+
+
+def text_prompt_ids(tokenizer: Tokenizer, text: str, add_bos: bool = True) -> list[int]:
+    """A raw completion prompt: BOS (as the model was trained to start) + the text's tokens."""
+    bos = [tokenizer.bos_token_id] if add_bos and tokenizer.bos_token_id is not None else []
+    return bos + tokenizer.encode(text)
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise invalid_request(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param=param)
+
+
+def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int, prompt_param: str) -> int:
+    """The completion budget: as requested if prompt + it fits the context, else a 400; unset: the rest."""
+    if num_prompt_tokens == 0:
+        raise invalid_request(f"The {prompt_param} is empty", param=prompt_param)
+    if num_prompt_tokens >= max_model_len:
+        raise context_length_exceeded(
+            f"This model's maximum context length is {max_model_len} tokens. However, your {prompt_param} "
+            f"resulted in {num_prompt_tokens} tokens, which leaves no room for a completion. "
+            f"Please shorten the {prompt_param}.", param=prompt_param)
+    if requested is None:
+        return max_model_len - num_prompt_tokens
+    if num_prompt_tokens + requested > max_model_len:
+        raise context_length_exceeded(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the {prompt_param}, {requested} for "
+            "the completion). Please reduce the length of the prompt or the completion.", param="max_tokens")
+    return requested
+
+
+# ---- sampling and runs ----------------------------------------------------------------------------
+
+
+def sampling_params(body: _Sampling, *, max_tokens: int, num_logprobs: int | None, choice: int,
+                    vocab_size: int) -> SamplingParams:
+    """Engine sampling for choice `choice`: with a seed, choice i samples with seed + i (distinct, reproducible)."""
+    bias = body.logit_bias or {}
+    check_token_ids(list(bias), vocab_size, param="logit_bias")
+    return SamplingParams(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        max_tokens=max_tokens,
+        seed=None if body.seed is None else body.seed + choice,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias=tuple(sorted(bias.items())),
+        logprobs=num_logprobs,
+        ignore_eos=body.ignore_eos,
+    )
+
+
+def start_runs(served: ServedModel, inflight: set[str], response_id: str,
+               prompts: Sequence[tuple[list[int], SamplingParams]], stops: Sequence[str]) -> list[ChoiceRun]:
+    """One engine request per (prompt ids, sampling), in choice order; nothing is awaited yet."""
+    return [
+        ChoiceRun(served.engine, served.tokenizer, f"{response_id}-{index}", prompt_ids, sampling, stops, inflight)
+        for index, (prompt_ids, sampling) in enumerate(prompts)
+    ]
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client disconnects first (cancellation aborts its engine requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # we were cancelled ourselves (server shutdown): take the work down with us
+        await _cancel(task, watcher)
+        raise
+    if task in done:
+        await _cancel(watcher)
+        return task.result()
+    await _cancel(task)
+    raise ClientDisconnected()
+
+
+async def _cancel(*tasks: asyncio.Future) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body was read before the endpoint ran, so the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,152 @@
+"""The HTTP routes. Thin: each parses its body (pydantic), finds the served model and delegates.
+
+Inference routes (/v1/*, /tokenize, /detokenize) sit behind the API-key check in app.EdgeGuard; /health,
+/ready and /version never need a key, so probes work without one.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.responses import Response
+
+from server.chat import create_chat_completion
+from server.completions import create_completion
+from server.errors import model_not_found
+from server.prepare import ServedModel, chat_prompt_ids, check_model, check_token_ids, text_prompt_ids
+from server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionInfo,
+)
+
+if TYPE_CHECKING:
+    from server.app import AppState
+
+router = APIRouter()
+
+
+def _state(request: Request) -> AppState:
+    return request.app.state.tessera
+
+
+def _json(result: BaseModel | Response) -> Response:
+    return result if isinstance(result, Response) else JSONResponse(result.model_dump(mode="json"))
+
+
+# ---- inference ------------------------------------------------------------------------------------
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    state = _state(request)
+    return _json(await create_chat_completion(body, state.require_model(), state.inflight, request))
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    state = _state(request)
+    return _json(await create_completion(body, state.require_model(), state.inflight, request))
+
+
+# ---- models ---------------------------------------------------------------------------------------
+
+
+def _card(served: ServedModel) -> ModelCard:
+    info = served.info
+    return ModelCard(id=info.name, created=info.created, root=info.root, max_model_len=info.max_model_len)
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def list_models(request: Request) -> ModelList:
+    served = _state(request).served
+    return ModelList(data=[_card(served)] if served is not None else [])
+
+
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard)
+async def get_model(model_id: str, request: Request) -> ModelCard:
+    served = _state(request).served
+    if served is None or model_id != served.info.name:
+        raise model_not_found(model_id)
+    return _card(served)
+
+
+# ---- tokenizer --------------------------------------------------------------------------------------
+
+
+@router.post("/tokenize", response_model=TokenizeResponse)
+async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    served = _state(request).require_model()
+    check_model(body.model, served.info)
+    if body.prompt is not None:
+        ids = text_prompt_ids(served.tokenizer, body.prompt, add_bos=body.add_special_tokens)
+    else:
+        # The same rendering as /v1/chat/completions, so the count is what a chat request would use.
+        chat = ChatCompletionRequest(model=served.info.name, messages=body.messages or [], tools=body.tools,
+                                     chat_template_kwargs=body.chat_template_kwargs)
+        chat.unsupported_values()
+        ids = chat_prompt_ids(served.tokenizer, chat, chat.thinking(), body.add_generation_prompt)
+    return TokenizeResponse(count=len(ids), max_model_len=served.info.max_model_len, tokens=ids)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse)
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    served = _state(request).require_model()
+    check_model(body.model, served.info)
+    check_token_ids(body.tokens, served.tokenizer.vocab_size, param="tokens")
+    return DetokenizeResponse(prompt=served.tokenizer.decode(body.tokens))
+
+
+# ---- probes ---------------------------------------------------------------------------------------
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """Liveness: the process answers, and the engine thread (once started) is alive."""
+    state = _state(request)
+    served = state.served
+    if served is not None and not state.is_draining and not served.engine.stats().is_alive:
+        return JSONResponse({"status": "engine_dead"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    """Readiness: 200 only while serving; 503 while the model loads or the server drains."""
+    phase = _state(request).phase
+    return JSONResponse({"status": phase}, status_code=200 if phase == "ready" else 503)
+
+
+@router.get("/version", response_model=VersionInfo)
+async def version() -> VersionInfo:
+    return VersionInfo(version=tessera_version())
+
+
+@lru_cache(maxsize=1)
+def tessera_version() -> str:
+    """The installed package's version; from pyproject.toml when running from a source tree."""
+    try:
+        return importlib.metadata.version("tessera")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    try:
+        return tomllib.loads(pyproject.read_text())["project"]["version"]
+    except (OSError, KeyError, ValueError):
+        return "unknown"

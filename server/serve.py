@@ -1,0 +1,145 @@
+"""`tessera serve`: build the engine, run uvicorn, drain on SIGTERM.
+
+Startup: the HTTP server binds first (a port in use fails fast, before minutes of loading), answers
+/health at once and /ready with 503 until the model is loaded. Shutdown on SIGTERM or Ctrl-C: readiness
+turns 503 and new requests get 503, in-flight requests have `shutdown_timeout_s` to finish, the rest are
+aborted, then uvicorn exits. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from pathlib import Path
+from types import FrameType
+
+import uvicorn
+
+from engine.tokenizer import Tokenizer
+from server.app import AppState, create_app
+from server.prepare import ModelInfo, ServedModel
+from server.settings import Settings
+
+logger = logging.getLogger("tessera.serve")
+
+DEFAULT_MODEL_NAME = "tessera-default"
+_UVICORN_GRACE_S = 5  # after our drain, how long uvicorn waits for connections still open
+
+
+def build_engine(settings: Settings) -> ServedModel:
+    """Load the model (the embedded default when `settings.model` is None) and build its engine, not started.
+
+    Engine modules are imported here, not at the top, so the server can be imported and tested without MLX
+    or a model."""
+    from engine.default_model import ensure_default_model
+    from engine.engine_loop import AsyncEngine
+    from engine.loader import load_config
+    from engine.runner import build_runner
+    from engine.scheduler import SchedulerConfig
+
+    model_dir = Path(settings.model) if settings.model is not None else ensure_default_model()
+    tokenizer = Tokenizer.from_dir(model_dir)
+    max_model_len = settings.max_context or load_config(model_dir).max_position_embeddings
+    runner = build_runner(model_dir, settings.prefill_chunk, settings.indexer_tile, max_context=max_model_len)
+    config = SchedulerConfig(
+        prefill_chunk=settings.prefill_chunk,
+        max_num_seqs=settings.max_num_seqs,
+        max_queued_requests=settings.max_queued_requests,
+        max_model_len=max_model_len,
+        memory_budget_bytes=kv_cache_budget(settings.memory_budget, runner.memory_snapshot()),
+    )
+    eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    engine = AsyncEngine(runner, config, eos_token_ids=eos_ids)
+    name = settings.served_model_name or (model_dir.name if settings.model is not None else DEFAULT_MODEL_NAME)
+    info = ModelInfo(name=name, root=str(model_dir), max_model_len=max_model_len, created=int(time.time()))
+    return ServedModel(engine, tokenizer, info)
+
+
+def kv_cache_budget(memory_budget: int | None, memory: dict[str, int]) -> int | None:
+    """The scheduler admits against KV caches only: the budget less weights and the planned workspace."""
+    if memory_budget is None:
+        return None
+    fixed = memory.get("weights", 0) + memory.get("planned_workspace", 0)
+    if fixed >= memory_budget:
+        raise ValueError(
+            f"memory_budget ({memory_budget} bytes) does not cover weights + planned prefill workspace "
+            f"({fixed} bytes), leaving nothing for KV caches: raise --memory-budget or lower --prefill-chunk"
+        )
+    return memory_budget - fixed
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but the first SIGTERM/SIGINT drains the app (AppState.drain) before uvicorn shuts down."""
+
+    def __init__(self, config: uvicorn.Config, state: AppState) -> None:
+        super().__init__(config)
+        self._state = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._is_draining = False
+        self._drain_task: asyncio.Task | None = None
+
+    async def serve(self, sockets=None) -> None:  # type: ignore[override]
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Runs in the signal handler: only flip a flag and hand the work to the event loop.
+        if self._is_draining or self._loop is None:
+            super().handle_exit(sig, frame)  # second signal: uvicorn's own (immediate) shutdown
+            return
+        self._is_draining = True
+        logger.info("received %s: draining", signal.Signals(sig).name)
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self._state.drain(self._state.settings.shutdown_timeout_s)
+        finally:
+            self.should_exit = True
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def serve(settings: Settings) -> int:
+    """Run the server until it is shut down; the process exit code."""
+    configure_logging(settings.log_level)
+    logger.info("effective settings: %s", json.dumps(settings.public_dict(), sort_keys=True))
+    return asyncio.run(_serve(settings))
+
+
+async def _serve(settings: Settings) -> int:
+    app = create_app(settings)
+    state: AppState = app.state.tessera
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            timeout_graceful_shutdown=_UVICORN_GRACE_S, lifespan="off")
+    server = DrainingServer(config, state)
+    serving = asyncio.ensure_future(server.serve())
+    while not server.started:  # bind first: a taken port fails before the model loads
+        if serving.done():
+            return 1
+        await asyncio.sleep(0.05)
+    try:
+        served = await asyncio.to_thread(build_engine, settings)
+    except Exception:
+        logger.exception("could not load the model; shutting down")
+        server.should_exit = True
+        await serving
+        return 1
+    if serving.done():  # told to stop while loading
+        return 0
+    served.engine.start()
+    state.attach(served)
+    logger.info("serving %s (max_model_len %d) on http://%s:%d", served.info.name, served.info.max_model_len,
+                settings.host, settings.port)
+    await serving
+    if not state.is_draining:  # uvicorn stopped on its own (second signal): still stop the engine thread
+        await state.drain(0.0)
+    return 0

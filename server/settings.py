@@ -1,0 +1,198 @@
+"""The one settings schema of `tessera serve` (DESIGN.md §5).
+
+Sources, lowest precedence first: `config/default.toml` (or the file given by `--config` / `TESSERA_CONFIG`),
+`TESSERA_*` environment variables, CLI flags. The CLI is parsed at the edge (server/cli.py) into keyword
+overrides; nothing past this module sees argparse or the environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+DEFAULT_CONFIG_FILE = Path(__file__).resolve().parents[1] / "config" / "default.toml"
+CONFIG_ENV_VAR = "TESSERA_CONFIG"
+
+# Which TOML file the next `Settings()` reads; set only by `load_settings` (pydantic-settings builds its
+# sources in a classmethod, so the chosen file has to reach it from outside the constructor).
+_config_file: ContextVar[Path | None] = ContextVar("tessera_config_file", default=None)
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_byte_size(value: Any) -> int:
+    """`"100GiB"`, `"512MiB"`, `"2GB"`, `"1.5GiB"`, `"4096"` or an int -> bytes.
+
+    Binary units (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (KB, MB, GB, TB) powers of 1000.
+    """
+    if isinstance(value, bool):
+        raise ValueError("a byte size must be a number or a string like '100GiB', not a boolean")
+    if isinstance(value, int):
+        num_bytes = value
+    elif isinstance(value, float) and value.is_integer():
+        num_bytes = int(value)
+    elif isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        unit = match.group(2).lower() if match else None
+        if unit not in _UNITS:
+            raise ValueError(
+                f"cannot read {value!r} as a byte size: write a number with an optional unit "
+                "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '100GiB' or '512MiB'"
+            )
+        num_bytes = int(float(match.group(1)) * _UNITS[unit])
+    else:
+        raise ValueError(f"cannot read {value!r} as a byte size")
+    if num_bytes <= 0:
+        raise ValueError(f"a byte size must be positive, got {value!r}")
+    return num_bytes
+
+
+def _parse_api_keys(value: Any) -> Any:
+    """One key, `"k1,k2"`, or a JSON list (the form an env var can carry) -> list of keys."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [key.strip() for key in text.split(",") if key.strip()]
+    return value
+
+
+ByteSize = Annotated[int, BeforeValidator(parse_byte_size)]
+
+
+class Settings(BaseSettings):
+    """Everything `tessera serve` can be told. Frozen: built once at start, then only read."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="TESSERA_",
+        extra="forbid",  # a typo in the TOML file is an error, not a silently ignored key
+        frozen=True,
+    )
+
+    host: str = Field("127.0.0.1", description="Address to listen on; 0.0.0.0 exposes the server to the network.")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on (0: any free port).")
+    model: Path | None = Field(
+        None,
+        description="Model directory (config.json + safetensors + tokenizer.json). None: the embedded default "
+        "model, a small random-weight V4 checkpoint generated on first start.",
+    )
+    served_model_name: str | None = Field(
+        None,
+        description="The model id clients send and /v1/models lists. None: the model directory's name "
+        "(`tessera-default` for the embedded model).",
+    )
+    prefill_chunk: int = Field(
+        4096, ge=1, description="Global prefill chunk C in tokens, also the scheduler's per-step token budget."
+    )
+    indexer_tile: int = Field(
+        1024, ge=1, description="Lightning-indexer query-row tile T (≤ prefill_chunk); bounds the T×N score scratch."
+    )
+    max_context: int | None = Field(
+        None, ge=1, description="Longest prompt + completion in tokens. None: the model's max_position_embeddings."
+    )
+    memory_budget: ByteSize | None = Field(
+        None,
+        description="Memory Tessera may use, e.g. '100GiB', '512MiB' or a byte count: weights + planned prefill "
+        "workspace + the KV caches of admitted requests. A request is admitted only if its cache at its maximum "
+        "length fits in what weights and workspace leave. None: no budget (admission by max_num_seqs only).",
+    )
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Accepted bearer keys for inference routes; empty: no authentication. "
+        "CLI: --api-key repeated; env: TESSERA_API_KEYS='k1,k2'.",
+    )
+    max_num_seqs: int = Field(16, ge=1, description="Most requests decoding at once (the running batch).")
+    max_queued_requests: int = Field(
+        256, ge=0, description="Most requests waiting for admission; beyond it a request gets 503 + Retry-After."
+    )
+    max_body_bytes: ByteSize = Field(
+        64 * 2**20, description="Largest request body; larger gets 413. A 1M-token prompt as JSON ids is ~8 MB."
+    )
+    metrics_vllm_aliases: bool = Field(
+        False, description="Also export `vllm:`-named metric aliases so vLLM Grafana dashboards work unchanged."
+    )
+    shutdown_timeout_s: float = Field(
+        30.0, ge=0, description="On SIGTERM, how long in-flight requests may finish before they are aborted."
+    )
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = Field(
+        "info", description="Log level of Tessera and uvicorn."
+    )
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_api_keys(cls, value: Any) -> Any:
+        return _parse_api_keys(value)
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_log_level(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _tile_fits_chunk(self) -> Settings:
+        if self.indexer_tile > self.prefill_chunk:
+            raise ValueError(
+                f"indexer_tile ({self.indexer_tile}) must be ≤ prefill_chunk ({self.prefill_chunk}): "
+                "lower --indexer-tile or raise --prefill-chunk"
+            )
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # First wins: CLI overrides (init kwargs) > TESSERA_* env > TOML file.
+        toml_file = _config_file.get()
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if toml_file is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
+        return tuple(sources)
+
+    def public_dict(self) -> dict[str, Any]:
+        """The effective settings for logs and the info metric: API keys redacted, paths as strings."""
+        values = self.model_dump(mode="json")
+        values["api_keys"] = [f"<{len(self.api_keys)} redacted>"] if self.api_keys else []
+        return values
+
+
+def resolve_config_file(config_file: Path | str | None) -> Path | None:
+    """`--config` > `TESSERA_CONFIG` > config/default.toml (when present). An explicit file must exist."""
+    explicit = config_file or os.environ.get(CONFIG_ENV_VAR)
+    if explicit:
+        path = Path(explicit)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path} (from --config or {CONFIG_ENV_VAR})")
+        return path
+    return DEFAULT_CONFIG_FILE if DEFAULT_CONFIG_FILE.is_file() else None
+
+
+def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Settings:
+    """Build the effective settings: TOML < `TESSERA_*` env < `overrides` (the CLI flags that were given)."""
+    token = _config_file.set(resolve_config_file(config_file))
+    try:
+        return Settings(**overrides)
+    finally:
+        _config_file.reset(token)

@@ -1,0 +1,65 @@
+"""Server-sent events for streamed completions (sse-starlette).
+
+The stream is opened only after every choice's first engine event (routes hold the status until then),
+so a refusal is a real HTTP error. Once the 200 is sent, a failure becomes one `data: {"error": …}` event;
+every stream, failed or not, ends with `data: [DONE]`. During a long prefill the engine's Progress events
+become SSE comments, and sse-starlette pings on top, so proxies never see an idle connection.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import AsyncIterator, Awaitable, Callable, Union
+
+from pydantic import BaseModel
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.types import Receive, Scope, Send
+
+from server.errors import to_api_error
+
+PING_INTERVAL_S = 10  # under the common 30-60 s idle timeouts of proxies and load balancers
+
+
+class Keepalive:
+    """A chunk stream item meaning 'still working' (prefill progress): sent as an SSE comment."""
+
+    def __init__(self, note: str = "keepalive") -> None:
+        self.note = note
+
+
+Chunk = Union[BaseModel, Keepalive]
+
+
+class _Stream(EventSourceResponse):
+    """An SSE response that runs `on_close` however it ends: done, failed, or cut by a disconnect."""
+
+    def __init__(self, chunks: AsyncIterator[Chunk], on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(_events(chunks), ping=PING_INTERVAL_S, sep="\n")
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # The chunk generator may never have started (client gone at once): free its engine requests here.
+            await self._on_close()
+
+
+def sse_response(chunks: AsyncIterator[Chunk], on_close: Callable[[], Awaitable[None]]) -> EventSourceResponse:
+    return _Stream(chunks, on_close)
+
+
+async def _events(chunks: AsyncIterator[Chunk]) -> AsyncIterator[ServerSentEvent]:
+    try:
+        async for chunk in chunks:
+            yield _encode(chunk)
+    except Exception as exc:  # after the 200: report in-band, then end as usual (a disconnect is not Exception)
+        yield ServerSentEvent(data=json.dumps(to_api_error(exc).body()))
+    yield ServerSentEvent(data="[DONE]")
+
+
+def _encode(chunk: Chunk) -> ServerSentEvent:
+    if isinstance(chunk, Keepalive):
+        return ServerSentEvent(comment=chunk.note)
+    # Unset optional fields are left out (OpenAI sends e.g. a delta with only `content`).
+    return ServerSentEvent(data=chunk.model_dump_json(exclude_none=True))

@@ -1,0 +1,168 @@
+"""A real Tessera HTTP server for tests: uvicorn on 127.0.0.1 (free port, own thread), the real AsyncEngine
+over a ScriptedRunner (no model), and a byte-level tokenizer trained by train_tokenizer.
+
+`PromptScriptedRunner` picks a request's tokens by what its prompt says: a test registers
+`script("weather?", text_tokens)` and any request whose prompt contains "weather?" emits those tokens
+(server request ids are random, so scripting by id is not possible from outside).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import openai
+import uvicorn
+
+from engine.engine_loop import AsyncEngine
+from engine.fake_runner import ScriptedRunner
+from engine.protocol import SamplingParams, StepOutput, StepPlan
+from engine.scheduler import SchedulerConfig
+from engine.tokenizer import Tokenizer
+from engine.tokenizer_train import train_tokenizer
+from server.app import create_app
+from server.prepare import ModelInfo
+from server.settings import Settings
+
+MODEL_NAME = "tessera-test"
+
+
+def make_tokenizer(tmp_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(train_tokenizer(tmp_dir / "tokenizer", vocab_size=2048, seed=0))
+
+
+@dataclass
+class PromptScriptedRunner(ScriptedRunner):
+    """ScriptedRunner whose scripts are chosen by a marker in the decoded prompt.
+
+    It records each request's prompt text and sampling, and fails (InjectedFailure, like a runner crash)
+    any step touching a request whose prompt contains `fail_marker` once it has sampled `fail_after_tokens`.
+    """
+
+    tokenizer: Tokenizer | None = None
+    scripts_by_marker: dict[str, list[int]] = field(default_factory=dict)
+    fail_marker: str | None = None
+    fail_after_tokens: int = 0
+    prompt_by_id: dict[str, str] = field(default_factory=dict, init=False)
+    sampling_by_id: dict[str, SamplingParams] = field(default_factory=dict, init=False)
+    num_sampled_by_id: dict[str, int] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        self.fail_when = self._should_fail
+
+    def script(self, marker: str, token_ids: Sequence[int]) -> None:
+        self.scripts_by_marker[marker] = list(token_ids)
+
+    def add_request(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
+        assert self.tokenizer is not None
+        prompt = self.tokenizer.decode(prompt_ids)
+        for marker, script in self.scripts_by_marker.items():
+            if marker in prompt:
+                self.scripts[request_id] = script  # type: ignore[index]  # scripts is our own dict
+        self.prompt_by_id[request_id] = prompt
+        self.sampling_by_id[request_id] = sampling
+        super().add_request(request_id, prompt_ids, sampling)
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        output = super().execute(plan)
+        for sample in output.sampled:
+            self.num_sampled_by_id[sample.request_id] = self.num_sampled_by_id.get(sample.request_id, 0) + 1
+        return output
+
+    def requests_with(self, marker: str) -> list[str]:
+        return [rid for rid, prompt in self.prompt_by_id.items() if marker in prompt]
+
+    def _should_fail(self, plan: StepPlan) -> bool:
+        marker = self.fail_marker
+        return marker is not None and any(
+            marker in self.prompt_by_id.get(rid, "") and self.num_sampled_by_id.get(rid, 0) >= self.fail_after_tokens
+            for rid in plan.request_ids
+        )
+
+
+@dataclass
+class LiveServer:
+    base_url: str
+    runner: PromptScriptedRunner
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    app: Any
+    settings: Settings
+
+    def client(self, api_key: str = "none", **kwargs: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, **kwargs)
+
+    def text_tokens(self, text: str, end: bool = True) -> list[int]:
+        """Tokens spelling `text`, then EOS (the request ends with finish_reason 'stop') unless end=False."""
+        eos = [self.tokenizer.eos_token_id] if end else []
+        return self.tokenizer.encode(text) + eos  # type: ignore[list-item]
+
+    def wait_until_idle(self, timeout_s: float = 5.0) -> None:
+        """Until the engine holds no request and the runner no sequence (cancellation freed everything)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            stats = self.engine.stats()
+            if stats.num_running == 0 and stats.num_waiting == 0 and not self.runner.live_ids:
+                return
+            time.sleep(0.01)
+        raise AssertionError(f"engine not idle: {self.engine.stats()}, live {self.runner.live_ids}")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def serving(app: Any) -> Iterator[str]:
+    """Run any ASGI app under uvicorn on a free loopback port; yields its base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("test server did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@contextmanager
+def live_server(
+    tokenizer: Tokenizer,
+    *,
+    max_model_len: int = 4096,
+    prefill_chunk: int = 256,
+    max_num_seqs: int = 8,
+    max_queued_requests: int = 64,
+    memory_budget_bytes: int | None = None,
+    step_delay_s: float = 0.0,
+    **settings: Any,
+) -> Iterator[LiveServer]:
+    """The real AsyncEngine over a PromptScriptedRunner behind the real app; `settings` go to Settings."""
+    runner = PromptScriptedRunner(vocab_size=tokenizer.vocab_size, step_delay_s=step_delay_s, tokenizer=tokenizer,
+                                  scripts={})
+    config = SchedulerConfig(prefill_chunk=prefill_chunk, max_num_seqs=max_num_seqs,
+                             max_queued_requests=max_queued_requests, max_model_len=max_model_len,
+                             memory_budget_bytes=memory_budget_bytes)
+    engine = AsyncEngine(runner, config, eos_token_ids=[tokenizer.eos_token_id])
+    app_settings = Settings(prefill_chunk=prefill_chunk, indexer_tile=min(prefill_chunk, 1024), **settings)
+    info = ModelInfo(name=MODEL_NAME, root="scripted", max_model_len=max_model_len, created=int(time.time()))
+    app = create_app(app_settings, engine, tokenizer, info)
+    engine.start()
+    try:
+        with serving(app) as base_url:
+            yield LiveServer(base_url, runner, engine, tokenizer, app, app_settings)
+    finally:
+        engine.shutdown(1.0)

@@ -1,0 +1,174 @@
+"""The sampler on hand-made logits: greedy, seeds, truncation, penalties, logprobs."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.protocol import SamplingParams
+from engine.sampler import RequestRng, TokenHistory, process_logits, sample
+
+PROBS = [0.5, 0.3, 0.1, 0.05, 0.05]
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max()
+    return x - np.log(np.exp(x).sum())
+
+
+def draw_many(logits_row, params: SamplingParams, num_draws: int = 2000) -> Counter:
+    """One row repeated num_draws times, each with its own seed: the empirical distribution of one step."""
+    logits = mx.broadcast_to(mx.array(logits_row, dtype=mx.float32), (num_draws, len(logits_row)))
+    histories = [TokenHistory([0]) for _ in range(num_draws)]
+    rngs = [RequestRng(seed) for seed in range(num_draws)]
+    return Counter(s.token_id for s in sample(logits, [params] * num_draws, histories, rngs))
+
+
+def generate(logit_rows: list[np.ndarray], row_index: int, params: list[SamplingParams], seeds: list[int]):
+    """Sample step after step with fixed batch rows; return the tokens of row `row_index`."""
+    histories = [TokenHistory([1, 2, 3]) for _ in params]
+    rngs = [RequestRng(seed) for seed in seeds]
+    tokens = []
+    for step_logits in logit_rows:
+        samples = sample(mx.array(step_logits), params, histories, rngs)
+        for history, s in zip(histories, samples):
+            history.append(s.token_id)
+        tokens.append(samples[row_index].token_id)
+    return tokens
+
+
+def test_greedy_is_argmax():
+    logits = np.random.default_rng(0).normal(size=(4, 1000)).astype(np.float32)
+    params = [SamplingParams(temperature=0.0)] * 4
+    samples = sample(mx.array(logits), params, [TokenHistory([0]) for _ in range(4)], [RequestRng(0)] * 4)
+    assert [s.token_id for s in samples] == list(np.argmax(logits, axis=1))
+
+
+def test_same_seed_same_tokens_whatever_the_batch_neighbours():
+    rng = np.random.default_rng(1)
+    num_steps, vocab = 12, 500
+    mine = rng.normal(size=(num_steps, vocab)).astype(np.float32) * 3
+    params = SamplingParams(temperature=0.9, top_k=100, top_p=0.95, seed=42)
+
+    alone = generate([mine[i][None] for i in range(num_steps)], 0, [params], [42])
+    neighbours = rng.normal(size=(num_steps, 2, vocab)).astype(np.float32)
+    batched_rows = [np.stack([neighbours[i, 0], mine[i], neighbours[i, 1]]) for i in range(num_steps)]
+    batch_params = [SamplingParams(temperature=1.3, seed=7), params, SamplingParams(temperature=0.0)]
+    batched = generate(batched_rows, 1, batch_params, [7, 42, 123])
+
+    assert alone == batched
+    other_seed = generate([mine[i][None] for i in range(num_steps)], 0, [params], [43])
+    assert other_seed != alone  # 12 draws from ~100 tokens: a collision would be a broken seed
+
+
+def test_sampling_follows_the_distribution():
+    counts = draw_many(np.log(PROBS), SamplingParams(temperature=1.0), num_draws=4000)
+    for token_id, p in enumerate(PROBS):
+        assert abs(counts[token_id] / 4000 - p) < 0.03
+
+
+def test_top_k_restricts_support():
+    logits = np.random.default_rng(2).normal(size=50).astype(np.float32)
+    counts = draw_many(logits, SamplingParams(temperature=2.0, top_k=5))
+    assert set(counts) == set(np.argsort(-logits)[:5].tolist())
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    # Mass before token 1 is 0.5 < 0.7: kept. Mass before token 2 is 0.8: cut.
+    counts = draw_many(np.log(PROBS), SamplingParams(top_p=0.7))
+    assert set(counts) == {0, 1}
+    assert abs(counts[0] / 2000 - 0.5 / 0.8) < 0.04  # renormalized over what is kept
+
+
+def test_min_p_cuts_below_a_fraction_of_the_top_probability():
+    counts = draw_many(np.log(PROBS), SamplingParams(min_p=0.15))  # keeps p >= 0.075
+    assert set(counts) == {0, 1, 2}
+
+
+def test_frequency_and_presence_penalties_count_generated_tokens_only():
+    history = TokenHistory([1])
+    for token_id in (2, 2, 3):
+        history.append(token_id)
+    params = SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=1.0)
+    processed = process_logits(mx.zeros(6), params, history)
+    np.testing.assert_allclose(np.array(processed), [0, 0, -2.0, -1.5, 0, 0])
+
+
+def test_repetition_penalty_covers_prompt_and_output_and_respects_sign():
+    history = TokenHistory([0, 1])
+    history.append(2)
+    processed = process_logits(
+        mx.array([1.0, -1.0, 2.0, -2.0, 0.5]), SamplingParams(temperature=0.0, repetition_penalty=2.0), history
+    )
+    np.testing.assert_allclose(np.array(processed), [0.5, -2.0, 1.0, -2.0, 0.5])
+
+
+def test_logit_bias_moves_the_choice():
+    logits = mx.array([[5.0, 1.0, 0.0, 0.0]])
+    greedy = SamplingParams(temperature=0.0, logit_bias=((0, -100.0), (3, 2.0)))
+    assert sample(logits, [greedy], [TokenHistory([0])], [RequestRng(0)])[0].token_id == 3
+    counts = draw_many([0.0] * 4, SamplingParams(logit_bias=((2, 100.0),)), num_draws=200)
+    assert counts == Counter({2: 200})
+
+
+def test_logit_bias_outside_the_vocabulary_is_an_error():
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        process_logits(mx.zeros(4), SamplingParams(logit_bias=((4, 1.0),)), TokenHistory([0]))
+
+
+def test_penalty_shows_in_the_sampled_distribution():
+    history = TokenHistory([9])
+    for _ in range(3):
+        history.append(0)
+    params = SamplingParams(frequency_penalty=1.0)  # token 0 was generated 3 times: its logit drops by 3
+    logits = mx.broadcast_to(mx.zeros(4), (1000, 4))
+    samples = sample(logits, [params] * 1000, [history] * 1000, [RequestRng(s) for s in range(1000)])
+    expected = math.exp(-3) / (math.exp(-3) + 3)
+    assert abs(sum(s.token_id == 0 for s in samples) / 1000 - expected) < 0.02
+
+
+def test_logprobs_are_log_softmax_and_top_n_is_sorted():
+    logits = np.random.default_rng(3).normal(size=(1, 200)).astype(np.float32) * 2
+    params = SamplingParams(temperature=1.0, logprobs=5, seed=0)
+    s = sample(mx.array(logits), [params], [TokenHistory([0])], [RequestRng(0)])[0]
+    expected = log_softmax(logits[0].astype(np.float64))
+    assert s.logprob == pytest.approx(expected[s.token_id], abs=1e-5)
+    top_ids = [token_id for token_id, _ in s.top_logprobs]
+    assert top_ids == list(np.argsort(-expected)[:5])
+    values = [value for _, value in s.top_logprobs]
+    assert values == sorted(values, reverse=True)
+    np.testing.assert_allclose(values, expected[top_ids], atol=1e-5)
+
+
+def test_logprobs_are_of_the_processed_distribution():
+    logits = np.log(np.array(PROBS, dtype=np.float32))[None]
+    # Temperature 0.5 sharpens; top_k=3 cuts two tokens to -inf; the chosen token is always among the top 3.
+    params = SamplingParams(temperature=0.5, top_k=3, logprobs=5)
+    s = sample(mx.array(logits), [params], [TokenHistory([0])], [RequestRng(1)])[0]
+    expected = log_softmax(np.log(np.array(PROBS[:3])) / 0.5)
+    np.testing.assert_allclose([v for _, v in s.top_logprobs[:3]], expected, atol=1e-5)
+    assert [v for _, v in s.top_logprobs[3:]] == [-math.inf, -math.inf]
+    assert s.token_id in (0, 1, 2) and s.logprob == pytest.approx(expected[s.token_id], abs=1e-5)
+
+
+def test_greedy_logprobs_are_untempered_and_zero_top_n_means_chosen_only():
+    logits = np.array([[1.0, 3.0, 2.0]], dtype=np.float32)
+    params = SamplingParams(temperature=0.0, logprobs=0)
+    s = sample(mx.array(logits), [params], [TokenHistory([0])], [RequestRng(0)])[0]
+    assert s.token_id == 1 and s.top_logprobs == ()
+    assert s.logprob == pytest.approx(log_softmax(logits[0].astype(np.float64))[1], abs=1e-6)
+
+
+def test_negative_seeds_are_valid_and_distinct():
+    assert generate([np.zeros((1, 1000), np.float32)] * 4, 0, [SamplingParams()], [-1]) != generate(
+        [np.zeros((1, 1000), np.float32)] * 4, 0, [SamplingParams()], [1]
+    )
+
+
+def test_no_logprobs_unless_asked():
+    s = sample(mx.zeros((1, 4)), [SamplingParams()], [TokenHistory([0])], [RequestRng(0)])[0]
+    assert s.logprob is None and s.top_logprobs == ()
