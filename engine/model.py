@@ -63,7 +63,7 @@ class DeepseekV4:
         `tile`: indexer/attention query rows per tile (None: the whole segment, the untiled path).
         """
         cfg, timer = self.cfg, timer or ForwardTrace()
-        token_ids = mx.array([t for s in segments for t in s.token_ids], dtype=mx.int32)
+        token_ids = mx.array([int(t) for s in segments for t in s.token_ids], dtype=mx.int32)
         positions = mx.concatenate([mx.arange(s.cache.num_tokens, s.cache.num_tokens + len(s.token_ids)) for s in segments])
         tile = tile or max(len(s.token_ids) for s in segments)
         embedded = self.weights["embed.weight"][token_ids]  # [T, D]

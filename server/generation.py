@@ -95,7 +95,7 @@ class ChoiceRun:
         self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
         self._stop = StopMatcher(stops)
         self._is_finished = False
-        self._inflight = inflight  # the app's live request ids: drain on shutdown aborts what is left
+        self._inflight = inflight  # the app's live request ids: a draining server waits for them to end
         inflight.add(request_id)
 
     async def open(self) -> None:
@@ -110,13 +110,8 @@ class ChoiceRun:
     async def pieces(self) -> AsyncIterator[Piece]:
         """The choice's output; the last piece carries finish_reason. Aborts the engine request if left early."""
         try:
-            async for event in self._all_events():
-                piece = self._on_event(event)
-                if piece is not None:
-                    yield piece
-                if self._is_finished:
-                    return
-            raise internal_error("The engine ended a request's stream without a final event")
+            while not self._is_finished:
+                yield self._on_event(await self._next_event())
         finally:
             await self.close()
 
@@ -130,14 +125,16 @@ class ChoiceRun:
         if aclose is not None:
             await aclose()
 
-    async def _all_events(self) -> AsyncIterator[Event]:
+    async def _next_event(self) -> Event:
         if self._first is not None:
-            first, self._first = self._first, None
-            yield first
-        async for event in self._events:
-            yield event
+            event, self._first = self._first, None
+            return event
+        try:
+            return await self._events.__anext__()
+        except StopAsyncIteration:
+            raise internal_error("The engine ended a request's stream without a final event") from None
 
-    def _on_event(self, event: Event) -> Piece | None:
+    def _on_event(self, event: Event) -> Piece:
         if isinstance(event, Token):
             return self._on_token(event)
         if isinstance(event, Progress):

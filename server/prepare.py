@@ -18,7 +18,7 @@ from engine.tokenizer import Tokenizer
 from server.chat_format import render_prompt, render_with_template
 from server.errors import ClientDisconnected, context_length_exceeded, invalid_request, model_not_found
 from server.generation import ChoiceRun
-from server.schemas import ChatCompletionRequest, _Sampling
+from server.schemas import ChatCompletionRequest, SamplingFields
 
 T = TypeVar("T")
 
@@ -102,7 +102,7 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
 # ---- sampling and runs ----------------------------------------------------------------------------
 
 
-def sampling_params(body: _Sampling, *, max_tokens: int, num_logprobs: int | None, choice: int,
+def sampling_params(body: SamplingFields, *, max_tokens: int, num_logprobs: int | None, choice: int,
                     vocab_size: int) -> SamplingParams:
     """Engine sampling for choice `choice`: with a seed, choice i samples with seed + i (distinct, reproducible)."""
     bias = body.logit_bias or {}

@@ -49,7 +49,7 @@ class ResponseFormat(_Request):
     json_schema: dict[str, Any] | None = None
 
 
-class _Sampling(_Request):
+class SamplingFields(_Request):
     """Sampling fields shared by chat and completions (OpenAI ranges; vLLM names for the extras)."""
 
     model: str
@@ -68,6 +68,11 @@ class _Sampling(_Request):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None  # an end-user id for abuse tracking; it changes no output
+
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _top_k_off(cls, value: Any) -> Any:
+        return None if value in (-1, 0) else value  # vLLM clients spell "no top-k cut" as -1 (or 0)
 
     @field_validator("logit_bias")
     @classmethod
@@ -151,7 +156,7 @@ class NamedToolChoice(_Request):
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "max"]
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -229,7 +234,7 @@ class ChatCompletionRequest(_Sampling):
 Prompt = Union[str, list[str], list[int], list[list[int]]]
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     prompt: Prompt
     max_tokens: int = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)

@@ -119,7 +119,7 @@ async def _serve(settings: Settings) -> int:
     app = create_app(settings)
     state: AppState = app.state.tessera
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=_UVICORN_GRACE_S, lifespan="off")
+                            timeout_graceful_shutdown=_UVICORN_GRACE_S)
     server = DrainingServer(config, state)
     serving = asyncio.ensure_future(server.serve())
     while not server.started:  # bind first: a taken port fails before the model loads

@@ -310,7 +310,9 @@ def test_completion_logprobs(server: LiveServer, client) -> None:
 # ---- reasoning and tools ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("how", [{"reasoning_effort": "high"}, {"extra_body": {"chat_template_kwargs": {"thinking": True}}}])
+@pytest.mark.parametrize(
+    "how", [{"reasoning_effort": "high"}, {"extra_body": {"chat_template_kwargs": {"thinking": True}}}]
+)
 def test_reasoning_content_in_thinking_mode(server: LiveServer, client, how: dict[str, Any]) -> None:
     server.runner.script("think about 2+2", server.text_tokens("Two plus two is four.</think>The answer is 4."))
     whole = client.chat.completions.create(model=MODEL_NAME, messages=user("think about 2+2"), **how)

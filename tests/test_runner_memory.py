@@ -1,0 +1,88 @@
+"""The real model behind the engine loop: a request abandoned mid-prefill or mid-decode (what the
+server does when a client disconnects) gives its cache back — MLX active memory returns to idle —
+and greedy decoding through the engine equals the model's own greedy continuation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.engine_loop import AsyncEngine
+from engine.make_model import make_model
+from engine.model import Segment
+from engine.protocol import Progress, SamplingParams, Token
+from engine.runner import build_runner
+from engine.scheduler import SchedulerConfig
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    model_dir = make_model(tmp_path_factory.mktemp("mem"), "tiny", seed=9, with_tokenizer=False)
+    return build_runner(model_dir, prefill_chunk=64, indexer_tile=16)
+
+
+def _engine(runner) -> AsyncEngine:
+    engine = AsyncEngine(runner, SchedulerConfig(prefill_chunk=64, max_num_seqs=4, max_model_len=4096))
+    engine.start()
+    return engine
+
+
+def _idle_memory() -> int:
+    mx.synchronize()
+    mx.clear_cache()
+    return mx.get_active_memory()
+
+
+async def _leave_after(engine: AsyncEngine, request_id: str, prompt: list[int], event_type: type) -> None:
+    stream = engine.generate(request_id, prompt, SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True))
+    async for event in stream:
+        if isinstance(event, event_type):
+            break
+    await stream.aclose()  # the client went away
+
+
+def _wait_idle(engine: AsyncEngine, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (engine.stats().num_running or engine.stats().num_waiting) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # the release happens at the start of the next step
+
+
+@pytest.mark.parametrize("when", [Progress, Token], ids=["mid-prefill", "mid-decode"])
+def test_abandoned_request_returns_memory_to_idle(runner, when):
+    engine = _engine(runner)
+    try:
+        idle = _idle_memory()
+        prompt = np.random.default_rng(0).integers(0, 2048, 600).tolist()
+        asyncio.run(_leave_after(engine, "leaver", prompt, when))
+        _wait_idle(engine)
+        assert engine.stats().num_running == 0
+        assert runner.memory_snapshot()["kv_cache"] == 0
+        assert _idle_memory() <= idle + 64 * 1024  # a few small buffers at most, never a cache
+    finally:
+        engine.shutdown(10)
+
+
+def test_engine_greedy_equals_model_greedy(runner):
+    prompt = np.random.default_rng(1).integers(0, 2048, 150).tolist()
+    engine = _engine(runner)
+
+    async def collect() -> list[int]:
+        stream = engine.generate("g", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        return [e.token_id async for e in stream if isinstance(e, Token)]
+
+    try:
+        served = asyncio.run(collect())
+    finally:
+        engine.shutdown(10)
+    model, cache = runner.model, runner.model.new_cache()
+    logits = model.forward([Segment(cache, prompt)])[0]
+    direct = []
+    for _ in range(12):
+        direct.append(int(mx.argmax(logits[0]).item()))
+        logits = model.forward([Segment(cache, [direct[-1]])])[0]
+    assert served == direct
