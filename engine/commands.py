@@ -59,6 +59,17 @@ def _register_check(subparsers) -> None:
     con.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     con.add_argument("--json", action="store_true")
     con.set_defaults(func=_check_consistency)
+    ker = sub.add_parser("kernels", help="device kernels vs their references (selections, scores, tile invariance)")
+    ker.add_argument("--json", action="store_true")
+    ker.set_defaults(func=_check_kernels)
+
+
+def _check_kernels(args) -> int:
+    from kernels.device_checks import check_indexer_kernel
+
+    report = check_indexer_kernel()
+    _print_report(report, args.json)
+    return 0
 
 
 def _check_reference(args) -> int:
@@ -120,6 +131,21 @@ def _register_bench(subparsers) -> None:
     mat.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     mat.add_argument("--out", type=Path, default=Path("docs"))
     mat.set_defaults(func=_bench_matrix)
+    idx = sub.add_parser("indexer", help="indexer scoring throughput vs the device's bf16 matmul rate")
+    idx.add_argument("--tile", type=int, default=1024)
+    idx.add_argument("--rows", type=int, default=262144, help="compressed rows N (ctx / 4)")
+    idx.add_argument("--heads", type=int, default=64)
+    idx.add_argument("--dim", type=int, default=128)
+    idx.add_argument("--repeat", type=int, default=5)
+    idx.add_argument("--json", action="store_true")
+    idx.set_defaults(func=_bench_indexer)
+
+
+def _bench_indexer(args) -> int:
+    from kernels.device_checks import bench_indexer
+
+    _print_report(bench_indexer(args.tile, args.rows, args.heads, args.dim, repeat=args.repeat), args.json)
+    return 0
 
 
 def _bench_prefill(args) -> int:
@@ -144,3 +170,16 @@ def _print_report(report: dict, as_json: bool) -> None:
         return
     for key, value in report.items():
         print(f"{key:>24}: {value}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The engine's commands without the server's dependencies (`python -m engine.commands …`),
+    for machines that carry only MLX and numpy, such as the GPU box."""
+    parser = argparse.ArgumentParser(prog="python -m engine.commands")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -43,10 +43,39 @@ def select_topk_reference(scores: mx.array, visible: mx.array, k: int) -> tuple[
     return rows, rows < visible[:, None]
 
 
+def select_topk_threshold(scores: mx.array, visible: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """Same selection as `select_topk_reference` without a full sort (the GPU path): find the k-th
+    largest value v with `topk`, keep every row scoring above v, then the lowest-index rows scoring
+    exactly v until k are kept — the lower-index tie-break made explicit instead of relying on a
+    stable sort. Two `topk` passes and a cumsum over [T, N]."""
+    num_rows = scores.shape[1]
+    k = min(k, num_rows)
+    kth = mx.min(mx.topk(scores, k, axis=-1), axis=-1, keepdims=True)  # [T, 1]
+    above = scores > kth
+    at = scores == kth
+    room = k - above.sum(axis=-1, keepdims=True)  # how many of the tied rows fit
+    keep = above | (at & (mx.cumsum(at.astype(mx.int32), axis=-1) <= room))
+    order = mx.where(keep, -mx.arange(num_rows, dtype=mx.int32), -num_rows)  # larger = lower index
+    rows = mx.sort(-mx.topk(order, k, axis=-1), axis=-1).astype(mx.int32)
+    return rows, rows < visible[:, None]
+
+
+def _on_cuda() -> bool:
+    return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
 def indexer_scores(q: mx.array, head_weights: mx.array, keys: mx.array, visible: mx.array, scale: float) -> mx.array:
-    """Dispatch: a fused kernel where one exists for the device, else the reference."""
+    """Dispatch: the fused CUDA kernel on a CUDA device, else the reference."""
+    from kernels import indexer_cuda
+
+    if indexer_cuda.is_supported(q, keys):
+        return indexer_cuda.indexer_scores_kernel(q, head_weights, keys, visible, scale)
     return indexer_scores_reference(q, head_weights, keys, visible, scale)
 
 
 def select_topk(scores: mx.array, visible: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """Dispatch: the sort-free threshold selection on the GPU (a full row sort is the slow part
+    there), the stable-sort reference elsewhere; both keep the same rows."""
+    if _on_cuda():
+        return select_topk_threshold(scores, visible, k)
     return select_topk_reference(scores, visible, k)

@@ -19,12 +19,16 @@ RowGroup = tuple[mx.array, mx.array]  # rows [T, R, d] (K = V), valid [T, R] boo
 def mixed_attention_reference(q: mx.array, groups: Sequence[RowGroup], sinks: mx.array, scale: float) -> mx.array:
     """q: [T, H, d], groups of (rows [T, R_i, d], valid [T, R_i]), sinks: [H] -> [T, H, d]."""
     num_q, num_heads, _ = q.shape
-    logits = [mx.where(valid[:, None, :], q @ rows.transpose(0, 2, 1) * scale, -mx.inf) for rows, valid in groups]
-    sink = mx.broadcast_to(sinks.astype(q.dtype)[None, :, None], (num_q, num_heads, 1))
+    # Products in the rows' dtype (bf16 on a GPU), softmax in float32.
+    logits = [
+        mx.where(valid[:, None, :], (q @ rows.transpose(0, 2, 1)).astype(mx.float32) * scale, -mx.inf)
+        for rows, valid in groups
+    ]
+    sink = mx.broadcast_to(sinks.astype(mx.float32)[None, :, None], (num_q, num_heads, 1))
     probs = mx.softmax(mx.concatenate(logits + [sink], axis=-1), axis=-1, precise=True)  # [T, H, ΣR + 1]
     out, start = None, 0
     for rows, _ in groups:
-        part = probs[..., start : start + rows.shape[1]] @ rows  # [T, H, d]
+        part = probs[..., start : start + rows.shape[1]].astype(rows.dtype) @ rows  # [T, H, d]
         out = part if out is None else out + part
         start += rows.shape[1]
     return out

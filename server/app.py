@@ -2,7 +2,9 @@
 
 `create_app(settings, engine, tokenizer, model_info)` serves an engine built elsewhere (tests pass one over
 ScriptedRunner); `create_app(settings)` starts in the loading state and `AppState.attach` makes it ready
-once serve.py has built the real engine.
+once serve.py has built the real engine. Either way GET /metrics answers from the start: the app owns one
+`Metrics`, which the served model's requests report to (its engine's runner should be wrapped in the same
+object's `MeteredRunner`, as serve.build_engine does, for the token and step series).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.tokenizer import Tokenizer
 from server.errors import APIError, install_error_handlers, payload_too_large, unauthorized, unavailable
-from server.prepare import ModelInfo, ServedModel
+from server.metrics import Metrics, metrics_router
+from server.prepare import ModelInfo, ServedModel, served_model_name
 from server.routes import router
 from server.settings import Settings
 
@@ -27,12 +30,15 @@ logger = logging.getLogger("tessera.server")
 
 Phase = Literal["loading", "ready", "draining"]
 
+V4_MAX_CONTEXT = 1_048_576  # DeepSeek-V4's max_position_embeddings: token-count buckets before the model is read
+
 
 class AppState:
-    """What the routes share: the served model once loaded, the phase, and the live engine request ids."""
+    """What the routes share: the served model once loaded, the phase, the live engine request ids, metrics."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
         self.settings = settings
+        self.metrics = metrics
         self.served: ServedModel | None = None
         self.is_draining = False
         self.inflight: set[str] = set()  # engine request ids of unfinished choices (generation.ChoiceRun)
@@ -44,7 +50,13 @@ class AppState:
         return "ready" if self.served is not None else "loading"
 
     def attach(self, served: ServedModel) -> None:
+        if served.metrics is not self.metrics:  # its requests would be counted where /metrics never looks
+            raise ValueError("the served model must report to the app's Metrics (create_app(..., metrics=))")
         self.served = served
+
+    def engine_stats(self) -> Any | None:
+        """The engine's current stats for a scrape (engine.engine_loop.EngineStats); None while loading."""
+        return self.served.engine.stats() if self.served is not None else None
 
     def require_model(self) -> ServedModel:
         """The served model, or 503 while loading or draining (readiness says the same)."""
@@ -146,16 +158,31 @@ def create_app(
     engine: Any | None = None,
     tokenizer: Tokenizer | None = None,
     model_info: ModelInfo | None = None,
+    metrics: Metrics | None = None,
 ) -> FastAPI:
-    """The app; with an engine (+ tokenizer, model_info) it is ready at once, else it waits for `attach`."""
-    state = AppState(settings)
+    """The app; with an engine (+ tokenizer, model_info) it is ready at once, else it waits for `attach`.
+
+    `metrics`: the Metrics the engine's MeteredRunner reports to; None builds one from the settings (then only
+    the request-side series move unless the engine was built over it)."""
+    if metrics is None:
+        metrics = default_metrics(settings, model_info)
+    state = AppState(settings, metrics)
     if engine is not None:
         if tokenizer is None or model_info is None:
             raise ValueError("create_app needs the tokenizer and model_info with the engine")
-        state.attach(ServedModel(engine, tokenizer, model_info))
+        state.attach(ServedModel(engine, tokenizer, model_info, metrics))
     app = FastAPI(title="Tessera", summary="OpenAI-compatible server for DeepSeek-V4 on MLX")
     app.state.tessera = state
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(metrics_router(metrics, state.engine_stats))
     app.add_middleware(EdgeGuard, api_keys=list(settings.api_keys), max_body_bytes=settings.max_body_bytes)
     return app
+
+
+def default_metrics(settings: Settings, model_info: ModelInfo | None = None) -> Metrics:
+    """The server's Metrics, buildable before the model loads: the name comes from the settings; per-request
+    token-count buckets reach the model's length if known, else max_context, else V4's 1M."""
+    if model_info is not None:
+        return Metrics.from_settings(settings, model_info.name, model_info.max_model_len)
+    return Metrics.from_settings(settings, served_model_name(settings), settings.max_context or V4_MAX_CONTEXT)

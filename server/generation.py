@@ -14,9 +14,10 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
-from engine.protocol import Done, Error, Event, Progress, SamplingParams, Token
+from engine.protocol import AdmissionError, Done, Error, Event, Progress, SamplingParams, Token
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from server.errors import APIError, internal_error, invalid_request, overloaded, unavailable
+from server.metrics import Metrics
 
 
 @dataclass
@@ -74,7 +75,10 @@ def engine_error(event: Error) -> APIError:
 
 
 class ChoiceRun:
-    """One engine request behind one choice: submit, hold the first event, then yield pieces."""
+    """One engine request behind one choice: submit, hold the first event, then yield pieces.
+
+    Every event is reported to the request's metrics tracker as it arrives; a refusal, a stop string or an early
+    close is reported as the client sees it (server/metrics.py RequestTracker)."""
 
     def __init__(
         self,
@@ -85,11 +89,13 @@ class ChoiceRun:
         sampling: SamplingParams,
         stops: Sequence[str],
         inflight: set[str],
+        metrics: Metrics,
     ) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = len(prompt_ids)
         self.num_generated_tokens = 0
         self._engine = engine
+        self._tracker = metrics.track(len(prompt_ids))  # arrival: just before the engine sees the request
         self._events: AsyncIterator[Event] = engine.generate(request_id, list(prompt_ids), sampling)
         self._first: Event | None = None
         self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
@@ -101,9 +107,10 @@ class ChoiceRun:
     async def open(self) -> None:
         """Wait for the first engine event, so a rejection (AdmissionError, Error) is a real HTTP status."""
         try:
-            self._first = await self._events.__anext__()
-        except StopAsyncIteration:
-            self._first = None
+            self._first = await self._receive()
+        except AdmissionError as exc:  # raised by the first __anext__, before any event
+            self._tracker.on_rejected(exc.reason)
+            raise
         if isinstance(self._first, Error):
             raise engine_error(self._first)
 
@@ -118,6 +125,7 @@ class ChoiceRun:
     async def close(self) -> None:
         """Idempotent: abort an unfinished engine request (disconnect, stop string, failure) and forget it."""
         self._inflight.discard(self.request_id)
+        self._tracker.on_closed("abort")  # client gone or a failure; a no-op once the request has finished
         if not self._is_finished:
             self._is_finished = True
             self._engine.abort(self.request_id)
@@ -129,10 +137,19 @@ class ChoiceRun:
         if self._first is not None:
             event, self._first = self._first, None
             return event
+        event = await self._receive()
+        if event is None:
+            raise internal_error("The engine ended a request's stream without a final event")
+        return event
+
+    async def _receive(self) -> Event | None:
+        """The engine's next event, recorded in metrics on arrival (TTFT is taken here); None: the stream ended."""
         try:
-            return await self._events.__anext__()
+            event = await self._events.__anext__()
         except StopAsyncIteration:
-            raise internal_error("The engine ended a request's stream without a final event") from None
+            return None
+        self._tracker.on_event(event)
+        return event
 
     def _on_event(self, event: Event) -> Piece:
         if isinstance(event, Token):
@@ -166,6 +183,7 @@ class ChoiceRun:
     def _finish_early(self) -> None:
         """A stop string ended the output: free the engine request now instead of letting it run on."""
         self._is_finished = True
+        self._tracker.on_closed("stop")
         self._engine.abort(self.request_id)
 
 

@@ -23,9 +23,9 @@ import sys
 import time
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from starlette.responses import Response
@@ -106,8 +106,8 @@ def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
 class Metrics:
     """All of a server's Prometheus series, on its own registry, and the hooks that move them.
 
-    Thread-safe: prometheus_client metrics lock internally, and the engine thread (`observe_step`,
-    `set_prefill_tokens_in_flight`) and the event loop (everything else) only touch disjoint series.
+    Thread-safe (prometheus_client metrics lock internally): hooks arrive from the engine thread (`observe_step`,
+    `set_prefill_tokens_in_flight`), the event loop (requests) and the scrape's worker thread (`observe_engine`).
     """
 
     def __init__(
@@ -121,7 +121,7 @@ class Metrics:
     ) -> None:
         self.model_name = model_name
         self.memory_budget_bytes = memory_budget_bytes  # the whole budget, shown as memory_bytes{kind="budget"}
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = CollectorRegistry()
         self._memory_kinds: set[str] = set()
         self._families: dict[str, Collector] = {}
         self._define_engine_series()
@@ -158,7 +158,7 @@ class Metrics:
 
     def _keep(self, metric: _M) -> _M:
         """Remember a metric by its family name (a counter's without `_total`), for the aliases."""
-        self._families[metric._name] = metric
+        self._families[metric.describe()[0].name] = metric
         return metric
 
     def _define_engine_series(self) -> None:
@@ -323,10 +323,13 @@ class Metrics:
         self._prefill_chunk.labels(self.model_name).set(prefill_chunk)
         self._indexer_tile.labels(self.model_name).set(indexer_tile)
 
-    def render(self, accept: str | None = None) -> tuple[bytes, str]:
-        """(body, content type) in the format the scraper's Accept header asks for (OpenMetrics or text)."""
-        encode, content_type = choose_encoder(accept or "")
-        return encode(self.registry), content_type
+    def render(self) -> tuple[bytes, str]:
+        """(body, content type) in Prometheus's text format 0.0.4, whatever the scraper prefers.
+
+        prometheus_client's OpenMetrics and text-1.0.0 encoders escape ':' in names to '_' (its default
+        `escaping=underscores`), which would turn `vllm:num_requests_running` into `vllm_num_requests_running`
+        and break every vLLM dashboard; the 0.0.4 encoder keeps names as they are, and every scraper reads it."""
+        return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4
 
 
 class RequestTracker:
@@ -514,11 +517,11 @@ def metrics_router(metrics: Metrics, stats: Callable[[], EngineStats | None] | N
 
     # A plain `def`: FastAPI runs it in its threadpool, so rendering never blocks the event loop.
     @router.get("/metrics", include_in_schema=False)
-    def scrape(request: Request) -> Response:
+    def scrape() -> Response:
         current = stats() if stats is not None else None
         if current is not None:
             metrics.observe_engine(current)
-        body, content_type = metrics.render(request.headers.get("accept"))
+        body, content_type = metrics.render()
         return Response(body, headers={"Content-Type": content_type})
 
     return router

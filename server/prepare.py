@@ -18,9 +18,13 @@ from engine.tokenizer import Tokenizer
 from server.chat_format import render_prompt, render_with_template
 from server.errors import ClientDisconnected, context_length_exceeded, invalid_request, model_not_found
 from server.generation import ChoiceRun
+from server.metrics import Metrics
 from server.schemas import ChatCompletionRequest, SamplingFields
+from server.settings import Settings
 
 T = TypeVar("T")
+
+DEFAULT_MODEL_NAME = "tessera-default"
 
 
 @dataclass(frozen=True)
@@ -35,11 +39,19 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class ServedModel:
-    """The loaded model as the routes see it: the engine handle, its tokenizer and facts."""
+    """The loaded model as the routes see it: the engine handle, its tokenizer, facts and metrics."""
 
     engine: Any  # engine.engine_loop.AsyncEngine (duck-typed so tests may pass any engine)
     tokenizer: Tokenizer
     info: ModelInfo
+    metrics: Metrics  # the app's (AppState.metrics): each ChoiceRun reports its request to it
+
+
+def served_model_name(settings: Settings) -> str:
+    """The model id clients send: known from the settings alone, so /metrics can carry it while loading."""
+    if settings.served_model_name is not None:
+        return settings.served_model_name
+    return settings.model.name if settings.model is not None else DEFAULT_MODEL_NAME
 
 
 def new_response_id(prefix: str) -> str:
@@ -127,7 +139,8 @@ def start_runs(served: ServedModel, inflight: set[str], response_id: str,
                prompts: Sequence[tuple[list[int], SamplingParams]], stops: Sequence[str]) -> list[ChoiceRun]:
     """One engine request per (prompt ids, sampling), in choice order; nothing is awaited yet."""
     return [
-        ChoiceRun(served.engine, served.tokenizer, f"{response_id}-{index}", prompt_ids, sampling, stops, inflight)
+        ChoiceRun(served.engine, served.tokenizer, f"{response_id}-{index}", prompt_ids, sampling, stops, inflight,
+                  served.metrics)
         for index, (prompt_ids, sampling) in enumerate(prompts)
     ]
 

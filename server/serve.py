@@ -1,9 +1,9 @@
 """`tessera serve`: build the engine, run uvicorn, drain on SIGTERM.
 
 Startup: the HTTP server binds first (a port in use fails fast, before minutes of loading), answers
-/health at once and /ready with 503 until the model is loaded. Shutdown on SIGTERM or Ctrl-C: readiness
-turns 503 and new requests get 503, in-flight requests have `shutdown_timeout_s` to finish, the rest are
-aborted, then uvicorn exits. A second signal exits at once.
+/health and /metrics at once and /ready with 503 until the model is loaded. Shutdown on SIGTERM or Ctrl-C:
+readiness turns 503 and new requests get 503, in-flight requests have `shutdown_timeout_s` to finish, the rest
+are aborted, then uvicorn exits. A second signal exits at once.
 """
 
 from __future__ import annotations
@@ -19,30 +19,36 @@ from types import FrameType
 import uvicorn
 
 from engine.tokenizer import Tokenizer
-from server.app import AppState, create_app
-from server.prepare import ModelInfo, ServedModel
+from server.app import AppState, create_app, default_metrics
+from server.metrics import MeteredRunner, Metrics
+from server.prepare import ModelInfo, ServedModel, served_model_name
 from server.settings import Settings
 
 logger = logging.getLogger("tessera.serve")
 
-DEFAULT_MODEL_NAME = "tessera-default"
 _UVICORN_GRACE_S = 5  # after our drain, how long uvicorn waits for connections still open
 
 
-def build_engine(settings: Settings) -> ServedModel:
+def build_engine(settings: Settings, metrics: Metrics | None = None) -> ServedModel:
     """Load the model (the embedded default when `settings.model` is None) and build its engine, not started.
 
-    Engine modules are imported here, not at the top, so the server can be imported and tested without MLX
-    or a model."""
+    `metrics`: the app's, already serving /metrics while this loads; None builds one. Every engine step is
+    reported to it (MeteredRunner). Engine modules are imported here, not at the top, so the server can be
+    imported and tested without MLX or a model."""
     from engine.default_model import ensure_default_model
     from engine.engine_loop import AsyncEngine
     from engine.loader import load_config
     from engine.runner import build_runner
     from engine.scheduler import SchedulerConfig
 
+    name = served_model_name(settings)
     model_dir = Path(settings.model) if settings.model is not None else ensure_default_model()
     tokenizer = Tokenizer.from_dir(model_dir)
     max_model_len = settings.max_context or load_config(model_dir).max_position_embeddings
+    if metrics is None:
+        metrics = Metrics.from_settings(settings, name, max_model_len)
+    elif metrics.model_name != name:
+        raise ValueError(f"metrics are labelled {metrics.model_name!r}, the model is served as {name!r}")
     runner = build_runner(model_dir, settings.prefill_chunk, settings.indexer_tile, max_context=max_model_len)
     config = SchedulerConfig(
         prefill_chunk=settings.prefill_chunk,
@@ -52,10 +58,9 @@ def build_engine(settings: Settings) -> ServedModel:
         memory_budget_bytes=kv_cache_budget(settings.memory_budget, runner.memory_snapshot()),
     )
     eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    engine = AsyncEngine(runner, config, eos_token_ids=eos_ids)
-    name = settings.served_model_name or (model_dir.name if settings.model is not None else DEFAULT_MODEL_NAME)
+    engine = AsyncEngine(MeteredRunner(runner, metrics), config, eos_token_ids=eos_ids)
     info = ModelInfo(name=name, root=str(model_dir), max_model_len=max_model_len, created=int(time.time()))
-    return ServedModel(engine, tokenizer, info)
+    return ServedModel(engine, tokenizer, info, metrics)
 
 
 def kv_cache_budget(memory_budget: int | None, memory: dict[str, int]) -> int | None:
@@ -116,7 +121,8 @@ def serve(settings: Settings) -> int:
 
 
 async def _serve(settings: Settings) -> int:
-    app = create_app(settings)
+    metrics = default_metrics(settings)  # before loading, so /metrics answers (with the settings) at once
+    app = create_app(settings, metrics=metrics)
     state: AppState = app.state.tessera
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=_UVICORN_GRACE_S)
@@ -127,7 +133,7 @@ async def _serve(settings: Settings) -> int:
             return 1
         await asyncio.sleep(0.05)
     try:
-        served = await asyncio.to_thread(build_engine, settings)
+        served = await asyncio.to_thread(build_engine, settings, metrics)
     except Exception:
         logger.exception("could not load the model; shutting down")
         server.should_exit = True

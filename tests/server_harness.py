@@ -1,5 +1,6 @@
 """A real Tessera HTTP server for tests: uvicorn on 127.0.0.1 (free port, own thread), the real AsyncEngine
-over a ScriptedRunner (no model), and a byte-level tokenizer trained by train_tokenizer.
+over a ScriptedRunner (no model), and a byte-level tokenizer trained by train_tokenizer. It is wired for metrics
+as `tessera serve` is (server.serve.build_engine): the runner metered into the app's Metrics, served at /metrics.
 
 `PromptScriptedRunner` picks a request's tokens by what its prompt says: a test registers
 `script("weather?", text_tokens)` and any request whose prompt contains "weather?" emits those tokens
@@ -16,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+import httpx
 import openai
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.engine_loop import AsyncEngine
 from engine.fake_runner import ScriptedRunner
@@ -26,6 +29,7 @@ from engine.scheduler import SchedulerConfig
 from engine.tokenizer import Tokenizer
 from engine.tokenizer_train import train_tokenizer
 from server.app import create_app
+from server.metrics import MeteredRunner, Metrics
 from server.prepare import ModelInfo
 from server.settings import Settings
 
@@ -93,6 +97,7 @@ class LiveServer:
     tokenizer: Tokenizer
     app: Any
     settings: Settings
+    metrics: Metrics  # the app's own, fed by its routes and by the engine's MeteredRunner
 
     def client(self, api_key: str = "none", **kwargs: Any) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, **kwargs)
@@ -101,6 +106,16 @@ class LiveServer:
         """Tokens spelling `text`, then EOS (the request ends with finish_reason 'stop') unless end=False."""
         eos = [self.tokenizer.eos_token_id] if end else []
         return self.tokenizer.encode(text) + eos  # type: ignore[list-item]
+
+    def scrape(self) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+        """GET /metrics, parsed: {(sample name, labels): value}, as Prometheus would store it."""
+        response = httpx.get(f"{self.base_url}/metrics", timeout=5)
+        response.raise_for_status()
+        return {
+            (sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(response.text)
+            for sample in family.samples
+        }
 
     def wait_until_idle(self, timeout_s: float = 5.0) -> None:
         """Until the engine holds no request and the runner no sequence (cancellation freed everything)."""
@@ -156,13 +171,14 @@ def live_server(
     config = SchedulerConfig(prefill_chunk=prefill_chunk, max_num_seqs=max_num_seqs,
                              max_queued_requests=max_queued_requests, max_model_len=max_model_len,
                              memory_budget_bytes=memory_budget_bytes)
-    engine = AsyncEngine(runner, config, eos_token_ids=[tokenizer.eos_token_id])
     app_settings = Settings(prefill_chunk=prefill_chunk, indexer_tile=min(prefill_chunk, 1024), **settings)
+    metrics = Metrics.from_settings(app_settings, MODEL_NAME, max_model_len)
+    engine = AsyncEngine(MeteredRunner(runner, metrics), config, eos_token_ids=[tokenizer.eos_token_id])
     info = ModelInfo(name=MODEL_NAME, root="scripted", max_model_len=max_model_len, created=int(time.time()))
-    app = create_app(app_settings, engine, tokenizer, info)
+    app = create_app(app_settings, engine, tokenizer, info, metrics)
     engine.start()
     try:
         with serving(app) as base_url:
-            yield LiveServer(base_url, runner, engine, tokenizer, app, app_settings)
+            yield LiveServer(base_url, runner, engine, tokenizer, app, app_settings, metrics)
     finally:
         engine.shutdown(1.0)

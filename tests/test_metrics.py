@@ -1,4 +1,5 @@
-"""The metric contract of server/metrics.py, on the Metrics object itself (no HTTP, no Prometheus).
+"""The metric contract of server/metrics.py: on the Metrics object itself, and end to end through the real
+server (one HTTP request in, GET /metrics scraped and parsed around it).
 
 What a dashboard relies on: which series exist with which labels, and by how much each moves around a request.
 The real-Prometheus check of the dashboard's queries is tests/test_prometheus_scrape.py.
@@ -11,6 +12,7 @@ import re
 import time
 from pathlib import Path
 
+import openai
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -26,6 +28,7 @@ from server.metrics import (
     INTER_TOKEN_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, VLLM_ALIASES, MeteredRunner, Metrics,
     build_1_2_5_buckets, metrics_router,
 )
+from server_harness import MODEL_NAME, LiveServer, live_server, make_tokenizer
 
 MODEL = "tiny-v4"
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "OBSERVABILITY.md"
@@ -231,6 +234,71 @@ def test_memory_and_prefill_gauges_move_while_a_long_request_runs_and_return_aft
     assert value(metrics, "tessera_memory_bytes", kind="budget") == 10**9
 
 
+# ---- through the real server: one HTTP request, GET /metrics around it ------------------------------------
+
+Scrape = dict  # LiveServer.scrape(): {(sample name, labels): value}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    return make_tokenizer(tmp_path_factory.mktemp("metrics"))
+
+
+def moved(before: Scrape, after: Scrape, name: str, **labels: str) -> float:
+    """How much one served sample moved between two scrapes (a sample absent before counts from 0)."""
+    key = (name, frozenset({"model_name": MODEL_NAME, **labels}.items()))
+    assert key in after, f"{name}{labels} is not served at /metrics"
+    return after[key] - before.get(key, 0.0)
+
+
+def test_one_http_request_moves_the_served_series_by_exactly_its_tokens(tokenizer):
+    """The server's own wiring (routes -> RequestTracker, engine -> MeteredRunner) counts a request once."""
+    with live_server(tokenizer) as server:
+        script = server.text_tokens("the answer is forty two")  # ends with EOS: finish_reason "stop"
+        server.runner.script("metrics contract", script)
+        before = server.scrape()
+        reply = server.client().chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "metrics contract"}], max_tokens=64)
+        after = server.scrape()
+
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens == len(script)  # the EOS is generated, though never sent
+    assert moved(before, after, "tessera_prompt_tokens_total") == reply.usage.prompt_tokens
+    assert moved(before, after, "tessera_generation_tokens_total") == len(script)
+    assert moved(before, after, "tessera_request_success_total", finished_reason="stop") == 1
+    for reason in ("length", "abort", "error"):
+        assert moved(before, after, "tessera_request_success_total", finished_reason=reason) == 0
+    assert moved(before, after, "tessera_time_to_first_token_seconds_count") == 1
+    assert moved(before, after, "tessera_e2e_request_latency_seconds_count") == 1
+    assert moved(before, after, "tessera_inter_token_latency_seconds_count") == len(script) - 1
+    assert moved(before, after, "tessera_request_prompt_tokens_sum") == reply.usage.prompt_tokens
+    assert moved(before, after, "tessera_request_generation_tokens_sum") == len(script)
+    assert moved(before, after, "tessera_iteration_tokens_sum") == reply.usage.prompt_tokens + len(script) - 1
+
+
+def test_over_http_a_stop_string_finishes_once_and_a_refusal_is_only_a_rejection(tokenizer):
+    # ScriptedRunner caches 1 KiB per token: a 64 KiB budget holds 64 tokens at most.
+    with live_server(tokenizer, memory_budget_bytes=64 * 1024) as server:
+        server.runner.script("cut me", server.text_tokens("one two three four"))
+        client = server.client()
+        before = server.scrape()
+        cut = client.completions.create(model=MODEL_NAME, prompt="cut me", max_tokens=20, stop="thr")
+        with pytest.raises(openai.BadRequestError):  # its cache at prompt + max_tokens can never fit
+            client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=100)
+        server.wait_until_idle()
+        after = server.scrape()
+
+    assert cut.choices[0].finish_reason == "stop"
+    assert moved(before, after, "tessera_request_success_total", finished_reason="stop") == 1  # as the client saw
+    assert moved(before, after, "tessera_request_success_total", finished_reason="abort") == 0  # not again
+    assert moved(before, after, "tessera_admission_rejections_total", reason="never_fits") == 1
+    assert moved(before, after, "tessera_e2e_request_latency_seconds_count") == 1  # the refused one never started
+    idle = {"tessera_kv_cache_usage_perc": {}, "tessera_memory_bytes": {"kind": "kv_cache"},
+            "tessera_num_requests_running": {}, "tessera_prefill_tokens_in_flight": {}}
+    for name, labels in idle.items():  # all released: the gauges are back at 0 at the next scrape
+        assert after[(name, frozenset({"model_name": MODEL_NAME, **labels}.items()))] == 0, name
+
+
 # ---- series, labels and names as documented ----------------------------------------------------------------
 
 
@@ -347,8 +415,9 @@ def test_the_route_serves_fresh_engine_gauges():
     assert serving.headers["content-type"].startswith("text/plain")
     assert f'tessera_num_requests_running{{model_name="{MODEL}"}} 4.0' in serving.text
     assert f'vllm:num_requests_running{{model_name="{MODEL}"}} 4.0' in serving.text
-    assert openmetrics.headers["content-type"].startswith("application/openmetrics-text")
-    assert openmetrics.text.rstrip().endswith("# EOF")
+    # Text 0.0.4 even when OpenMetrics is preferred: its encoder would rewrite `vllm:` to `vllm_`.
+    assert openmetrics.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert f'vllm:num_requests_running{{model_name="{MODEL}"}} 4.0' in openmetrics.text
 
 
 def test_the_docs_list_every_metric():

@@ -1,8 +1,9 @@
 """A real Prometheus scrapes a live Tessera while requests run; then every query of our Grafana dashboard, and
 the TTFT / ITL / tokens/s / queue queries of a vLLM dashboard against the `vllm:` aliases, must return data.
 
-The server is the real app (create_app) over the real AsyncEngine and a ScriptedRunner (no model), driven with
-the openai client over HTTP. Prometheus is Debian's package (`apt-get install prometheus`), started here on
+The server is the real app (create_app, with its own /metrics route and per-request tracking) over the real
+AsyncEngine and a ScriptedRunner (no model) metered as `tessera serve` meters its runner, driven with the openai
+client over HTTP. Prometheus is Debian's package (`apt-get install prometheus`), started here on
 loopback with a temporary storage dir and killed at the end.
 """
 
@@ -18,17 +19,16 @@ import urllib.parse
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator, Sequence
+from typing import Any, Iterator
 
 import openai
 import pytest
 
 from engine.engine_loop import AsyncEngine
 from engine.fake_runner import ScriptedRunner
-from engine.protocol import AdmissionError, Event, SamplingParams
 from engine.scheduler import SchedulerConfig
 from server.app import create_app
-from server.metrics import MeteredRunner, Metrics, metrics_router
+from server.metrics import MeteredRunner, Metrics
 from server.prepare import ModelInfo
 from server.settings import Settings
 from server_harness import free_port, make_tokenizer, serving
@@ -66,32 +66,6 @@ def prometheus_binary() -> str:
     return found
 
 
-class TrackedEngine:
-    """Records each engine request's events in Metrics the way the server is meant to (RequestTracker per
-    engine request). A stand-in while server/generation.py does not call the tracker itself: once it does, build
-    the app with its own metrics wiring and drop this class."""
-
-    def __init__(self, engine: AsyncEngine, metrics: Metrics) -> None:
-        self._engine = engine
-        self._metrics = metrics
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)  # stats, abort, start, shutdown
-
-    async def generate(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
-                       ) -> AsyncIterator[Event]:
-        tracker = self._metrics.track(len(prompt_ids))
-        try:
-            async for event in self._engine.generate(request_id, prompt_ids, sampling):
-                tracker.on_event(event)
-                yield event
-        except AdmissionError as exc:
-            tracker.on_rejected(exc.reason)
-            raise
-        finally:
-            tracker.on_closed("abort")  # the server left early; a no-op after Done or Error
-
-
 @contextmanager
 def tessera_server(tmp_path: Path) -> Iterator[str]:
     """The real app + engine on a free loopback port, metrics with vLLM aliases at /metrics."""
@@ -104,8 +78,7 @@ def tessera_server(tmp_path: Path) -> Iterator[str]:
                              memory_budget_bytes=KV_BUDGET_TOKENS * BYTES_PER_TOKEN)
     engine = AsyncEngine(MeteredRunner(runner, metrics), config)  # no EOS: every request runs to max_tokens
     info = ModelInfo(name=MODEL_NAME, root="scripted", max_model_len=4096, created=int(time.time()))
-    app = create_app(settings, TrackedEngine(engine, metrics), tokenizer, info)
-    app.include_router(metrics_router(metrics, engine.stats))
+    app = create_app(settings, engine, tokenizer, info, metrics)  # as serve.build_engine wires it
     engine.start()
     try:
         with serving(app) as base_url:
@@ -247,6 +220,9 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Pat
                     if not has_finite_value(query(prom, grafana_to_promql(expr)))]
         assert not missing, "queries without data:\n" + "\n".join(missing)
 
+        # The dashboard's model_name variable: label_values(tessera_num_requests_running, model_name).
+        assert [r["metric"]["model_name"] for r in query(prom, "group by (model_name) (tessera_num_requests_running)")
+                ] == [MODEL_NAME]
         # The queue gauges were seen busy, not just present: more clients than max_num_seqs.
         assert scalar(prom, f'max_over_time(vllm:num_requests_running[{RATE_WINDOW}])') == 2
         assert scalar(prom, f'max_over_time(vllm:num_requests_waiting[{RATE_WINDOW}])') >= 1
@@ -257,3 +233,27 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path: Pat
 def has_finite_value(result: list[dict]) -> bool:
     """Data, and not only NaN (histogram_quantile over buckets that never moved gives NaN)."""
     return any(math.isfinite(float(series["value"][1])) for series in result)
+
+
+def test_the_example_prometheus_config_is_valid():
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("no `promtool` (Debian's prometheus package ships it)")
+    example = Path(__file__).resolve().parents[1] / "config" / "prometheus.yml"
+    result = subprocess.run([promtool, "check", "config", str(example)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_dashboard_is_well_formed():
+    dashboard = json.loads(DASHBOARD.read_text())
+    panels = dashboard["panels"]
+    assert len({panel["id"] for panel in panels}) == len(panels)
+    variables = {variable["name"] for variable in dashboard["templating"]["list"]}
+    assert {"datasource", "model_name"} <= variables
+    for panel in panels:
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        refs = [target["refId"] for target in panel["targets"]]
+        assert refs and len(set(refs)) == len(refs), panel["title"]
+        assert all('model_name=~"$model_name"' in target["expr"] for target in panel["targets"]), panel["title"]

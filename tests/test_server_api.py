@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.protocol import Done, SamplingParams, Token
 from server.dsml import render_tool_calls
@@ -432,6 +433,16 @@ def test_tessera_serve_embedded_default_model(tmp_path: Path) -> None:
         greedy = client.chat.completions.create(model="tessera-default", messages=user("hello"), max_tokens=8,
                                                 temperature=0)
         assert streamed == greedy.choices[0].message.content
+        # Production wiring (serve.build_engine): the engine's steps and memory reach /metrics.
+        samples = [sample for family in text_string_to_metric_families(httpx.get(base_url + "/metrics").text)
+                   for sample in family.samples]
+
+        def total(name: str, **labels: str) -> float:
+            return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
+
+        assert total("tessera_request_success_total") == 3
+        assert total("tessera_generation_tokens_total") >= reply.usage.completion_tokens + 2
+        assert total("tessera_memory_bytes", kind="weights") > 0
 
         results: list[Any] = []
         in_flight = threading.Thread(target=lambda: results.append(client.completions.create(

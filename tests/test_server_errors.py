@@ -283,6 +283,8 @@ def test_loading_is_503() -> None:
         ready = httpx.get(base_url + "/ready")
         assert ready.status_code == 503 and ready.json() == {"status": "loading"}
         assert httpx.get(base_url + "/health").status_code == 200
+        scrape = httpx.get(base_url + "/metrics")  # Prometheus sees the server (and its settings) while it loads
+        assert scrape.status_code == 200 and 'tessera_prefill_chunk_tokens{model_name="tessera-default"}' in scrape.text
         assert_error(post(base_url, CHAT, chat()), 503, "server_error", None, "service_unavailable")
         assert httpx.get(base_url + "/v1/models").json() == {"object": "list", "data": []}
 

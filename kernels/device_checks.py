@@ -1,0 +1,108 @@
+"""Kernel-vs-reference checks that need the device the kernel runs on (`tessera check kernels`),
+and the indexer throughput benchmark against the device's own bf16 matmul rate
+(`tessera bench indexer`). On a machine without the kernel, they say so."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from kernels import indexer_cuda
+from kernels.indexer import indexer_scores_reference, select_topk_reference, select_topk_threshold
+
+
+def _inputs(rng: np.random.Generator, t: int, n: int, heads: int, dim: int, integer: bool):
+    """Integer-valued inputs make every product and sum exact in fp32 (so kernel and reference must
+    agree bit for bit, and ties are everywhere); normal inputs are the realistic case."""
+    if integer:
+        q = rng.integers(-2, 3, (t, heads, dim)).astype(np.float32)
+        k = rng.integers(-2, 3, (n, dim)).astype(np.float32)
+        w = rng.choice(np.array([-1.0, -0.5, 0.5, 1.0, 2.0], dtype=np.float32), (t, heads))
+    else:
+        q = rng.standard_normal((t, heads, dim), dtype=np.float32)
+        k = rng.standard_normal((n, dim), dtype=np.float32)
+        w = rng.standard_normal((t, heads), dtype=np.float32)
+    visible = rng.integers(0, n + 1, t).astype(np.int32)
+    visible[: t // 4] = n  # a quarter sees every row
+    bf = lambda a: mx.array(a).astype(mx.bfloat16)  # noqa: E731
+    return bf(q), mx.array(w), bf(k), mx.array(visible)
+
+
+def _valid_rows(selection) -> list[tuple[int, ...]]:
+    rows, valid = (np.array(a) for a in selection)
+    return [tuple(r[v]) for r, v in zip(rows, valid)]
+
+
+def check_indexer_kernel(t: int = 512, n: int = 65536, heads: int = 64, dim: int = 128, k: int = 512, seed: int = 0) -> dict:
+    q0, k0 = mx.zeros((1, heads, dim), dtype=mx.bfloat16), mx.zeros((1, dim), dtype=mx.bfloat16)
+    if not indexer_cuda.is_supported(q0, k0):
+        return {"kernel": "unavailable on this device", "device": str(mx.default_device())}
+    rng = np.random.default_rng(seed)
+    report: dict = {"shape": {"tile": t, "rows": n, "heads": heads, "dim": dim, "topk": k}}
+    for name, integer in (("ties", True), ("random", False)):
+        q, w, keys, visible = _inputs(rng, t, n, heads, dim, integer)
+        ref = indexer_scores_reference(q, w, keys, visible, 1.0)
+        got = indexer_cuda.indexer_scores_kernel(q, w, keys, visible, 1.0)
+        finite = mx.isfinite(ref)
+        diff = mx.where(finite, mx.abs(got - ref), 0.0)
+        scale = mx.max(mx.where(finite, mx.abs(ref), 0.0))
+        same_mask = mx.array_equal(mx.isfinite(got), finite)
+        sel_ref = _valid_rows(select_topk_reference(ref, visible, k))
+        sel_got = _valid_rows(select_topk_threshold(got, visible, k))
+        report[name] = {
+            "max_abs_diff": float(mx.max(diff).item()),
+            "max_rel_diff": float((mx.max(diff) / scale).item()),
+            "masks_equal": bool(same_mask.item()),
+            "differing_selection_rows": sum(a != b for a, b in zip(sel_ref, sel_got)),
+            "rows": t,
+        }
+    # A row's scores do not depend on the tile it is computed in.
+    q, w, keys, visible = _inputs(rng, t, n // 4, heads, dim, False)
+    whole = indexer_cuda.indexer_scores_kernel(q, w, keys, visible, 1.0)
+    lo, hi = 37, 37 + 45
+    part = indexer_cuda.indexer_scores_kernel(q[lo:hi], w[lo:hi], keys, visible[lo:hi], 1.0)
+    report["tile_invariant"] = bool(mx.array_equal(part, whole[lo:hi]).item())
+    return report
+
+
+def _median_seconds(fn, repeat: int) -> float:
+    mx.eval(fn())  # warm-up: compilation, allocation
+    times = []
+    for _ in range(repeat):
+        mx.synchronize()
+        start = time.perf_counter()
+        mx.eval(fn())
+        mx.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_indexer(t: int = 1024, n: int = 262144, heads: int = 64, dim: int = 128, k: int = 512, repeat: int = 5) -> dict:
+    """Indexer score throughput (kernel and reference) and top-k time, with the bf16 matmul rate
+    measured in the same process as the yardstick."""
+    rng = np.random.default_rng(0)
+    q, w, keys, visible = _inputs(rng, t, n, heads, dim, False)
+    visible = mx.full((t,), n, dtype=mx.int32)
+    flops = 2.0 * t * n * heads * dim
+    on_gpu = mx.default_device() == mx.gpu
+    size, dtype = (8192, mx.bfloat16) if on_gpu else (2048, mx.float32)  # bf16 matmul on a CPU crawls
+    a = mx.random.normal((size, size)).astype(dtype)
+    matmul_s = _median_seconds(lambda: a @ a, repeat)
+    out = {"tile": t, "rows": n, "heads": heads, "dim": dim, "indexer_flops": flops,
+           "matmul": f"{size}^3 {dtype}", "matmul_tflops": 2 * size**3 / matmul_s / 1e12}
+    ref_s = _median_seconds(lambda: indexer_scores_reference(q, w, keys, visible, 1.0), repeat)
+    out["reference_seconds"], out["reference_tflops"] = ref_s, flops / ref_s / 1e12
+    if indexer_cuda.is_supported(q, keys):
+        kern_s = _median_seconds(lambda: indexer_cuda.indexer_scores_kernel(q, w, keys, visible, 1.0), repeat)
+        out["kernel_seconds"], out["kernel_tflops"] = kern_s, flops / kern_s / 1e12
+        out["kernel_vs_matmul"] = out["kernel_tflops"] / out["matmul_tflops"]
+        scores = indexer_cuda.indexer_scores_kernel(q, w, keys, visible, 1.0)
+    else:
+        scores = indexer_scores_reference(q, w, keys, visible, 1.0)
+    mx.eval(scores)
+    out["topk_threshold_seconds"] = _median_seconds(lambda: select_topk_threshold(scores, visible, k), repeat)
+    out["topk_argsort_seconds"] = _median_seconds(lambda: select_topk_reference(scores, visible, k), max(1, repeat // 2))
+    return out

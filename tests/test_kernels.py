@@ -1,0 +1,68 @@
+"""Every kernel against its plain-MLX reference (STYLE.md §6). The CUDA indexer kernel itself runs
+only on a CUDA device: `scripts/gpu_checks.py` compares it there (docs/BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kernels import indexer_cuda
+from kernels.indexer import indexer_scores_reference, mask_invisible, select_topk_reference, select_topk_threshold
+from kernels.sparse_attention import mixed_attention_reference, shared_rows
+
+
+def _valid_rows(selection):
+    rows, valid = (np.array(a) for a in selection)
+    return [tuple(r[v]) for r, v in zip(rows, valid)]
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
+def test_threshold_topk_keeps_the_reference_rows(ties):
+    rng = np.random.default_rng(1 + ties)
+    for _ in range(40):
+        t, n, k = (int(x) for x in (rng.integers(1, 33), rng.integers(1, 400), rng.integers(1, 64)))
+        raw = rng.integers(-3, 4, (t, n)) if ties else rng.standard_normal((t, n))
+        visible = mx.array(rng.integers(0, n + 1, t))
+        scores = mask_invisible(mx.array(raw.astype(np.float32)), visible)
+        assert _valid_rows(select_topk_threshold(scores, visible, k)) == _valid_rows(select_topk_reference(scores, visible, k))
+
+
+def test_ties_go_to_the_lower_row_index():
+    scores = mx.array([[1.0, 2.0, 2.0, 0.0, 2.0]])
+    rows, valid = select_topk_reference(scores, mx.array([5]), 2)
+    assert rows.tolist() == [[1, 2]] and valid.tolist() == [[True, True]]
+
+
+def test_indexer_reference_equals_per_head_formula():
+    rng = np.random.default_rng(0)
+    q, w, k = rng.standard_normal((6, 4, 16)), rng.standard_normal((6, 4)), rng.standard_normal((50, 16))
+    visible = np.array([0, 1, 10, 49, 50, 50])
+    expected = np.einsum("th,ths->ts", w, np.maximum(np.einsum("thd,sd->ths", q, k), 0)) * 0.25
+    expected[np.arange(50)[None, :] >= visible[:, None]] = -np.inf
+    got = indexer_scores_reference(*(mx.array(a.astype(np.float32)) for a in (q, w, k)), mx.array(visible), 0.25)
+    np.testing.assert_allclose(np.array(got), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_attention_equals_dense_softmax_with_sink():
+    rng = np.random.default_rng(3)
+    t, h, d, r, s = 5, 3, 8, 7, 4
+    q, rows, shared = rng.standard_normal((t, h, d)), rng.standard_normal((t, r, d)), rng.standard_normal((s, d))
+    valid, shared_valid, sinks = rng.random((t, r)) > 0.3, rng.random((t, s)) > 0.5, rng.standard_normal(h)
+    keys = np.concatenate([rows, np.broadcast_to(shared, (t, s, d))], axis=1)  # [t, r + s, d]
+    mask = np.concatenate([valid, shared_valid], axis=1)
+    logits = np.einsum("thd,tjd->thj", q, keys) * 0.5
+    logits = np.where(mask[:, None, :], logits, -np.inf)
+    full = np.concatenate([logits, np.broadcast_to(sinks[None, :, None], (t, h, 1))], axis=-1)
+    probs = np.exp(full - full.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    expected = np.einsum("thj,tjd->thd", probs[..., :-1], keys)
+    f32 = lambda a: mx.array(np.asarray(a, dtype=np.float32))  # noqa: E731
+    groups = [(f32(rows), mx.array(valid)), (shared_rows(f32(shared), t), mx.array(shared_valid))]
+    got = mixed_attention_reference(f32(q), groups, f32(sinks), 0.5)
+    np.testing.assert_allclose(np.array(got), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cuda_kernel_is_only_dispatched_on_cuda():
+    q, k = mx.zeros((2, 4, 128), dtype=mx.bfloat16), mx.zeros((8, 128), dtype=mx.bfloat16)
+    assert indexer_cuda.is_supported(q, k) == (mx.default_device() == mx.gpu and mx.cuda.is_available())
