@@ -52,6 +52,9 @@ def _progress(label: str, done: int, total: int) -> None:
 
 def bench_with_model(model: DeepseekV4, ctx: int, chunk: int, tile: int, repeat: int = 1) -> dict:
     tokens = random_tokens(model.cfg.vocab_size, ctx, seed=0)
+    # Warm-up (not measured): kernel compilation and allocator growth would otherwise land on
+    # whichever setting runs first.
+    prefill_once(model, tokens[: min(ctx, 2 * chunk)], chunk, tile, f"C={chunk} T={tile} warm-up")
     runs = [prefill_once(model, tokens, chunk, tile, f"C={chunk} T={tile} run {r + 1}/{repeat}") for r in range(repeat)]
     seconds = statistics.median(r[0] for r in runs)
     plan = make_plan(model.cfg, ctx, chunk, tile, _DTYPE_NAMES[model.dtype])

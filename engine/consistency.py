@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 
 from engine.loader import load_model
@@ -17,6 +18,11 @@ from engine.model import DeepseekV4, Segment
 from engine.reference_check import random_tokens
 from engine.runner import default_compute_dtype
 from engine.trace import ForwardTrace
+
+
+# The fresh whole-sequence prefill runs in one untiled chunk up to this many tokens: MLX's GPU sorts
+# (top-k, MoE routing) reject more than 65,535 rows in one call.
+WHOLE_CHUNK_LIMIT = 32768
 
 
 @dataclass(frozen=True)
@@ -45,9 +51,9 @@ def run_sequence(model: DeepseekV4, tokens: list[int], num_prefill: int, chunk: 
     cache, trace, rows = model.new_cache(), ForwardTrace(record_selections=True), []
     for lo in range(0, num_prefill, chunk):
         piece = tokens[lo : min(lo + chunk, num_prefill)]
-        rows.append(np.array(model.forward([Segment(cache, piece)], tile=tile, all_logits=True, timer=trace)[0]))
+        rows.append(np.array(model.forward([Segment(cache, piece)], tile=tile, all_logits=True, timer=trace)[0].astype(mx.float32)))
     for token in tokens[num_prefill:]:
-        rows.append(np.array(model.forward([Segment(cache, [token])], timer=trace)[0]))
+        rows.append(np.array(model.forward([Segment(cache, [token])], timer=trace)[0].astype(mx.float32)))
     return Run(np.concatenate(rows).astype(np.float32), trace.selections)
 
 
@@ -64,7 +70,8 @@ def check_model_consistency(model: DeepseekV4, ctx: int, decode: int, chunk: int
     num_diff, num_compared = differing(tiled.selections, untiled.selections)
     whole_diff = 0.0
     for p in range(ctx, ctx + decode):  # a fresh whole-sequence prefill ending at each decoded position
-        whole = run_sequence(model, tokens[: p + 1], p + 1, p + 1, p + 1)
+        fresh = min(p + 1, WHOLE_CHUNK_LIMIT)
+        whole = run_sequence(model, tokens[: p + 1], p + 1, fresh, fresh)
         whole_diff = max(whole_diff, float(np.abs(whole.logits[-1] - tiled.logits[p]).max()))
         keys = [k for k in whole.selections if k[1] == p]
         d, n = differing(tiled.selections, whole.selections, keys)

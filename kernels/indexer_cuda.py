@@ -8,7 +8,8 @@ dot products that are ReLU'd, weighted and summed in registers in a fixed head o
 depends only on that row, so tiles stay bit-identical whatever T is (DESIGN.md §3).
 
 The reference is `kernels.indexer.indexer_scores_reference`; `kernels.indexer.indexer_scores`
-dispatches here on a CUDA device when the shapes fit (index_head_dim a multiple of 16, ≤ 256).
+dispatches here on a CUDA device when the shapes fit (index_head_dim a multiple of 16 and
+≤ 256, at most 256 heads: the block's head weights sit in 32 KiB of shared memory).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ __device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned int* a, 
 # Template constants: H (heads), D (head dim), KS = D / 16 (k-steps).
 _SOURCE = r"""
   constexpr int TQ = 32, KPW = 32, NW = 8, PADDED = D + 8;
+  constexpr int LOADS = (TQ * D / 8 + NW * 32 - 1) / (NW * 32);  // 16-byte loads per thread per head
   __shared__ __align__(16) __nv_bfloat16 q_tile[TQ * PADDED];
+  __shared__ float w_tile[TQ * H];
 
   const int num_q = q_shape[0];
   const int num_k = k_shape[0];
@@ -44,6 +47,12 @@ _SOURCE = r"""
   const int group = lane / 4, tig = lane % 4;
   const int q0 = blockIdx.y * TQ;
   const int key0 = blockIdx.x * (KPW * NW) + warp * KPW;
+
+  // Every head weight of the block's queries, once.
+  for (int i = threadIdx.x; i < TQ * H; i += blockDim.x) {
+    const int t = q0 + i / H;
+    w_tile[i] = t < num_q ? w[(size_t)t * H + i % H] : 0.f;
+  }
 
   // This warp's keys as mma B fragments, held for every head: b[n][ks][2].
   unsigned int b[4][KS][2];
@@ -56,19 +65,31 @@ _SOURCE = r"""
     }
   }
 
+  // One head's query tile [TQ, D] travels global -> registers (prefetched a head ahead) -> shared.
+  uint4 staged[LOADS];
+  auto fetch = [&](int h) {
+    for (int j = 0; j < LOADS; ++j) {
+      const int i = threadIdx.x + j * NW * 32;
+      const int row = i / (D / 8), col = (i % (D / 8)) * 8;
+      staged[j] = make_uint4(0u, 0u, 0u, 0u);
+      if (i < TQ * D / 8 && q0 + row < num_q)
+        staged[j] = *reinterpret_cast<const uint4*>(q + ((size_t)(q0 + row) * H + h) * D + col);
+    }
+  };
+  fetch(0);
+
   float acc[2][4][4];
   for (int m = 0; m < 2; ++m) for (int n = 0; n < 4; ++n) for (int r = 0; r < 4; ++r) acc[m][n][r] = 0.f;
 
   for (int h = 0; h < H; ++h) {
     __syncthreads();  // the previous head's tile is no longer read
-    // Stage q[q0 : q0 + 32, h, :] in shared memory, 16 bytes per thread per step.
-    for (int i = threadIdx.x; i < TQ * D / 8; i += blockDim.x) {
-      const int row = i / (D / 8), col = (i % (D / 8)) * 8;
-      uint4 v = make_uint4(0u, 0u, 0u, 0u);
-      if (q0 + row < num_q) v = *reinterpret_cast<const uint4*>(q + ((size_t)(q0 + row) * H + h) * D + col);
-      *reinterpret_cast<uint4*>(q_tile + row * PADDED + col) = v;
+    for (int j = 0; j < LOADS; ++j) {
+      const int i = threadIdx.x + j * NW * 32;
+      if (i < TQ * D / 8)
+        *reinterpret_cast<uint4*>(q_tile + (i / (D / 8)) * PADDED + (i % (D / 8)) * 8) = staged[j];
     }
     __syncthreads();
+    if (h + 1 < H) fetch(h + 1);  // in flight while this head's tensor-core work runs
     for (int m = 0; m < 2; ++m) {
       float c[4][4];
       for (int n = 0; n < 4; ++n) for (int r = 0; r < 4; ++r) c[n][r] = 0.f;
@@ -83,8 +104,7 @@ _SOURCE = r"""
         a[3] = *reinterpret_cast<const unsigned int*>(bottom + col + 8);
         for (int n = 0; n < 4; ++n) mma_bf16_16816(c[n], a, b[n][ks]);
       }
-      const int t_top = min(q0 + m * 16 + group, num_q - 1), t_bottom = min(t_top + 8, num_q - 1);
-      const float w_top = w[(size_t)t_top * H + h], w_bottom = w[(size_t)t_bottom * H + h];
+      const float w_top = w_tile[(m * 16 + group) * H + h], w_bottom = w_tile[(m * 16 + group + 8) * H + h];
       for (int n = 0; n < 4; ++n) {
         acc[m][n][0] += w_top * fmaxf(c[n][0], 0.f);
         acc[m][n][1] += w_top * fmaxf(c[n][1], 0.f);
@@ -102,7 +122,7 @@ _SOURCE = r"""
       for (int n = 0; n < 4; ++n) {
         const int s = key0 + n * 8 + tig * 2;
         for (int e = 0; e < 2; ++e) {
-          if (s + e < num_k) scores[(size_t)t * num_k + s + e] = (s + e < vis) ? acc[m][n][half * 2 + e] : -inf;
+          if (s + e < num_k) scores[(size_t)t * num_k + s + e] = (s + e < vis) ? acc[m][n][half * 2 + e] : -__int_as_float(0x7f800000);
         }
       }
     }
@@ -128,7 +148,7 @@ def _get_kernel():
 def is_supported(q: mx.array, keys: mx.array) -> bool:
     on_cuda = mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
     d = q.shape[-1]
-    return on_cuda and d % 16 == 0 and d <= 256
+    return on_cuda and d % 16 == 0 and d <= 256 and q.shape[1] <= 256
 
 
 def indexer_scores_kernel(q: mx.array, head_weights: mx.array, keys: mx.array, visible: mx.array, scale: float) -> mx.array:
