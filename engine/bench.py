@@ -14,7 +14,7 @@ import mlx.core as mx
 from engine.loader import load_model
 from engine.memory_plan import make_plan
 from engine.model import DeepseekV4, Segment
-from engine.reference_check import random_tokens
+from engine.replay import random_tokens
 from engine.runner import default_compute_dtype
 from engine.trace import ForwardTrace
 

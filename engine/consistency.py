@@ -10,14 +10,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 
 from engine.loader import load_model
-from engine.model import DeepseekV4, Segment
-from engine.reference_check import random_tokens
+from engine.model import DeepseekV4
+from engine.replay import random_tokens, run_sequence
 from engine.runner import default_compute_dtype
-from engine.trace import ForwardTrace
 
 
 # The fresh whole-sequence prefill runs in one untiled chunk up to this many tokens: MLX's GPU sorts
@@ -39,22 +37,6 @@ class ConsistencyReport:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-@dataclass(frozen=True)
-class Run:
-    logits: np.ndarray  # [ctx + decode, vocab]: prefill rows, then one row per decode step
-    selections: dict[tuple[int, int], tuple[int, ...]]
-
-
-def run_sequence(model: DeepseekV4, tokens: list[int], num_prefill: int, chunk: int, tile: int) -> Run:
-    cache, trace, rows = model.new_cache(), ForwardTrace(record_selections=True), []
-    for lo in range(0, num_prefill, chunk):
-        piece = tokens[lo : min(lo + chunk, num_prefill)]
-        rows.append(np.array(model.forward([Segment(cache, piece)], tile=tile, all_logits=True, timer=trace)[0].astype(mx.float32)))
-    for token in tokens[num_prefill:]:
-        rows.append(np.array(model.forward([Segment(cache, [token])], timer=trace)[0].astype(mx.float32)))
-    return Run(np.concatenate(rows).astype(np.float32), trace.selections)
 
 
 def differing(a: dict, b: dict, keys=None) -> tuple[int, int]:

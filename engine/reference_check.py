@@ -15,7 +15,8 @@ import mlx.core as mx
 import numpy as np
 
 from engine.loader import load_model
-from engine.model import DeepseekV4, Segment
+from engine.model import DeepseekV4
+from engine.replay import random_tokens, run_sequence
 
 
 class ReferenceUnavailable(RuntimeError):
@@ -38,19 +39,9 @@ class ReferenceReport:
         return asdict(self)
 
 
-def random_tokens(vocab_size: int, count: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, vocab_size, count).tolist()
-
-
 def tessera_logits(model: DeepseekV4, tokens: list[int], num_prefill: int, chunk: int, tile: int | None) -> np.ndarray:
     """Prefill tokens[:num_prefill] in chunks, then decode the rest one by one -> [len(tokens), vocab]."""
-    cache, rows = model.new_cache(), []
-    for start in range(0, num_prefill, chunk):
-        piece = tokens[start : min(start + chunk, num_prefill)]
-        rows.append(np.array(model.forward([Segment(cache, piece)], tile=tile, all_logits=True)[0]))
-    for token in tokens[num_prefill:]:
-        rows.append(np.array(model.forward([Segment(cache, [token])])[0]))
-    return np.concatenate(rows).astype(np.float32)
+    return run_sequence(model, tokens, num_prefill, chunk, tile).logits
 
 
 def reference_logits(model_dir: Path, tokens: list[int]) -> np.ndarray:

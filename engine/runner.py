@@ -22,6 +22,9 @@ from engine.sampler import RequestRng, TokenHistory, sample
 from engine.trace import ForwardTrace
 
 
+GPU_MAX_SORT_ROWS = 65535
+
+
 @dataclass
 class _Sequence:
     cache: SequenceCache
@@ -34,6 +37,9 @@ class ModelRunner:
     def __init__(self, model: DeepseekV4, prefill_chunk: int, indexer_tile: int, max_context: int | None = None) -> None:
         if not 1 <= indexer_tile <= prefill_chunk:
             raise ValueError(f"indexer_tile ({indexer_tile}) must be between 1 and prefill_chunk ({prefill_chunk})")
+        if mx.default_device() == mx.gpu and prefill_chunk > GPU_MAX_SORT_ROWS:
+            raise ValueError(f"prefill_chunk ({prefill_chunk}) must be ≤ {GPU_MAX_SORT_ROWS} on the GPU: "
+                             "MLX's GPU sorts (MoE routing, indexer top-k) reject more rows in one call")
         self.model = model
         self.prefill_chunk = prefill_chunk
         self.indexer_tile = indexer_tile

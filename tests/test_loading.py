@@ -13,7 +13,8 @@ import pytest
 from engine.config import ConfigError, config_from_dict
 from engine.loader import CheckpointError, load_model
 from engine.make_model import make_model, preset_config
-from engine.reference_check import random_tokens, tessera_logits
+from engine.reference_check import tessera_logits
+from engine.replay import random_tokens
 
 
 @pytest.fixture(scope="module")

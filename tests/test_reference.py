@@ -13,7 +13,8 @@ pytest.importorskip("transformers")
 from engine.config import CSA, HCA, WINDOW
 from engine.make_model import make_model
 from engine.loader import load_model
-from engine.reference_check import compare, random_tokens, reference_logits, tessera_logits
+from engine.reference_check import compare, reference_logits, tessera_logits
+from engine.replay import random_tokens
 
 TOLERANCE = 1e-4
 

@@ -15,10 +15,12 @@ import pytest
 
 from engine.bench import bench_with_model
 from engine.config import CSA, HCA, WINDOW
-from engine.consistency import check_model_consistency, differing, run_sequence
+from engine.consistency import check_model_consistency, differing
+from engine.replay import run_sequence
 from engine.loader import load_model
 from engine.make_model import make_model
-from engine.reference_check import random_tokens
+from engine.model import Segment
+from engine.replay import random_tokens
 
 # top-k 16 of up to ~100 visible rows; HCA ratio 32 so a 400-token run crosses 12 of its
 # boundaries and 100 of the ratio-4 ones; window 16.
@@ -83,14 +85,11 @@ def test_check_consistency_cli_is_exact_with_row_invariant_blas(model_dir, chunk
 def test_resumed_prefill_split_anywhere_equals_one_prefill(model, tokens, split):
     """Splits inside a ratio-4 group, on and around HCA boundaries: same rows, same logits
     (to float32 rounding: the two runs' projections are gemms of different heights)."""
-    whole = run_sequence(model, tokens[:CTX], CTX, CTX, CTX)
-    cache_tokens = tokens[:CTX]
-    from engine.model import Segment
-
+    whole = run_sequence(model, tokens[:CTX], CTX, CTX, 32)
     cache = model.new_cache()
-    model.forward([Segment(cache, cache_tokens[:split])], tile=32)
-    last = np.array(model.forward([Segment(cache, cache_tokens[split:])], tile=32, all_logits=True)[0])
-    assert np.abs(last - whole.logits[split:]).max() <= 1e-5
+    model.forward([Segment(cache, tokens[:split])], tile=32)
+    rest = np.array(model.forward([Segment(cache, tokens[split:CTX])], tile=32, all_logits=True)[0])
+    assert np.abs(rest - whole.logits[split:]).max() <= 1e-5
 
 
 def test_prefill_then_decode_equals_whole_sequence_forward(model):
