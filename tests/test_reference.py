@@ -89,3 +89,17 @@ def test_prefill_then_decode_matches_full_forward_at_every_position(case):
     assert report.decode >= 40
     assert report.decode_max_abs_diff <= TOLERANCE and report.prefill_max_abs_diff <= TOLERANCE
     assert report.top1_agreement == 1.0
+
+
+def test_check_reference_cli_reports_json(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    model_dir = make_model(tmp_path / "m", "tiny", seed=4, with_tokenizer=False)
+    out = subprocess.run([sys.executable, "-m", "engine.commands", "check", "reference", "--model", str(model_dir),
+                          "--tokens", "150", "--chunk", "37", "--decode", "5", "--json"],
+                         capture_output=True, text=True, check=True)
+    report = json.loads(out.stdout)
+    assert report["max_abs_diff"] <= TOLERANCE and report["top1_agreement"] == 1.0
+    assert {"prefill_max_abs_diff", "decode_max_abs_diff"} <= set(report)

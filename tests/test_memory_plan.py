@@ -1,0 +1,48 @@
+"""The memory plan at V4 Flash scale reproduces the seed's untiled figures and shows what tiling
+changes; admission's cache bound covers what a real cache holds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from engine.loader import load_model
+from engine.make_model import make_model
+from engine.memory_plan import cache_bytes_at, cache_bytes_by_part, plan_for
+from engine.model import Segment
+from engine.replay import random_tokens
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize("chunk,expected_gib", [(4096, 12.0), (2048, 6.0), (1024, 3.0)])
+def test_untiled_indexer_scratch_matches_the_seed_table(chunk, expected_gib):
+    plan = plan_for(None, "v4-flash", 1048576, chunk, chunk, None)
+    scores_mask_topk = sum(b.nbytes for b in plan.indexer if b.name in ("indexer_scores", "indexer_mask", "topk_scratch"))
+    assert scores_mask_topk == expected_gib * GiB
+
+
+def test_tiling_bounds_the_scratch_by_the_tile_not_the_chunk():
+    tiled = plan_for(None, "v4-flash", 1048576, 4096, 1024, None)
+    small_chunk = plan_for(None, "v4-flash", 1048576, 1024, 1024, None)
+    assert tiled.indexer_bytes == small_chunk.indexer_bytes
+    assert tiled.attention_bytes == small_chunk.attention_bytes
+    assert tiled.chunk_bytes == 4 * small_chunk.chunk_bytes
+
+
+def test_plan_cli_json(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "engine.commands", "plan", "--preset", "v4-flash", "--ctx", "1048576",
+                          "--chunk", "4096", "--tile", "1024", "--json"], capture_output=True, text=True, check=True)
+    plan = json.loads(out.stdout)
+    assert plan["tile"] == 1024 and plan["peak_bytes"] > plan["weights_bytes"] > 0
+
+
+def test_planned_cache_parts_equal_the_real_cache_and_admission_covers_it(tmp_path):
+    model = load_model(make_model(tmp_path / "m", "tiny", seed=0, with_tokenizer=False))
+    cache = model.new_cache()
+    model.forward([Segment(cache, random_tokens(2048, 777, 0))])  # 777: open groups in both compressors
+    assert cache.nbytes_by_part == cache_bytes_by_part(model.cfg, 777, None, 4)
+    assert cache.nbytes <= cache_bytes_at(model.cfg, 777, 4)
