@@ -11,6 +11,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from engine.dtypes import dtype_name
 from engine.loader import load_model
 from engine.memory_plan import make_plan
 from engine.model import DeepseekV4, Segment
@@ -19,7 +20,6 @@ from engine.runner import default_compute_dtype
 from engine.trace import ForwardTrace
 
 MATRIX = ((4096, 4096), (2048, 2048), (1024, 1024), (4096, 2048), (4096, 1024))
-_DTYPE_NAMES = {mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "float16"}
 
 
 def prefill_once(model: DeepseekV4, tokens: list[int], chunk: int, tile: int, label: str = "") -> tuple[float, int, dict]:
@@ -57,14 +57,14 @@ def bench_with_model(model: DeepseekV4, ctx: int, chunk: int, tile: int, repeat:
     prefill_once(model, tokens[: min(ctx, 2 * chunk)], chunk, tile, f"C={chunk} T={tile} warm-up")
     runs = [prefill_once(model, tokens, chunk, tile, f"C={chunk} T={tile} run {r + 1}/{repeat}") for r in range(repeat)]
     seconds = statistics.median(r[0] for r in runs)
-    plan = make_plan(model.cfg, ctx, chunk, tile, _DTYPE_NAMES[model.dtype])
+    plan = make_plan(model.cfg, ctx, chunk, tile, dtype_name(model.dtype))
     stages = {k: statistics.median(r[2][k] for r in runs) for k in runs[0][2]}
     peak = max(r[1] for r in runs)
     return {
         "ctx": ctx,
         "chunk": chunk,
         "tile": tile,
-        "dtype": _DTYPE_NAMES[model.dtype],
+        "dtype": dtype_name(model.dtype),
         "repeat": repeat,
         "prefill_seconds": seconds,
         "prefill_tokens_per_s": ctx / seconds,

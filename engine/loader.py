@@ -14,10 +14,10 @@ from pathlib import Path
 import mlx.core as mx
 
 from engine.config import ModelConfig, config_from_dict
+from engine.dtypes import DTYPES
 from engine.model import DeepseekV4
 from engine.weights import canonical_name, expected_shapes, expert_key
 
-_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
 class CheckpointError(ValueError):
@@ -41,7 +41,7 @@ def load_model(model_dir: Path, dtype: str | None = None, progress: bool = True)
     raw = _read_tensors(files, progress)
     weights = _check_and_stack(raw, cfg)
     if dtype is not None:
-        target = _DTYPES[dtype]
+        target = DTYPES[dtype]
         weights = {k: v if not mx.issubdtype(v.dtype, mx.floating) else v.astype(target) for k, v in weights.items()}
     mx.eval(list(weights.values()))
     return DeepseekV4(cfg, weights)

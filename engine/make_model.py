@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.config import CSA, HCA, WINDOW, ModelConfig, config_from_dict
+from engine.dtypes import DTYPES
 from engine.weights import expected_shapes
 
 _YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
@@ -81,7 +82,7 @@ def _init(name: str, shape: tuple[int, ...], cfg: ModelConfig, rng: np.random.Ge
 def write_checkpoint(out_dir: Path, cfg: ModelConfig, seed: int = 0, dtype: str = "float32") -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    target = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}[dtype]
+    target = DTYPES[dtype]
     tensors = {}
     for name, value in random_weights(cfg, seed).items():
         arr = mx.array(value)

@@ -16,10 +16,10 @@ from pathlib import Path
 
 from engine.cache import RowBuffer
 from engine.config import CSA, HCA, WINDOW, ModelConfig, config_from_dict
+from engine.dtypes import DTYPES
 from engine.weights import expected_shapes
 
 GiB = 2**30
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class MemoryPlan:
 def make_plan(cfg: ModelConfig, ctx: int, chunk: int, tile: int, dtype: str = "float32") -> MemoryPlan:
     if not 1 <= tile <= chunk:
         raise ValueError(f"indexer tile ({tile}) must be between 1 and the prefill chunk ({chunk})")
-    b = _DTYPE_BYTES[dtype]
+    b = DTYPES[dtype].size
     return MemoryPlan(
         ctx=ctx,
         chunk=chunk,

@@ -14,6 +14,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from engine.cache import SequenceCache
+from engine.dtypes import dtype_name
 from engine.loader import load_model
 from engine.memory_plan import cache_bytes_at, make_plan
 from engine.model import DeepseekV4, Segment
@@ -44,10 +45,9 @@ class ModelRunner:
         self.prefill_chunk = prefill_chunk
         self.indexer_tile = indexer_tile
         self.max_context = max_context or model.cfg.max_position_embeddings
-        self._dtype_name = {mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "float16"}[model.dtype]
         self._sequences: dict[str, _Sequence] = {}
         self._weights_bytes = sum(w.nbytes for w in model.weights.values())
-        self._planned_workspace = make_plan(model.cfg, self.max_context, prefill_chunk, indexer_tile, self._dtype_name).workspace_bytes
+        self._planned_workspace = make_plan(model.cfg, self.max_context, prefill_chunk, indexer_tile, dtype_name(model.dtype)).workspace_bytes
 
     # ---- Runner protocol -----------------------------------------------------------------------
 

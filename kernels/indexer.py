@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from kernels import indexer_cuda
+
 
 def indexer_scores_reference(
     q: mx.array, head_weights: mx.array, keys: mx.array, visible: mx.array, scale: float
@@ -65,8 +67,6 @@ def select_topk_threshold(scores: mx.array, visible: mx.array, k: int) -> tuple[
 
 def indexer_scores(q: mx.array, head_weights: mx.array, keys: mx.array, visible: mx.array, scale: float) -> mx.array:
     """Dispatch: the fused CUDA kernel on a CUDA device, else the reference."""
-    from kernels import indexer_cuda
-
     if indexer_cuda.is_supported(q, keys):
         return indexer_cuda.indexer_scores_kernel(q, head_weights, keys, visible, scale)
     return indexer_scores_reference(q, head_weights, keys, visible, scale)
