@@ -1,8 +1,10 @@
 """V4 attention for one layer over a batch of segments (one segment = some tokens of one sequence).
 
-Projections run on every token of the step at once; the compressor, the indexer and the mixed
-attention run per segment, the last two in tiles of `tile` query rows (DESIGN.md §3):
-compress first, then per tile score → top-k → gather window ∪ selected rows → attend.
+The narrow projections (q's low-rank residual, K = V, index head weights) run on every token of
+the step at once; the compressor, the indexer and the mixed attention run per segment, the last two
+in tiles of `tile` query rows (DESIGN.md §3): compress first, then per tile score → top-k → gather
+window ∪ selected rows → attend. The wide per-head queries and the output projection run in fixed
+blocks of PROJECTION_ROWS rows as the tiles reach them, so no [chunk, heads, head_dim] tensor exists.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.cache import LayerCache
+from engine.cache import LayerCache, owned
 from engine.compressor import CompressorWeights, compress
 from engine.config import CSA, HCA, WINDOW, ModelConfig
 from engine.norms import rms_norm, unweighted_rms_norm
@@ -48,11 +50,20 @@ class SegmentSlice:
     cache: LayerCache
 
 
+# Query and output projections run on fixed blocks of this many rows of the step's batch, counted
+# from its first row. A gemm's row comes out differently in the last bits depending on the matrix
+# height (OpenBLAS; a GPU gemm's tile choice), so fixed blocks make a row's queries and attention
+# output independent of the indexer tile — and keep the chunk-wide [C, heads, head_dim] queries and
+# attention output, the largest chunk-scaled activations, out of memory (one block at a time).
+PROJECTION_ROWS = 256
+
+
 @dataclass(frozen=True)
-class _Queries:
-    q: mx.array  # [T, H, hd]
+class _ChunkProjections:
+    """What the step's whole batch projects at once: small per token."""
+
+    q_residual: mx.array  # [T, q_lora]
     kv: mx.array  # [T, hd] (K = V)
-    index_q: mx.array | None  # [T, IH, ID]
     index_w: mx.array | None  # [T, IH]
 
 
@@ -69,63 +80,150 @@ def attention(
     """x: [T, D] (normed block input), positions: [T] -> [T, D]."""
     rope = cfg.rope_for(layer)
     cos, sin = cos_sin(rope, positions)
-    queries = _project(x, cos, sin, w, cfg, layer)
-    outs = [_segment_attention(x, queries, seg, w, cfg, layer, tile, timer) for seg in segments]
-    out = mx.concatenate(outs) if len(outs) > 1 else outs[0]  # [T, H, hd]
-    # K = V carried RoPE into the output's rope slice: rotate back by the query position.
-    out = apply_rope(out, cos, -sin)
-    return _grouped_output(out, w, cfg)
+    chunk = _project_chunk(x, cos, sin, w, cfg, layer)
+    queries = _QueryBlocks(chunk.q_residual, cos, sin, w, cfg, layer)
+    output = _OutputBlocks(cos, sin, w, cfg)
+    for seg in segments:
+        _segment_attention(x, chunk, queries, output, seg, w, cfg, layer, tile, timer)
+    return output.result()
 
 
-def _project(x: mx.array, cos: mx.array, sin: mx.array, w: AttentionWeights, cfg: ModelConfig, layer: int) -> _Queries:
-    num_tokens, eps = x.shape[0], cfg.rms_norm_eps
+def _project_chunk(x: mx.array, cos: mx.array, sin: mx.array, w: AttentionWeights, cfg: ModelConfig, layer: int) -> _ChunkProjections:
+    eps = cfg.rms_norm_eps
     q_residual = rms_norm(x @ w.wq_a.T, w.q_norm, eps)  # [T, q_lora]
-    q = (q_residual @ w.wq_b.T).reshape(num_tokens, cfg.num_attention_heads, cfg.head_dim)
-    q = apply_rope(unweighted_rms_norm(q, eps), cos, sin)
     kv = apply_rope(rms_norm(x @ w.wkv.T, w.kv_norm, eps), cos, sin)  # [T, hd]
-    if not cfg.has_indexer(layer):
-        return _Queries(q, kv, None, None)
-    index_q = (q_residual @ w.index_wq_b.T).reshape(num_tokens, cfg.index_n_heads, cfg.index_head_dim)
-    index_q = apply_rope(index_q, cos, sin)  # CSA layers use the compress table for q and keys alike
-    index_w = (x @ w.index_weights_proj.T) * (cfg.index_n_heads**-0.5)  # [T, IH]
-    return _Queries(q, kv, index_q, index_w)
+    index_w = None
+    if cfg.has_indexer(layer):
+        index_w = (x @ w.index_weights_proj.T) * (cfg.index_n_heads**-0.5)  # [T, IH]
+    return _ChunkProjections(q_residual, kv, index_w)
+
+
+class _QueryBlocks:
+    """Queries (and index queries) of the batch's rows, projected one PROJECTION_ROWS block at a
+    time; the last block is kept because consecutive tiles may share it."""
+
+    def __init__(self, q_residual: mx.array, cos: mx.array, sin: mx.array, w: AttentionWeights, cfg: ModelConfig, layer: int) -> None:
+        self._q_residual, self._cos, self._sin = q_residual, cos, sin
+        self._w, self._cfg, self._indexed = w, cfg, cfg.has_indexer(layer)
+        self._last: tuple[int, mx.array, mx.array | None] | None = None
+
+    def rows(self, r0: int, r1: int) -> tuple[mx.array, mx.array | None]:
+        """Batch rows [r0, r1) -> q [t, H, hd], index_q [t, IH, ID] (None without an indexer)."""
+        first, last = r0 // PROJECTION_ROWS, (r1 - 1) // PROJECTION_ROWS
+        blocks = [self._block(j) for j in range(first, last + 1)]
+        lo, hi = r0 - first * PROJECTION_ROWS, r1 - first * PROJECTION_ROWS
+        q = _joined([b[0] for b in blocks])[lo:hi]
+        index_q = _joined([b[1] for b in blocks])[lo:hi] if self._indexed else None
+        return q, index_q
+
+    def _block(self, j: int) -> tuple[mx.array, mx.array | None]:
+        if self._last is not None and self._last[0] == j:
+            return self._last[1], self._last[2]
+        cfg, w, eps = self._cfg, self._w, self._cfg.rms_norm_eps
+        r0, r1 = j * PROJECTION_ROWS, min((j + 1) * PROJECTION_ROWS, self._q_residual.shape[0])
+        q_residual, cos, sin = self._q_residual[r0:r1], self._cos[r0:r1], self._sin[r0:r1]
+        q = (q_residual @ w.wq_b.T).reshape(r1 - r0, cfg.num_attention_heads, cfg.head_dim)
+        q = apply_rope(unweighted_rms_norm(q, eps), cos, sin)  # [B, H, hd]
+        index_q = None
+        if self._indexed:
+            index_q = (q_residual @ w.index_wq_b.T).reshape(r1 - r0, cfg.index_n_heads, cfg.index_head_dim)
+            index_q = apply_rope(index_q, cos, sin)  # CSA layers use the compress table for q and keys alike
+        self._last = (j, q, index_q)
+        return q, index_q
+
+
+class _OutputBlocks:
+    """Collects the tiles' attention outputs in batch order and projects each completed
+    PROJECTION_ROWS block to the model width, so at most a block plus a tile of [rows, H, hd]
+    outputs wait at a time."""
+
+    def __init__(self, cos: mx.array, sin: mx.array, w: AttentionWeights, cfg: ModelConfig) -> None:
+        self._cos, self._sin, self._w, self._cfg = cos, sin, w, cfg
+        self._pending: list[mx.array] = []  # [r, H, hd] pieces, in batch order
+        self._pending_rows = 0
+        self._projected: list[mx.array] = []  # [B, D] blocks
+
+    def add(self, out: mx.array) -> list[mx.array]:
+        """Queues a tile's [t, H, hd] output; returns the blocks it completed (projected, lazy)."""
+        self._pending.append(out)
+        self._pending_rows += out.shape[0]
+        done = []
+        while self._pending_rows >= PROJECTION_ROWS:
+            done.append(self._project(self._take(PROJECTION_ROWS)))
+        return done
+
+    def result(self) -> mx.array:
+        """-> [T, D] for the whole batch (projects the final, shorter block)."""
+        if self._pending_rows:
+            self._project(self._take(self._pending_rows))
+        return _joined(self._projected)
+
+    def _take(self, num_rows: int) -> mx.array:
+        parts, got = [], 0
+        while got < num_rows:
+            piece, need = self._pending[0], num_rows - got
+            if piece.shape[0] <= need:
+                parts.append(self._pending.pop(0))
+            else:
+                parts.append(piece[:need])
+                self._pending[0] = piece[need:]
+            got += parts[-1].shape[0]
+        self._pending_rows -= num_rows
+        return _joined(parts)
+
+    def _project(self, out: mx.array) -> mx.array:
+        r0 = len(self._projected) * PROJECTION_ROWS
+        r1 = r0 + out.shape[0]
+        # K = V carried RoPE into the output's rope slice: rotate back by the query position.
+        out = apply_rope(out, self._cos[r0:r1], -self._sin[r0:r1])
+        block = _grouped_output(out, self._w, self._cfg)  # [B, D]
+        self._projected.append(block)
+        return block
+
+
+def _joined(parts: list[mx.array]) -> mx.array:
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
 
 def _grouped_output(out: mx.array, w: AttentionWeights, cfg: ModelConfig) -> mx.array:
-    """[T, H, hd] -> [T, D]: per-group low-rank projection, then one mixing projection."""
+    """[B, H, hd] -> [B, D]: per-group low-rank projection, then one mixing projection."""
     num_tokens, groups = out.shape[0], cfg.o_groups
-    grouped = out.reshape(num_tokens, groups, -1).transpose(1, 0, 2)  # [G, T, H·hd / G]
+    grouped = out.reshape(num_tokens, groups, -1).transpose(1, 0, 2)  # [G, B, H·hd / G]
     wo_a = w.wo_a.reshape(groups, cfg.o_lora_rank, -1)  # [G, o_lora, H·hd / G]
-    mid = (grouped @ wo_a.transpose(0, 2, 1)).transpose(1, 0, 2).reshape(num_tokens, -1)  # [T, G·o_lora]
+    mid = (grouped @ wo_a.transpose(0, 2, 1)).transpose(1, 0, 2).reshape(num_tokens, -1)  # [B, G·o_lora]
     return mid @ w.wo_b.T
 
 
 def _segment_attention(
     x: mx.array,
-    queries: _Queries,
+    chunk: _ChunkProjections,
+    queries: _QueryBlocks,
+    output: _OutputBlocks,
     seg: SegmentSlice,
     w: AttentionWeights,
     cfg: ModelConfig,
     layer: int,
     tile: int,
     timer: ForwardTrace,
-) -> mx.array:
-    """Attention of one segment's queries -> [L, H, hd]; appends to its layer cache."""
+) -> None:
+    """Attention of one segment's queries, tile by tile into `output`; appends to its layer cache."""
     lo, hi = seg.offset, seg.offset + seg.length
     cache, kind = seg.cache, cfg.layer_types[layer]
     # Invariant 1: every row completed inside the segment exists before any tile is scored.
     if kind in (CSA, HCA):
         _emit_compressed(x[lo:hi], seg, w, cfg, layer)
-    keys = mx.concatenate([cache.window, queries.kv[lo:hi]])  # [Wp + L, hd]
+    keys = mx.concatenate([cache.window, chunk.kv[lo:hi]])  # [Wp + L, hd]
     num_prev = cache.window.shape[0]
     timer.stage("other", keys, *_compressed_views(cache))
-    outs = []
     for r0 in range(0, seg.length, tile):
         r1 = min(r0 + tile, seg.length)
-        outs.append(_tile_attention(queries, keys, num_prev, seg, r0, r1, w, cfg, layer, timer))
+        q, index_q = queries.rows(lo + r0, lo + r1)
+        timer.stage("other", q, *([] if index_q is None else [index_q]))
+        index_w = None if chunk.index_w is None else chunk.index_w[lo + r0 : lo + r1]
+        out = _tile_attention(q, index_q, index_w, keys, num_prev, seg, r0, r1, w, cfg, layer, timer)
+        timer.stage("attention", out, *output.add(out))
     keep = cfg.sliding_window - 1
-    cache.window = keys[max(keys.shape[0] - keep, 0) :] if keep > 0 else keys[:0]
-    return mx.concatenate(outs) if len(outs) > 1 else outs[0]
+    cache.window = owned(keys[max(keys.shape[0] - keep, 0) :] if keep > 0 else keys[:0])
 
 
 def _compressed_views(cache: LayerCache) -> list[mx.array]:
@@ -142,7 +240,9 @@ def _emit_compressed(x: mx.array, seg: SegmentSlice, w: AttentionWeights, cfg: M
 
 
 def _tile_attention(
-    queries: _Queries,
+    q: mx.array,
+    index_q: mx.array | None,
+    index_w: mx.array | None,
     keys: mx.array,
     num_prev: int,
     seg: SegmentSlice,
@@ -153,41 +253,39 @@ def _tile_attention(
     layer: int,
     timer: ForwardTrace,
 ) -> mx.array:
-    """Query rows [r0, r1) of the segment -> [t, H, hd]."""
+    """Query rows [r0, r1) of the segment (q: [t, H, hd]) -> [t, H, hd]."""
     window = cfg.sliding_window
     local = mx.arange(r0, r1)  # [t]
     # Query at local row r sees keys[num_prev + r - window + 1 .. num_prev + r]; earlier ones don't exist.
     key_idx = num_prev + local[:, None] - (window - 1) + mx.arange(window)[None, :]  # [t, W]
     groups = [(keys[mx.maximum(key_idx, 0)], key_idx >= 0)]  # window rows [t, W, hd]
-    lo = seg.offset
-    q = queries.q[lo + r0 : lo + r1]
     kind = cfg.layer_types[layer]
     if kind != WINDOW:
         visible = (seg.start + local + 1) // cfg.compress_ratio(layer)  # [t]: rows from tokens ≤ the query
         compressed = seg.cache.compressed.view()  # [N, hd]
         if kind == CSA:
-            selected, selected_valid = _select(queries, lo + r0, lo + r1, seg, visible, cfg, layer, timer)
+            selected, selected_valid = _select(index_q, index_w, r0, seg, visible, cfg, layer, timer)
             groups.append((compressed[selected], selected_valid))  # [t, k, hd]
         else:
             groups.append((shared_rows(compressed, r1 - r0), mx.arange(compressed.shape[0])[None, :] < visible[:, None]))
     out = mixed_attention(q, groups, w.sinks, cfg.head_dim**-0.5)
-    return timer.stage("attention", out)
+    return out
 
 
 def _select(
-    queries: _Queries, q0: int, q1: int, seg: SegmentSlice, visible: mx.array, cfg: ModelConfig, layer: int,
+    index_q: mx.array, index_w: mx.array, r0: int, seg: SegmentSlice, visible: mx.array, cfg: ModelConfig, layer: int,
     timer: ForwardTrace,
 ) -> tuple[mx.array, mx.array]:
     """Indexer for one tile: [t, N] scores in one scratch, then top-k -> (rows, valid) [t, k]."""
     index_keys = seg.cache.index_keys.view()  # [N, ID]
     if index_keys.shape[0] == 0:
-        empty = mx.zeros((q1 - q0, 0), dtype=mx.int32)
-        timer.record_selection(layer, seg.start + q0 - seg.offset, empty, empty.astype(mx.bool_))
+        empty = mx.zeros((index_q.shape[0], 0), dtype=mx.int32)
+        timer.record_selection(layer, seg.start + r0, empty, empty.astype(mx.bool_))
         return empty, empty.astype(mx.bool_)
     scale = cfg.index_head_dim**-0.5
-    scores = indexer_scores(queries.index_q[q0:q1], queries.index_w[q0:q1], index_keys, visible, scale)
+    scores = indexer_scores(index_q, index_w, index_keys, visible, scale)
     scores = timer.stage("indexer_score", scores)
     selected, valid = select_topk(scores, visible, cfg.index_topk)
     timer.stage("topk", selected, valid)
-    timer.record_selection(layer, seg.start + q0 - seg.offset, selected, valid)
+    timer.record_selection(layer, seg.start + r0, selected, valid)
     return selected, valid

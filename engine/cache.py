@@ -12,6 +12,13 @@ import mlx.core as mx
 from engine.config import CSA, ModelConfig, WINDOW
 
 
+def owned(rows: mx.array) -> mx.array:
+    """A copy of `rows` with a buffer of its own. What the cache keeps between steps is a few rows
+    sliced out of chunk-wide arrays, and an MLX slice keeps its whole parent buffer alive: left as
+    views, every layer's window and compressor frontier pinned a [chunk, width] array per sequence."""
+    return mx.contiguous(rows)
+
+
 class RowBuffer:
     """Append-only [rows, width] buffer with spare capacity, so decode does not copy the whole cache
     on every emitted row (same idea as mlx-lm's KVCache step)."""

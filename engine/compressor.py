@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.cache import CompressorFrontier
+from engine.cache import CompressorFrontier, owned
 from engine.config import RopeSpec
 from engine.norms import rms_norm
 from engine.rope import apply_rope, cos_sin
@@ -48,7 +48,7 @@ def compress(
         gate = mx.concatenate([frontier.pending_gate, gate])
     num_windows = kv.shape[0] // ratio
     usable = num_windows * ratio
-    frontier.pending_kv, frontier.pending_gate = kv[usable:], gate[usable:]
+    frontier.pending_kv, frontier.pending_gate = owned(kv[usable:]), owned(gate[usable:])
     head_dim = weights.norm.shape[0]
     if num_windows == 0:
         return mx.zeros((0, head_dim), dtype=x.dtype)
@@ -85,5 +85,5 @@ def _overlap_slots(
         first_kv, first_gate = frontier.overlap_kv[None], frontier.overlap_gate[None]
     prev_kv = mx.concatenate([first_kv, ca_kv[:-1]])
     prev_gate = mx.concatenate([first_gate, ca_gate[:-1]])
-    frontier.overlap_kv, frontier.overlap_gate = ca_kv[-1], ca_gate[-1]
+    frontier.overlap_kv, frontier.overlap_gate = owned(ca_kv[-1]), owned(ca_gate[-1])
     return mx.concatenate([prev_kv, cb_kv], axis=1), mx.concatenate([prev_gate, cb_gate], axis=1)

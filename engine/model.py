@@ -66,8 +66,7 @@ class DeepseekV4:
         token_ids = mx.array([int(t) for s in segments for t in s.token_ids], dtype=mx.int32)
         positions = mx.concatenate([mx.arange(s.cache.num_tokens, s.cache.num_tokens + len(s.token_ids)) for s in segments])
         tile = tile or max(len(s.token_ids) for s in segments)
-        embedded = self.weights["embed.weight"][token_ids]  # [T, D]
-        streams = mx.broadcast_to(embedded[:, None, :], (embedded.shape[0], cfg.hc_mult, embedded.shape[1]))
+        streams = self._embed(token_ids)
         for i, layer in enumerate(self.layers):
             slices = _slices(segments, i)
             streams = self._layer(streams, token_ids, positions, slices, layer, i, tile, timer)
@@ -76,6 +75,12 @@ class DeepseekV4:
             s.cache.num_tokens += len(s.token_ids)
             s.cache.token_ids.extend(s.token_ids)
         return self._logits(streams, segments, all_logits)
+
+    def _embed(self, token_ids: mx.array) -> mx.array:
+        """[T] -> [T, hc, D]: every stream starts as the token's embedding (a broadcast view, gone
+        with the first layer's output)."""
+        embedded = self.weights["embed.weight"][token_ids]  # [T, D]
+        return mx.broadcast_to(embedded[:, None, :], (embedded.shape[0], self.cfg.hc_mult, embedded.shape[1]))
 
     def _layer(self, streams, token_ids, positions, slices, layer: LayerWeights, i: int, tile: int, timer: ForwardTrace):
         cfg, eps = self.cfg, self.cfg.rms_norm_eps

@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from engine.attention import PROJECTION_ROWS
 from engine.bench import bench_with_model
 from engine.config import CSA, HCA, WINDOW
 from engine.consistency import check_model_consistency, differing
@@ -26,6 +27,8 @@ from engine.replay import random_tokens
 # boundaries and 100 of the ratio-4 ones; window 16.
 OVERRIDES = dict(layer_types=[WINDOW, CSA, HCA, CSA], num_hidden_layers=4, compress_rates={CSA: 4, HCA: 32})
 CTX = 403
+# A chunk longer than one projection block, so tiles straddle the blocks' boundaries.
+CHUNK = PROJECTION_ROWS + 64
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +48,12 @@ def tokens(model):
 
 @pytest.fixture(scope="module")
 def untiled(model, tokens):
-    return run_sequence(model, tokens, CTX, 96, 96)
+    return run_sequence(model, tokens, CTX, CHUNK, CHUNK)
 
 
-@pytest.mark.parametrize("tile", [96, 32, 40, 7, 1], ids=["T=C", "T|C", "T∤C", "T=7", "T=1"])
+@pytest.mark.parametrize("tile", [CHUNK, 64, 96, 7, 1], ids=["T=C", "T|C", "T∤C", "T=7", "T=1"])
 def test_tiles_select_the_same_rows_and_give_bit_identical_logits(model, tokens, untiled, tile):
-    tiled = run_sequence(model, tokens, CTX, 96, tile)
+    tiled = run_sequence(model, tokens, CTX, CHUNK, tile)
     num_diff, num_compared = differing(tiled.selections, untiled.selections)
     assert num_compared == 2 * (CTX + 70)  # two CSA layers, every position
     assert num_diff == 0
