@@ -214,7 +214,11 @@ def _segment_attention(
         _emit_compressed(x[lo:hi], seg, w, cfg, layer)
     keys = mx.concatenate([cache.window, chunk.kv[lo:hi]])  # [Wp + L, hd]
     num_prev = cache.window.shape[0]
-    timer.stage("other", keys, *_compressed_views(cache))
+    keep = cfg.sliding_window - 1
+    cache.window = owned(keys[max(keys.shape[0] - keep, 0) :] if keep > 0 else keys[:0])
+    # Evaluating the cache's new state now lets the chunk-wide arrays it was cut from go before the
+    # tile loop, instead of at the end of the forward pass.
+    timer.stage("other", keys, *cache.arrays())
     for r0 in range(0, seg.length, tile):
         r1 = min(r0 + tile, seg.length)
         q, index_q = queries.rows(lo + r0, lo + r1)
@@ -222,12 +226,6 @@ def _segment_attention(
         index_w = None if chunk.index_w is None else chunk.index_w[lo + r0 : lo + r1]
         out = _tile_attention(q, index_q, index_w, keys, num_prev, seg, r0, r1, w, cfg, layer, timer)
         timer.stage("attention", out, *output.add(out))
-    keep = cfg.sliding_window - 1
-    cache.window = owned(keys[max(keys.shape[0] - keep, 0) :] if keep > 0 else keys[:0])
-
-
-def _compressed_views(cache: LayerCache) -> list[mx.array]:
-    return [buf.view() for buf in (cache.compressed, cache.index_keys) if buf is not None]
 
 
 def _emit_compressed(x: mx.array, seg: SegmentSlice, w: AttentionWeights, cfg: ModelConfig, layer: int) -> None:

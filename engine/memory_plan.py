@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from math import prod
 from pathlib import Path
 
+from engine.attention import PROJECTION_ROWS
 from engine.cache import RowBuffer
 from engine.config import CSA, HCA, WINDOW, ModelConfig, config_from_dict
 from engine.dtypes import DTYPES
@@ -116,8 +117,9 @@ def indexer_buffers(cfg: ModelConfig, ctx: int, tile: int) -> list[Buffer]:
 
 
 def attention_buffers(cfg: ModelConfig, ctx: int, tile: int, b: int) -> list[Buffer]:
-    """One tile of mixed attention at the widest layer: gathered window ∪ selected rows, or HCA's
-    shared compressed rows; logits and probabilities in fp32 for every head."""
+    """One tile of mixed attention at the widest layer: the tile's queries (projected in fixed
+    blocks, engine/attention.py), gathered window ∪ selected rows, or HCA's shared compressed rows;
+    logits and probabilities in fp32 for every head; the output waiting for its projection block."""
     heads, hd, w = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
     widest = w
     gathered = w
@@ -126,25 +128,33 @@ def attention_buffers(cfg: ModelConfig, ctx: int, tile: int, b: int) -> list[Buf
         widest, gathered = max(widest, w + k), w + k
     if HCA in cfg.layer_types:
         widest = max(widest, w + ctx // cfg.compress_rates[HCA])
-    return [
+    q_rows = tile + PROJECTION_ROWS  # a tile's blocks can reach one block beyond it
+    index_q = cfg.index_n_heads * cfg.index_head_dim if CSA in cfg.layer_types else 0
+    out = [
+        Buffer("tile_queries", 2 * q_rows * (heads * hd + index_q) * b,
+               "2 × (T + block) × (heads × head_dim + index_heads × index_head_dim) (blocks, joined)"),
         Buffer("gathered_rows", tile * gathered * hd * b, "T × (window + k) × head_dim × dtype"),
         Buffer("attention_logits", tile * heads * (widest + 1) * 4, "T × heads × (widest row set + sink) × 4"),
         Buffer("attention_probs", tile * heads * (widest + 1) * 4, "T × heads × (widest row set + sink) × 4"),
-        Buffer("attention_out", tile * heads * hd * 4, "T × heads × head_dim × 4"),
+        Buffer("attention_out", q_rows * heads * hd * 4, "(T + block) × heads × head_dim × 4 (awaiting projection)"),
     ]
+    if b < 4:  # products come out in the low precision first, and probabilities go back to it
+        out.append(Buffer("attention_lowp_copies", 2 * tile * heads * (widest + 1) * b,
+                          "2 × T × heads × (widest row set + sink) × dtype (product, probs copy)"))
+    return out
 
 
 def chunk_buffers(cfg: ModelConfig, chunk: int, b: int) -> list[Buffer]:
-    """The layer pipeline on C tokens at its widest point (one layer live at a time)."""
+    """The layer pipeline on C tokens (one layer live at a time). The wide per-head queries and
+    attention output are not here: they exist a projection block at a time (attention_buffers)."""
     c, d, hc = chunk, cfg.hidden_size, cfg.hc_mult
-    q = cfg.num_attention_heads * cfg.head_dim
-    index_q = cfg.index_n_heads * cfg.index_head_dim if CSA in cfg.layer_types else 0
+    narrow = cfg.q_lora_rank + cfg.head_dim + (cfg.index_n_heads if CSA in cfg.layer_types else 0)
     routed = cfg.num_experts_per_tok * cfg.moe_intermediate_size
     return [
         Buffer("hidden_streams", 2 * c * hc * d * b, "2 × C × hc × hidden (in and out of a layer)"),
-        Buffer("queries", 2 * c * q * b, "2 × C × heads × head_dim (q and its rotated copy)"),
-        Buffer("attention_output", 2 * c * q * b, "2 × C × heads × head_dim (tiles joined, un-rotated)"),
-        Buffer("index_queries", c * index_q * b, "C × index_heads × index_head_dim"),
+        Buffer("block_input", 2 * c * d * b, "2 × C × hidden (collapsed streams, normed)"),
+        Buffer("narrow_projections", c * narrow * b, "C × (q_lora + head_dim + index_heads)"),
+        Buffer("attention_projected", c * d * b, "C × hidden (projected blocks, joined)"),
         Buffer("moe_intermediate", 3 * c * routed * b, "3 × C × top_k × moe_intermediate (gate, up, product)"),
         Buffer("router", 2 * c * cfg.n_routed_experts * 4, "2 × C × experts × 4"),
     ]
