@@ -17,18 +17,20 @@ from engine.memory_plan import make_plan
 from engine.model import DeepseekV4, Segment
 from engine.replay import random_tokens
 from engine.runner import default_compute_dtype
-from engine.trace import ForwardTrace
+from engine.trace import STAGES, ForwardTrace
 
 MATRIX = ((4096, 4096), (2048, 2048), (1024, 1024), (4096, 2048), (4096, 1024))
 
 
-def prefill_once(model: DeepseekV4, tokens: list[int], chunk: int, tile: int, label: str = "") -> tuple[float, int, dict]:
+def prefill_once(
+    model: DeepseekV4, tokens: list[int], chunk: int, tile: int, label: str = "", stage_sync: bool = True
+) -> tuple[float, int, dict]:
     """-> (seconds, MLX peak bytes, stage seconds) of one prefill from an empty cache."""
     cache = model.new_cache()
     mx.synchronize()
     mx.clear_cache()
     mx.reset_peak_memory()
-    timer = ForwardTrace()
+    timer = ForwardTrace(stage_sync=stage_sync)
     start = time.perf_counter()
     for lo in range(0, len(tokens), chunk):
         logits = model.forward([Segment(cache, tokens[lo : lo + chunk])], tile=tile, timer=timer)
@@ -50,12 +52,15 @@ def _progress(label: str, done: int, total: int) -> None:
     sys.stderr.flush()
 
 
-def bench_with_model(model: DeepseekV4, ctx: int, chunk: int, tile: int, repeat: int = 1) -> dict:
+def bench_with_model(model: DeepseekV4, ctx: int, chunk: int, tile: int, repeat: int = 1, stage_sync: bool = True) -> dict:
     tokens = random_tokens(model.cfg.vocab_size, ctx, seed=0)
     # Warm-up (not measured): kernel compilation and allocator growth would otherwise land on
     # whichever setting runs first.
-    prefill_once(model, tokens[: min(ctx, 2 * chunk)], chunk, tile, f"C={chunk} T={tile} warm-up")
-    runs = [prefill_once(model, tokens, chunk, tile, f"C={chunk} T={tile} run {r + 1}/{repeat}") for r in range(repeat)]
+    prefill_once(model, tokens[: min(ctx, 2 * chunk)], chunk, tile, f"C={chunk} T={tile} warm-up", stage_sync)
+    runs = [
+        prefill_once(model, tokens, chunk, tile, f"C={chunk} T={tile} run {r + 1}/{repeat}", stage_sync)
+        for r in range(repeat)
+    ]
     seconds = statistics.median(r[0] for r in runs)
     plan = make_plan(model.cfg, ctx, chunk, tile, dtype_name(model.dtype))
     stages = {k: statistics.median(r[2][k] for r in runs) for k in runs[0][2]}
@@ -66,6 +71,7 @@ def bench_with_model(model: DeepseekV4, ctx: int, chunk: int, tile: int, repeat:
         "tile": tile,
         "dtype": dtype_name(model.dtype),
         "repeat": repeat,
+        "stage_sync": stage_sync,
         "prefill_seconds": seconds,
         "prefill_tokens_per_s": ctx / seconds,
         "peak_memory_bytes": peak,
@@ -79,15 +85,24 @@ def bench_with_model(model: DeepseekV4, ctx: int, chunk: int, tile: int, repeat:
     }
 
 
-def bench_prefill(model_dir: Path, ctx: int, chunk: int, tile: int, repeat: int = 1, dtype: str | None = None) -> dict:
+def bench_prefill(
+    model_dir: Path, ctx: int, chunk: int, tile: int, repeat: int = 1, dtype: str | None = None, stage_sync: bool = True
+) -> dict:
     model = load_model(Path(model_dir), dtype=dtype or default_compute_dtype())
-    return bench_with_model(model, ctx, chunk, tile, repeat)
+    return bench_with_model(model, ctx, chunk, tile, repeat, stage_sync)
 
 
-def bench_matrix(model_dir: Path, ctx: int, repeat: int = 1, dtype: str | None = None, out_dir: Path = Path("docs")) -> str:
+def bench_matrix(
+    model_dir: Path,
+    ctx: int,
+    repeat: int = 1,
+    dtype: str | None = None,
+    out_dir: Path = Path("docs"),
+    stage_sync: bool = True,
+) -> str:
     """Runs the five rows in one process, writes `bench-matrix-ctx{N}.{md,json,png}` under out_dir."""
     model = load_model(Path(model_dir), dtype=dtype or default_compute_dtype())
-    rows = [bench_with_model(model, ctx, c, t, repeat) for c, t in MATRIX]
+    rows = [bench_with_model(model, ctx, c, t, repeat, stage_sync) for c, t in MATRIX]
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"bench-matrix-ctx{ctx}"
     stem.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
@@ -109,10 +124,16 @@ def matrix_table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['chunk']} | {r['tile']} | {r['prefill_tokens_per_s']:.1f} | {r['prefill_tokens_per_s'] / ref_speed:.3f} "
             f"| {r['peak_memory_bytes'] / 2**20:,.0f} | {r['peak_memory_bytes'] / ref_peak:.3f} "
-            f"| {r['planned_peak_bytes'] / 2**20:,.0f} | {r['peak_vs_plan']:.3f} | {r['indexer_score']:.2f} "
-            f"| {r['topk']:.2f} | {r['attention']:.2f} | {r['moe']:.2f} | {r['other']:.2f} |"
+            f"| {r['planned_peak_bytes'] / 2**20:,.0f} | {r['peak_vs_plan']:.3f} | "
+            + " | ".join(_stage_cell(r, name) for name in STAGES)
+            + " |"
         )
     return "\n".join(lines)
+
+
+def _stage_cell(row: dict, name: str) -> str:
+    """Seconds of one stage, or a dash for a run without stage syncs (no per-stage times)."""
+    return f"{row['stage_seconds'][name]:.2f}" if name in row["stage_seconds"] else "—"
 
 
 def _plot(rows: list[dict], path: Path) -> None:

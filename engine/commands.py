@@ -122,6 +122,10 @@ def _register_bench(subparsers) -> None:
     pre.add_argument("--tile", type=int, default=None)
     pre.add_argument("--repeat", type=int, default=1)
     pre.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    pre.add_argument("--stage-sync", action=argparse.BooleanOptionalAction, default=True,
+                     help="evaluate at every stage boundary for exact per-stage seconds (default); "
+                          "--no-stage-sync evaluates only where memory needs it (tiles, layers) and "
+                          "charges a stage's time to the next evaluation point")
     pre.add_argument("--json", action="store_true")
     pre.set_defaults(func=_bench_prefill)
     mat = sub.add_parser("matrix", help="the five (chunk, tile) rows: markdown table + PNG plot under docs/")
@@ -129,6 +133,10 @@ def _register_bench(subparsers) -> None:
     mat.add_argument("--ctx", type=int, required=True)
     mat.add_argument("--repeat", type=int, default=1)
     mat.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    mat.add_argument("--stage-sync", action=argparse.BooleanOptionalAction, default=True,
+                     help="evaluate at every stage boundary for exact per-stage seconds (default); "
+                          "--no-stage-sync evaluates only where memory needs it (tiles, layers) and "
+                          "charges a stage's time to the next evaluation point")
     mat.add_argument("--out", type=Path, default=Path("docs"))
     mat.set_defaults(func=_bench_matrix)
     idx = sub.add_parser("indexer", help="indexer scoring throughput vs the device's bf16 matmul rate")
@@ -151,7 +159,7 @@ def _bench_indexer(args) -> int:
 def _bench_prefill(args) -> int:
     from engine.bench import bench_prefill
 
-    result = bench_prefill(args.model, args.ctx, args.chunk, args.tile or args.chunk, args.repeat, args.dtype)
+    result = bench_prefill(args.model, args.ctx, args.chunk, args.tile or args.chunk, args.repeat, args.dtype, args.stage_sync)
     _print_report(result, args.json)
     return 0
 
@@ -159,7 +167,7 @@ def _bench_prefill(args) -> int:
 def _bench_matrix(args) -> int:
     from engine.bench import bench_matrix
 
-    table = bench_matrix(args.model, args.ctx, args.repeat, args.dtype, args.out)
+    table = bench_matrix(args.model, args.ctx, args.repeat, args.dtype, args.out, args.stage_sync)
     print(table)
     return 0
 

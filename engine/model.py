@@ -70,7 +70,7 @@ class DeepseekV4:
         for i, layer in enumerate(self.layers):
             slices = _slices(segments, i)
             streams = self._layer(streams, token_ids, positions, slices, layer, i, tile, timer)
-            timer.stage("other", streams)
+            timer.boundary("other", streams)
         for s in segments:
             s.cache.num_tokens += len(s.token_ids)
             s.cache.token_ids.extend(s.token_ids)

@@ -35,7 +35,14 @@ class _Sequence:
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV4, prefill_chunk: int, indexer_tile: int, max_context: int | None = None) -> None:
+    def __init__(
+        self,
+        model: DeepseekV4,
+        prefill_chunk: int,
+        indexer_tile: int,
+        max_context: int | None = None,
+        stage_timing: bool = True,
+    ) -> None:
         if not 1 <= indexer_tile <= prefill_chunk:
             raise ValueError(f"indexer_tile ({indexer_tile}) must be between 1 and prefill_chunk ({prefill_chunk})")
         if mx.default_device() == mx.gpu and prefill_chunk > GPU_MAX_SORT_ROWS:
@@ -44,6 +51,7 @@ class ModelRunner:
         self.model = model
         self.prefill_chunk = prefill_chunk
         self.indexer_tile = indexer_tile
+        self.stage_timing = stage_timing  # a sync per prefill stage for exact per-stage seconds
         self.max_context = max_context or model.cfg.max_position_embeddings
         self._sequences: dict[str, _Sequence] = {}
         self._weights_bytes = sum(w.nbytes for w in model.weights.values())
@@ -67,7 +75,7 @@ class ModelRunner:
                 sampled_ids.append(chunk.request_id)
         if not segments:
             return StepOutput()
-        timer = ForwardTrace()
+        timer = ForwardTrace(stage_sync=self.stage_timing)
         logits = self.model.forward(segments, tile=self.indexer_tile, timer=timer)
         rows = logits[: len(sampled_ids)]  # the prefill is last: its row only counts when it samples
         sampled = self._sample(sampled_ids, mx.concatenate(rows) if rows else None)
@@ -109,6 +117,8 @@ def default_compute_dtype() -> str:
     return "float32" if mx.default_device() == mx.cpu else None
 
 
-def build_runner(model_dir: Path, prefill_chunk: int, indexer_tile: int, max_context: int | None = None) -> ModelRunner:
+def build_runner(
+    model_dir: Path, prefill_chunk: int, indexer_tile: int, max_context: int | None = None, stage_timing: bool = True
+) -> ModelRunner:
     model = load_model(Path(model_dir), dtype=default_compute_dtype())
-    return ModelRunner(model, prefill_chunk, indexer_tile, max_context)
+    return ModelRunner(model, prefill_chunk, indexer_tile, max_context, stage_timing)

@@ -1,9 +1,12 @@
 """What a forward pass leaves behind for benchmarks and checks: per-stage wall time (indexer score,
 top-k, attention, MoE, other) and, when asked, the indexer's selected rows per layer and position.
 
-MLX is lazy: a stage's time is only its own if the graph is evaluated at the stage boundary, so
-`stage()` evaluates what it is given. The tile loop relies on that anyway: evaluating each tile
-before building the next is what keeps one tile's scratch alive at a time (DESIGN.md §3).
+MLX is lazy: a stage's time is only its own if the graph is evaluated at the stage boundary. Two
+kinds of evaluation points exist. `boundary()` always evaluates: the tile loop relies on it to keep
+one tile's scratch alive at a time (DESIGN.md §3), the layer loop to keep one layer's graph.
+`stage()` evaluates only with `stage_sync` on: each such sync drains the GPU's queue while Python
+builds the next ops, so without it a stage's time is charged to the next point that does evaluate
+(coarser attribution, fewer bubbles).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ STAGES = ("indexer_score", "topk", "attention", "moe", "other")
 
 
 class ForwardTrace:
-    def __init__(self, record_selections: bool = False) -> None:
+    def __init__(self, record_selections: bool = False, stage_sync: bool = True) -> None:
+        self.stage_sync = stage_sync
         self.seconds: dict[str, float] = defaultdict(float)
         self._last = time.perf_counter()
         # (layer, absolute position) -> selected compressed rows, ascending (valid picks only)
@@ -30,7 +34,15 @@ class ForwardTrace:
             self.selections[(layer, first_position + offset)] = tuple(r for r, v in zip(row, ok) if v)
 
     def stage(self, name: str, *arrays: mx.array) -> mx.array:
-        """Evaluate `arrays` and charge the time since the previous boundary to `name`."""
+        """End of a stage: evaluate `arrays` and charge the time since the previous evaluation to
+        `name` — only with stage_sync on; otherwise nothing happens here."""
+        if self.stage_sync:
+            self.boundary(name, *arrays)
+        return arrays[0]
+
+    def boundary(self, name: str, *arrays: mx.array) -> mx.array:
+        """Evaluate `arrays` (memory depends on it) and charge the time since the previous
+        evaluation to `name`."""
         mx.eval(*arrays)
         now = time.perf_counter()
         self.seconds[name] += now - self._last
@@ -38,4 +50,7 @@ class ForwardTrace:
         return arrays[0]
 
     def as_dict(self) -> dict[str, float]:
+        """Seconds per stage; empty without stage_sync (the boundaries alone do not separate stages)."""
+        if not self.stage_sync:
+            return {}
         return {name: self.seconds.get(name, 0.0) for name in STAGES}

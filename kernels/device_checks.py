@@ -10,7 +10,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from kernels import indexer_cuda
+from kernels import indexer_cuda, topk_cuda
 from kernels.indexer import indexer_scores_reference, select_topk_reference, select_topk_threshold
 
 
@@ -65,7 +65,39 @@ def check_indexer_kernel(t: int = 512, n: int = 65536, heads: int = 64, dim: int
     lo, hi = 37, 37 + 45
     part = indexer_cuda.indexer_scores_kernel(q[lo:hi], w[lo:hi], keys, visible[lo:hi], 1.0)
     report["tile_invariant"] = bool(mx.array_equal(part, whole[lo:hi]).item())
+    report["topk_kernel"] = check_topk_kernel(rng, t, n, k)
     return report
+
+
+def _tie_scores(rng: np.random.Generator, t: int, n: int) -> np.ndarray:
+    """Scores with few distinct values (ties at the k-th place in nearly every row), signed zeros,
+    and masked (-inf) tails; some rows see fewer than k rows."""
+    scores = rng.integers(-3, 4, (t, n)).astype(np.float32) * np.float32(0.5)
+    scores[rng.random((t, n)) < 0.05] = -0.0
+    visible = rng.integers(0, n + 1, t)
+    visible[: t // 4] = n
+    visible[t // 4 : t // 4 + 8] = rng.integers(0, 64, 8)  # fewer visible rows than k
+    scores[np.arange(n)[None, :] >= visible[:, None]] = -np.inf
+    return scores, visible.astype(np.int32)
+
+
+def check_topk_kernel(rng: np.random.Generator, t: int, n: int, k: int) -> dict:
+    """The radix-select kernel against the stable-sort reference: rows and validity must be equal."""
+    if not topk_cuda.is_supported(mx.zeros((1, 1), dtype=mx.float32)):
+        return {"kernel": "unavailable on this device"}
+    out = {}
+    for name in ("random", "ties"):
+        if name == "random":
+            scores = rng.standard_normal((t, n), dtype=np.float32)
+            visible = np.full(t, n, dtype=np.int32)
+        else:
+            scores, visible = _tie_scores(rng, t, n)
+        scores, visible = mx.array(scores), mx.array(visible)
+        ref_rows, ref_valid = select_topk_reference(scores, visible, k)
+        got_rows, got_valid = topk_cuda.select_topk_kernel(scores, visible, k)
+        differing = mx.any((ref_rows != got_rows) | (ref_valid != got_valid), axis=-1)
+        out[name] = {"differing_rows": int(mx.sum(differing).item()), "rows": t}
+    return out
 
 
 def _median_seconds(fn, repeat: int) -> float:
@@ -103,6 +135,8 @@ def bench_indexer(t: int = 1024, n: int = 262144, heads: int = 64, dim: int = 12
     else:
         scores = indexer_scores_reference(q, w, keys, visible, 1.0)
     mx.eval(scores)
+    if topk_cuda.is_supported(scores):
+        out["topk_kernel_seconds"] = _median_seconds(lambda: topk_cuda.select_topk_kernel(scores, visible, k), repeat)
     out["topk_threshold_seconds"] = _median_seconds(lambda: select_topk_threshold(scores, visible, k), repeat)
     out["topk_argsort_seconds"] = _median_seconds(lambda: select_topk_reference(scores, visible, k), max(1, repeat // 2))
     return out

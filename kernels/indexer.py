@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels import indexer_cuda
+from kernels import indexer_cuda, topk_cuda
 
 
 def indexer_scores_reference(
@@ -73,7 +73,8 @@ def indexer_scores(q: mx.array, head_weights: mx.array, keys: mx.array, visible:
 
 
 def select_topk(scores: mx.array, visible: mx.array, k: int) -> tuple[mx.array, mx.array]:
-    """The stable sort is also the fastest top-k measured on the H200 (22 ms vs 33 ms for the
-    threshold form at 1024 × 262,144); `tessera check kernels` re-checks there that its ties go to
-    the lower index by comparing it with `select_topk_threshold` on tie-heavy scores."""
+    """Dispatch: the radix-select kernel on a CUDA device (no full sort, no [T, N] sort scratch),
+    else the stable-sort reference. `tessera check kernels` compares the two there, ties included."""
+    if topk_cuda.is_supported(scores):
+        return topk_cuda.select_topk_kernel(scores, visible, k)
     return select_topk_reference(scores, visible, k)

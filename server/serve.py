@@ -49,7 +49,9 @@ def build_engine(settings: Settings, metrics: Metrics | None = None) -> ServedMo
         metrics = Metrics.from_settings(settings, name, max_model_len)
     elif metrics.model_name != name:
         raise ValueError(f"metrics are labelled {metrics.model_name!r}, the model is served as {name!r}")
-    runner = build_runner(model_dir, settings.prefill_chunk, settings.indexer_tile, max_context=max_model_len)
+    runner = build_runner(
+        model_dir, settings.prefill_chunk, settings.indexer_tile, max_context=max_model_len, stage_timing=settings.stage_timing
+    )
     config = SchedulerConfig(
         prefill_chunk=settings.prefill_chunk,
         max_num_seqs=settings.max_num_seqs,
