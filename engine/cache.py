@@ -14,8 +14,8 @@ from engine.config import CSA, ModelConfig, WINDOW
 
 def owned(rows: mx.array) -> mx.array:
     """A copy of `rows` with a buffer of its own. What the cache keeps between steps is a few rows
-    sliced out of chunk-wide arrays, and an MLX slice keeps its whole parent buffer alive: left as
-    views, every layer's window and compressor frontier pinned a [chunk, width] array per sequence."""
+    cut out of chunk-wide arrays, and an MLX slice may share its parent's buffer (keeping all of it
+    alive); the copy makes "the cache holds only its rows" hold whatever MLX does with slices."""
     return mx.contiguous(rows)
 
 

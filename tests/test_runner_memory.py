@@ -86,3 +86,19 @@ def test_engine_greedy_equals_model_greedy(runner):
         direct.append(int(mx.argmax(logits[0]).item()))
         logits = model.forward([Segment(cache, [direct[-1]])])[0]
     assert served == direct
+
+
+def test_stage_timing_off_reports_no_stage_times_and_samples_the_same(runner):
+    from engine.protocol import PrefillChunk, StepPlan
+
+    prompt = list(range(1, 50))
+    outputs = {}
+    for timing in (True, False):
+        runner.stage_timing = timing
+        runner.add_request(f"t{timing}", prompt, SamplingParams(temperature=0.0, max_tokens=4))
+        outputs[timing] = runner.execute(StepPlan(prefill=PrefillChunk(f"t{timing}", tuple(prompt), start=0, is_last=True)))
+        runner.release(f"t{timing}")
+    runner.stage_timing = True
+    assert set(outputs[True].stage_seconds) == {"indexer_score", "topk", "attention", "moe", "other"}
+    assert outputs[False].stage_seconds == {}
+    assert outputs[True].sampled[0].token_id == outputs[False].sampled[0].token_id

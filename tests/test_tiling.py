@@ -22,6 +22,7 @@ from engine.loader import load_model
 from engine.make_model import make_model
 from engine.model import Segment
 from engine.replay import random_tokens
+from engine.trace import ForwardTrace
 
 # top-k 16 of up to ~100 visible rows; HCA ratio 32 so a 400-token run crosses 12 of its
 # boundaries and 100 of the ratio-4 ones; window 16.
@@ -115,3 +116,13 @@ def _small_dir(factory):
     if "dir" not in _SMALL:
         _SMALL["dir"] = make_model(factory.mktemp("small"), "small", seed=0, with_tokenizer=False, layers=4)
     return _SMALL["dir"]
+
+
+def test_without_stage_syncs_the_logits_are_the_same_and_no_stage_times_are_claimed(model, tokens):
+    synced = run_sequence(model, tokens[:200], 200, 64, 16)
+    cache = model.new_cache()
+    trace = ForwardTrace(stage_sync=False)
+    pieces = [tokens[lo : min(lo + 64, 200)] for lo in range(0, 200, 64)]
+    logits = [model.forward([Segment(cache, p)], tile=16, all_logits=True, timer=trace)[0] for p in pieces]
+    assert np.array_equal(np.array(mx.concatenate(logits)), synced.logits[:200])
+    assert trace.as_dict() == {}
