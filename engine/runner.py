@@ -41,7 +41,7 @@ class ModelRunner:
         prefill_chunk: int,
         indexer_tile: int,
         max_context: int | None = None,
-        stage_timing: bool = True,
+        stage_timing_interval: int = 1,
     ) -> None:
         if not 1 <= indexer_tile <= prefill_chunk:
             raise ValueError(f"indexer_tile ({indexer_tile}) must be between 1 and prefill_chunk ({prefill_chunk})")
@@ -51,7 +51,10 @@ class ModelRunner:
         self.model = model
         self.prefill_chunk = prefill_chunk
         self.indexer_tile = indexer_tile
-        self.stage_timing = stage_timing  # a sync per prefill stage for exact per-stage seconds
+        # Stage times need a sync per stage (costly on a GPU): one prefill step in this many pays
+        # for them (0: none); decode-only steps never do.
+        self.stage_timing_interval = stage_timing_interval
+        self._prefill_steps = 0
         self.max_context = max_context or model.cfg.max_position_embeddings
         self._sequences: dict[str, _Sequence] = {}
         self._weights_bytes = sum(w.nbytes for w in model.weights.values())
@@ -75,11 +78,17 @@ class ModelRunner:
                 sampled_ids.append(chunk.request_id)
         if not segments:
             return StepOutput()
-        timer = ForwardTrace(stage_sync=self.stage_timing)
+        timer = ForwardTrace(stage_sync=self._times_stages(plan))
         logits = self.model.forward(segments, tile=self.indexer_tile, timer=timer)
         rows = logits[: len(sampled_ids)]  # the prefill is last: its row only counts when it samples
         sampled = self._sample(sampled_ids, mx.concatenate(rows) if rows else None)
         return StepOutput(sampled=tuple(sampled), stage_seconds=timer.as_dict())
+
+    def _times_stages(self, plan: StepPlan) -> bool:
+        if plan.prefill is None or not self.stage_timing_interval:
+            return False
+        self._prefill_steps += 1
+        return (self._prefill_steps - 1) % self.stage_timing_interval == 0  # the first one is timed
 
     def release(self, request_id: str) -> None:
         if self._sequences.pop(request_id, None) is not None:
@@ -118,7 +127,11 @@ def default_compute_dtype() -> str:
 
 
 def build_runner(
-    model_dir: Path, prefill_chunk: int, indexer_tile: int, max_context: int | None = None, stage_timing: bool = True
+    model_dir: Path,
+    prefill_chunk: int,
+    indexer_tile: int,
+    max_context: int | None = None,
+    stage_timing_interval: int = 1,
 ) -> ModelRunner:
     model = load_model(Path(model_dir), dtype=default_compute_dtype())
-    return ModelRunner(model, prefill_chunk, indexer_tile, max_context, stage_timing)
+    return ModelRunner(model, prefill_chunk, indexer_tile, max_context, stage_timing_interval)

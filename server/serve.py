@@ -50,7 +50,11 @@ def build_engine(settings: Settings, metrics: Metrics | None = None) -> ServedMo
     elif metrics.model_name != name:
         raise ValueError(f"metrics are labelled {metrics.model_name!r}, the model is served as {name!r}")
     runner = build_runner(
-        model_dir, settings.prefill_chunk, settings.indexer_tile, max_context=max_model_len, stage_timing=settings.stage_timing
+        model_dir,
+        settings.prefill_chunk,
+        settings.indexer_tile,
+        max_context=max_model_len,
+        stage_timing_interval=settings.stage_timing_interval,
     )
     config = SchedulerConfig(
         prefill_chunk=settings.prefill_chunk,

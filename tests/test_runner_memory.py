@@ -88,17 +88,20 @@ def test_engine_greedy_equals_model_greedy(runner):
     assert served == direct
 
 
-def test_stage_timing_off_reports_no_stage_times_and_samples_the_same(runner):
-    from engine.protocol import PrefillChunk, StepPlan
+def test_one_prefill_step_in_the_interval_times_its_stages_and_sampling_is_unchanged(runner):
+    from engine.protocol import DecodeSlot, PrefillChunk, StepPlan
 
     prompt = list(range(1, 50))
-    outputs = {}
-    for timing in (True, False):
-        runner.stage_timing = timing
-        runner.add_request(f"t{timing}", prompt, SamplingParams(temperature=0.0, max_tokens=4))
-        outputs[timing] = runner.execute(StepPlan(prefill=PrefillChunk(f"t{timing}", tuple(prompt), start=0, is_last=True)))
-        runner.release(f"t{timing}")
-    runner.stage_timing = True
-    assert set(outputs[True].stage_seconds) == {"indexer_score", "topk", "attention", "moe", "other"}
-    assert outputs[False].stage_seconds == {}
-    assert outputs[True].sampled[0].token_id == outputs[False].sampled[0].token_id
+    runner.stage_timing_interval, runner._prefill_steps = 2, 0
+    outputs = []
+    for i in range(3):
+        runner.add_request(f"s{i}", prompt, SamplingParams(temperature=0.0, max_tokens=4))
+        outputs.append(runner.execute(StepPlan(prefill=PrefillChunk(f"s{i}", tuple(prompt), start=0, is_last=True))))
+    decode = runner.execute(StepPlan(decodes=(DecodeSlot("s0", outputs[0].sampled[0].token_id, position=len(prompt)),)))
+    for i in range(3):
+        runner.release(f"s{i}")
+    runner.stage_timing_interval = 1
+    timed = {"indexer_score", "topk", "attention", "moe", "other"}
+    assert [set(o.stage_seconds) for o in outputs] == [timed, set(), timed]
+    assert decode.stage_seconds == {}
+    assert len({o.sampled[0].token_id for o in outputs}) == 1  # timed or not, the same greedy token
