@@ -14,6 +14,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from engine.cache import SequenceCache
+from engine.config import ModelConfig
 from engine.dtypes import dtype_name
 from engine.loader import load_model
 from engine.memory_plan import cache_bytes_at, make_plan
@@ -24,6 +25,22 @@ from engine.trace import ForwardTrace
 
 
 GPU_MAX_SORT_ROWS = 65535
+GPU_MAX_ARRAY_ELEMENTS = 2**31 - 1
+
+
+def gpu_limit_errors(cfg: ModelConfig, prefill_chunk: int, indexer_tile: int, max_context: int) -> list[str]:
+    """Settings MLX's CUDA build cannot run, each with the reason (empty: fine)."""
+    problems = []
+    if prefill_chunk > GPU_MAX_SORT_ROWS:
+        problems.append(f"prefill_chunk ({prefill_chunk}) must be ≤ {GPU_MAX_SORT_ROWS} on the GPU: MLX's GPU "
+                        "sorts (MoE routing) reject more rows in one call")
+    plan = make_plan(cfg, max_context, prefill_chunk, indexer_tile)
+    logits = next(b.nbytes // 4 for b in plan.attention if b.name == "attention_logits")
+    if logits > GPU_MAX_ARRAY_ELEMENTS:
+        problems.append(f"indexer_tile ({indexer_tile}) is too large for max_context {max_context} on the GPU: a "
+                        f"tile's attention logits would have {logits:,} elements, more than MLX's CUDA kernels "
+                        f"index ({GPU_MAX_ARRAY_ELEMENTS:,}; measured: an illegal memory access); use a smaller tile")
+    return problems
 
 
 @dataclass
@@ -45,9 +62,11 @@ class ModelRunner:
     ) -> None:
         if not 1 <= indexer_tile <= prefill_chunk:
             raise ValueError(f"indexer_tile ({indexer_tile}) must be between 1 and prefill_chunk ({prefill_chunk})")
-        if mx.default_device() == mx.gpu and prefill_chunk > GPU_MAX_SORT_ROWS:
-            raise ValueError(f"prefill_chunk ({prefill_chunk}) must be ≤ {GPU_MAX_SORT_ROWS} on the GPU: "
-                             "MLX's GPU sorts (MoE routing, indexer top-k) reject more rows in one call")
+        self.max_context = max_context or model.cfg.max_position_embeddings
+        if mx.default_device() == mx.gpu:
+            problems = gpu_limit_errors(model.cfg, prefill_chunk, indexer_tile, self.max_context)
+            if problems:
+                raise ValueError("; ".join(problems))
         self.model = model
         self.prefill_chunk = prefill_chunk
         self.indexer_tile = indexer_tile
@@ -55,7 +74,6 @@ class ModelRunner:
         # for them (0: none); decode-only steps never do.
         self.stage_timing_interval = stage_timing_interval
         self._prefill_steps = 0
-        self.max_context = max_context or model.cfg.max_position_embeddings
         self._sequences: dict[str, _Sequence] = {}
         self._weights_bytes = sum(w.nbytes for w in model.weights.values())
         self._planned_workspace = make_plan(model.cfg, self.max_context, prefill_chunk, indexer_tile, dtype_name(model.dtype)).workspace_bytes

@@ -74,3 +74,14 @@ def _capacity_bytes(cache) -> int:
         for frontier in (layer.compressor, layer.indexer_compressor):
             total += frontier.nbytes if frontier is not None else 0
     return total
+
+
+def test_gpu_limits_refuse_tiles_whose_attention_logits_exceed_int32_indexing():
+    from engine.make_model import preset_config
+    from engine.runner import gpu_limit_errors
+
+    cfg = preset_config("flash-attn")
+    assert gpu_limit_errors(cfg, 4096, 1024, 1048576) == []
+    (problem,) = gpu_limit_errors(cfg, 4096, 4096, 1048576)  # 4096 × 64 × 8,321 logits
+    assert "indexer_tile (4096)" in problem and "2,181,300,224" in problem
+    assert "prefill_chunk (70000)" in gpu_limit_errors(cfg, 70000, 1024, 65536)[0]
