@@ -62,7 +62,7 @@ class DeepseekV4:
         Returns per segment the logits [L, vocab] (all_logits) or [1, vocab] of its last token.
         `tile`: indexer/attention query rows per tile (None: the whole segment, the untiled path).
         """
-        cfg, timer = self.cfg, timer or ForwardTrace()
+        timer = timer or ForwardTrace()
         token_ids = mx.array([int(t) for s in segments for t in s.token_ids], dtype=mx.int32)
         positions = mx.concatenate([mx.arange(s.cache.num_tokens, s.cache.num_tokens + len(s.token_ids)) for s in segments])
         tile = tile or max(len(s.token_ids) for s in segments)

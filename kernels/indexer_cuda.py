@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from kernels.cuda import compiled_kernel, on_cuda
+
 QUERIES_PER_BLOCK = 32  # two m16 tiles
 KEYS_PER_WARP = 32  # four n8 tiles
 WARPS = 8
@@ -129,26 +131,13 @@ _SOURCE = r"""
   }
 """
 
-_kernel = None
-
-
-def _get_kernel():
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="tessera_indexer_scores",
-            input_names=["q", "w", "k", "visible"],
-            output_names=["scores"],
-            source=_SOURCE,
-            header=_HEADER,
-        )
-    return _kernel
+def _kernel():
+    return compiled_kernel("tessera_indexer_scores", ("q", "w", "k", "visible"), ("scores",), _SOURCE, _HEADER)
 
 
 def is_supported(q: mx.array, keys: mx.array) -> bool:
-    on_cuda = mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
     d = q.shape[-1]
-    return on_cuda and d % 16 == 0 and d <= 256 and q.shape[1] <= 256
+    return on_cuda() and d % 16 == 0 and d <= 256 and q.shape[1] <= 256
 
 
 def indexer_scores_kernel(q: mx.array, head_weights: mx.array, keys: mx.array, visible: mx.array, scale: float) -> mx.array:
@@ -158,7 +147,7 @@ def indexer_scores_kernel(q: mx.array, head_weights: mx.array, keys: mx.array, v
     w = (head_weights.astype(mx.float32) * scale)  # fold the softmax scale into the head weights
     grid_x = -(-num_k // KEYS_PER_BLOCK) * (32 * WARPS)  # MLX's grid counts threads, not blocks
     grid_y = -(-num_q // QUERIES_PER_BLOCK)
-    (scores,) = _get_kernel()(
+    (scores,) = _kernel()(
         inputs=[q.astype(mx.bfloat16), w, keys.astype(mx.bfloat16), visible.astype(mx.int32)],
         template=[("H", heads), ("D", d), ("KS", d // 16)],
         grid=(grid_x, grid_y, 1),

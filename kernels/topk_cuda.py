@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from kernels.cuda import compiled_kernel, on_cuda
+
 THREADS = 1024  # one block per query row
 WARPS = THREADS // 32
 
@@ -103,24 +105,12 @@ _SOURCE = r"""
   }
 """
 
-_kernel = None
-
-
-def _get_kernel():
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="tessera_topk_radix",
-            input_names=["scores", "k_in"],
-            output_names=["rows"],
-            source=_SOURCE,
-            header=_HEADER,
-        )
-    return _kernel
+def _kernel():
+    return compiled_kernel("tessera_topk_radix", ("scores", "k_in"), ("rows",), _SOURCE, _HEADER)
 
 
 def is_supported(scores: mx.array) -> bool:
-    return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available() and scores.dtype == mx.float32
+    return on_cuda() and scores.dtype == mx.float32
 
 
 def select_topk_kernel(scores: mx.array, visible: mx.array, k: int) -> tuple[mx.array, mx.array]:
@@ -130,7 +120,7 @@ def select_topk_kernel(scores: mx.array, visible: mx.array, k: int) -> tuple[mx.
     if num_q == 0 or k == 0:
         rows = mx.zeros((num_q, k), dtype=mx.int32)
         return rows, rows < visible[:, None]
-    (rows,) = _get_kernel()(
+    (rows,) = _kernel()(
         inputs=[scores, mx.array([k], dtype=mx.int32)],
         grid=(num_q * THREADS, 1, 1),  # MLX's grid counts threads: one block per query row
         threadgroup=(THREADS, 1, 1),

@@ -28,7 +28,7 @@ from server.metrics import (
     INTER_TOKEN_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, VLLM_ALIASES, MeteredRunner, Metrics,
     build_1_2_5_buckets, metrics_router,
 )
-from server_harness import MODEL_NAME, LiveServer, live_server, make_tokenizer
+from server_harness import MODEL_NAME, live_server, make_tokenizer
 
 MODEL = "tiny-v4"
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "OBSERVABILITY.md"
