@@ -88,7 +88,9 @@ def attention(
     return output.result()
 
 
-def _project_chunk(x: mx.array, cos: mx.array, sin: mx.array, w: AttentionWeights, cfg: ModelConfig, layer: int) -> _ChunkProjections:
+def _project_chunk(
+    x: mx.array, cos: mx.array, sin: mx.array, w: AttentionWeights, cfg: ModelConfig, layer: int
+) -> _ChunkProjections:
     eps = cfg.rms_norm_eps
     q_residual = rms_norm(x @ w.wq_a.T, w.q_norm, eps)  # [T, q_lora]
     kv = apply_rope(rms_norm(x @ w.wkv.T, w.kv_norm, eps), cos, sin)  # [T, hd]
@@ -102,7 +104,9 @@ class _QueryBlocks:
     """Queries (and index queries) of the batch's rows, projected one PROJECTION_ROWS block at a
     time; the last block is kept because consecutive tiles may share it."""
 
-    def __init__(self, q_residual: mx.array, cos: mx.array, sin: mx.array, w: AttentionWeights, cfg: ModelConfig, layer: int) -> None:
+    def __init__(
+        self, q_residual: mx.array, cos: mx.array, sin: mx.array, w: AttentionWeights, cfg: ModelConfig, layer: int
+    ) -> None:
         self._q_residual, self._cos, self._sin = q_residual, cos, sin
         self._w, self._cfg, self._indexed = w, cfg, cfg.has_indexer(layer)
         self._last: tuple[int, mx.array, mx.array | None] | None = None
