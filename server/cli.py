@@ -26,11 +26,12 @@ def _flag(field_name: str) -> str:
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     for name, field in Settings.model_fields.items():
-        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": field.description}
+        description = (field.description or "").replace("%", "%%")  # argparse formats help with %
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": description}
         if field.annotation is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif name == "api_keys":
-            kwargs.update(action="append", metavar="KEY", help=f"{field.description} Repeat for several keys.")
+            kwargs.update(action="append", metavar="KEY", help=f"{description} Repeat for several keys.")
         else:
             kwargs["metavar"] = name.upper()
         parser.add_argument(_flag(name), **kwargs)  # values stay strings: Settings validates and converts

@@ -120,3 +120,13 @@ def test_unknown_toml_key_and_missing_file(tmp_path: Path) -> None:
         load_settings(bad)
     with pytest.raises(FileNotFoundError, match="missing.toml"):
         load_settings(tmp_path / "missing.toml")
+
+
+def test_serve_help_shows_every_setting_with_its_description(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(["serve", "--help"])
+    assert stop.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "7 % slower prefill" in text  # a '%' in a description must not break argparse's formatting
+    for name in Settings.model_fields:
+        assert "--" + name.replace("_", "-") in text or name == "api_keys"
