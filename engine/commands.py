@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+from engine.dtypes import DTYPES
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the engine's subcommands; each sets `func(args) -> int` as its handler."""
@@ -23,7 +25,7 @@ def _register_make_model(subparsers) -> None:
     p.add_argument("--preset", default="tiny", choices=["tiny", "small", "flash-attn"])
     p.add_argument("--layers", type=int, default=None, help="number of layers (window, then CSA/HCA alternating)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--no-tokenizer", action="store_true", help="skip training the byte-level BPE tokenizer")
     p.set_defaults(func=_make_model)
 
@@ -56,7 +58,7 @@ def _register_check(subparsers) -> None:
     con.add_argument("--chunk", type=int, required=True)
     con.add_argument("--tile", type=int, required=True)
     con.add_argument("--seed", type=int, default=0)
-    con.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    con.add_argument("--dtype", default="float32", choices=list(DTYPES))
     con.add_argument("--json", action="store_true")
     con.set_defaults(func=_check_consistency)
     ker = sub.add_parser("kernels", help="device kernels vs their references (selections, scores, tile invariance)")
@@ -99,7 +101,7 @@ def _register_plan(subparsers) -> None:
     p.add_argument("--ctx", type=int, required=True)
     p.add_argument("--chunk", type=int, required=True)
     p.add_argument("--tile", type=int, default=None, help="indexer tile (default: = chunk, the untiled path)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=None, choices=list(DTYPES))
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_plan)
 
@@ -116,27 +118,13 @@ def _register_bench(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmarks")
     sub = p.add_subparsers(dest="bench", required=True)
     pre = sub.add_parser("prefill", help="prefill N random tokens, report speed, memory and stages")
-    pre.add_argument("--model", type=Path, required=True)
-    pre.add_argument("--ctx", type=int, required=True)
+    _add_prefill_run_args(pre)
     pre.add_argument("--chunk", type=int, required=True)
     pre.add_argument("--tile", type=int, default=None)
-    pre.add_argument("--repeat", type=int, default=1)
-    pre.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    pre.add_argument("--stage-sync", action=argparse.BooleanOptionalAction, default=True,
-                     help="evaluate at every stage boundary for exact per-stage seconds (default); "
-                          "--no-stage-sync evaluates only where memory needs it (tiles, layers) and "
-                          "charges a stage's time to the next evaluation point")
     pre.add_argument("--json", action="store_true")
     pre.set_defaults(func=_bench_prefill)
     mat = sub.add_parser("matrix", help="the five (chunk, tile) rows: markdown table + PNG plot under docs/")
-    mat.add_argument("--model", type=Path, required=True)
-    mat.add_argument("--ctx", type=int, required=True)
-    mat.add_argument("--repeat", type=int, default=1)
-    mat.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    mat.add_argument("--stage-sync", action=argparse.BooleanOptionalAction, default=True,
-                     help="evaluate at every stage boundary for exact per-stage seconds (default); "
-                          "--no-stage-sync evaluates only where memory needs it (tiles, layers) and "
-                          "charges a stage's time to the next evaluation point")
+    _add_prefill_run_args(mat)
     mat.add_argument("--out", type=Path, default=Path("docs"))
     mat.set_defaults(func=_bench_matrix)
     idx = sub.add_parser("indexer", help="indexer scoring throughput vs the device's bf16 matmul rate")
@@ -147,6 +135,18 @@ def _register_bench(subparsers) -> None:
     idx.add_argument("--repeat", type=int, default=5)
     idx.add_argument("--json", action="store_true")
     idx.set_defaults(func=_bench_indexer)
+
+
+def _add_prefill_run_args(p: argparse.ArgumentParser) -> None:
+    """What `bench prefill` and `bench matrix` share: the model, the context, how often, how synced."""
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--ctx", type=int, required=True)
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--dtype", default=None, choices=list(DTYPES))
+    p.add_argument("--stage-sync", action=argparse.BooleanOptionalAction, default=True,
+                   help="evaluate at every stage boundary for exact per-stage seconds (default); "
+                        "--no-stage-sync evaluates only where memory needs it (tiles, layers) and "
+                        "charges a stage's time to the next evaluation point")
 
 
 def _bench_indexer(args) -> int:

@@ -69,7 +69,7 @@ def check_indexer_kernel(t: int = 512, n: int = 65536, heads: int = 64, dim: int
     return report
 
 
-def _tie_scores(rng: np.random.Generator, t: int, n: int) -> np.ndarray:
+def _tie_scores(rng: np.random.Generator, t: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     """Scores with few distinct values (ties at the k-th place in nearly every row), signed zeros,
     and masked (-inf) tails; some rows see fewer than k rows."""
     scores = rng.integers(-3, 4, (t, n)).astype(np.float32) * np.float32(0.5)
