@@ -7,6 +7,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,18 +23,30 @@ from engine.trace import STAGES, ForwardTrace
 MATRIX = ((4096, 4096), (2048, 2048), (1024, 1024), (4096, 2048), (4096, 1024))
 
 
+@dataclass(frozen=True)
+class RunOptions:
+    """How a bench row runs: measured prefills per row (the median is reported), evaluation at
+    every stage boundary (exact stage times, more host round trips), and whether narrower layers
+    take more rows per tile (engine/tiling.py) or every layer takes T."""
+
+    repeat: int = 1
+    stage_sync: bool = True
+    scale_tiles: bool = True
+
+
 def prefill_once(
-    model: DeepseekV4, tokens: list[int], chunk: int, tile: int, label: str = "", stage_sync: bool = True
+    model: DeepseekV4, tokens: list[int], chunk: int, tile: int, label: str = "", options: RunOptions = RunOptions()
 ) -> tuple[float, int, dict]:
     """-> (seconds, MLX peak bytes, stage seconds) of one prefill from an empty cache."""
     cache = model.new_cache()
     mx.synchronize()
     mx.clear_cache()
     mx.reset_peak_memory()
-    timer = ForwardTrace(stage_sync=stage_sync)
+    timer = ForwardTrace(stage_sync=options.stage_sync)
     start = time.perf_counter()
     for lo in range(0, len(tokens), chunk):
-        logits = model.forward([Segment(cache, tokens[lo : lo + chunk])], tile=tile, timer=timer)
+        segment = Segment(cache, tokens[lo : lo + chunk])
+        logits = model.forward([segment], tile=tile, timer=timer, scale_tiles=options.scale_tiles)
         mx.eval(logits, cache.arrays())
         _progress(label, lo + chunk, len(tokens))
     seconds = time.perf_counter() - start
@@ -52,13 +65,14 @@ def _progress(label: str, done: int, total: int) -> None:
     sys.stderr.flush()
 
 
-def bench_with_model(model: DeepseekV4, ctx: int, chunk: int, tile: int, repeat: int = 1, stage_sync: bool = True) -> dict:
+def bench_with_model(model: DeepseekV4, ctx: int, chunk: int, tile: int, options: RunOptions = RunOptions()) -> dict:
     tokens = random_tokens(model.cfg.vocab_size, ctx, seed=0)
     # Warm-up (not measured): kernel compilation and allocator growth would otherwise land on
     # whichever setting runs first.
-    prefill_once(model, tokens[: min(ctx, 2 * chunk)], chunk, tile, f"C={chunk} T={tile} warm-up", stage_sync)
+    prefill_once(model, tokens[: min(ctx, 2 * chunk)], chunk, tile, f"C={chunk} T={tile} warm-up", options)
+    repeat = options.repeat
     runs = [
-        prefill_once(model, tokens, chunk, tile, f"C={chunk} T={tile} run {r + 1}/{repeat}", stage_sync)
+        prefill_once(model, tokens, chunk, tile, f"C={chunk} T={tile} run {r + 1}/{repeat}", options)
         for r in range(repeat)
     ]
     seconds = statistics.median(r[0] for r in runs)
@@ -71,7 +85,8 @@ def bench_with_model(model: DeepseekV4, ctx: int, chunk: int, tile: int, repeat:
         "tile": tile,
         "dtype": dtype_name(model.dtype),
         "repeat": repeat,
-        "stage_sync": stage_sync,
+        "stage_sync": options.stage_sync,
+        "scale_tiles": options.scale_tiles,
         "prefill_seconds": seconds,
         "prefill_tokens_per_s": ctx / seconds,
         "peak_memory_bytes": peak,
@@ -86,23 +101,22 @@ def bench_with_model(model: DeepseekV4, ctx: int, chunk: int, tile: int, repeat:
 
 
 def bench_prefill(
-    model_dir: Path, ctx: int, chunk: int, tile: int, repeat: int = 1, dtype: str | None = None, stage_sync: bool = True
+    model_dir: Path, ctx: int, chunk: int, tile: int, dtype: str | None = None, options: RunOptions = RunOptions()
 ) -> dict:
     model = load_model(Path(model_dir), dtype=dtype or default_compute_dtype())
-    return bench_with_model(model, ctx, chunk, tile, repeat, stage_sync)
+    return bench_with_model(model, ctx, chunk, tile, options)
 
 
 def bench_matrix(
     model_dir: Path,
     ctx: int,
-    repeat: int = 1,
     dtype: str | None = None,
     out_dir: Path = Path("docs"),
-    stage_sync: bool = True,
+    options: RunOptions = RunOptions(),
 ) -> str:
     """Runs the five rows in one process, writes `bench-matrix-ctx{N}.{md,json,png}` under out_dir."""
     model = load_model(Path(model_dir), dtype=dtype or default_compute_dtype())
-    rows = [bench_with_model(model, ctx, c, t, repeat, stage_sync) for c, t in MATRIX]
+    rows = [bench_with_model(model, ctx, c, t, options) for c, t in MATRIX]
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"bench-matrix-ctx{ctx}"
     stem.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")

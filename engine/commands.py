@@ -7,8 +7,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.dtypes import DTYPES
+
+if TYPE_CHECKING:  # the handlers import the bench (and the model loader) only when a bench runs
+    from engine.bench import RunOptions
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -147,6 +151,16 @@ def _add_prefill_run_args(p: argparse.ArgumentParser) -> None:
                    help="evaluate at every stage boundary for exact per-stage seconds (default); "
                         "--no-stage-sync evaluates only where memory needs it (tiles, layers) and "
                         "charges a stage's time to the next evaluation point")
+    p.add_argument("--scale-tiles", action=argparse.BooleanOptionalAction, default=True,
+                   help="narrower layers take more query rows per tile within the scratch the tile "
+                        "needs at the widest layer (default, as the server runs); --no-scale-tiles "
+                        "gives every layer T rows")
+
+
+def _run_options(args) -> RunOptions:
+    from engine.bench import RunOptions
+
+    return RunOptions(repeat=args.repeat, stage_sync=args.stage_sync, scale_tiles=args.scale_tiles)
 
 
 def _bench_indexer(args) -> int:
@@ -159,7 +173,7 @@ def _bench_indexer(args) -> int:
 def _bench_prefill(args) -> int:
     from engine.bench import bench_prefill
 
-    result = bench_prefill(args.model, args.ctx, args.chunk, args.tile or args.chunk, args.repeat, args.dtype, args.stage_sync)
+    result = bench_prefill(args.model, args.ctx, args.chunk, args.tile or args.chunk, args.dtype, _run_options(args))
     _print_report(result, args.json)
     return 0
 
@@ -167,7 +181,7 @@ def _bench_prefill(args) -> int:
 def _bench_matrix(args) -> int:
     from engine.bench import bench_matrix
 
-    table = bench_matrix(args.model, args.ctx, args.repeat, args.dtype, args.out, args.stage_sync)
+    table = bench_matrix(args.model, args.ctx, args.dtype, args.out, _run_options(args))
     print(table)
     return 0
 
