@@ -1,5 +1,5 @@
-"""`tessera bench prefill` and `tessera bench matrix`: prefill speed, MLX peak memory against the
-memory plan, and per-stage time, for a (chunk C, indexer tile T) setting."""
+"""`tessera bench prefill`, `bench matrix` and `bench compare`: prefill speed, MLX peak memory
+against the memory plan, and per-stage time, for (chunk C, indexer tile T) settings."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Sequence
 
 import mlx.core as mx
 
@@ -67,14 +68,52 @@ def _progress(label: str, done: int, total: int) -> None:
 
 def bench_with_model(model: DeepseekV4, ctx: int, chunk: int, tile: int, options: RunOptions = RunOptions()) -> dict:
     tokens = random_tokens(model.cfg.vocab_size, ctx, seed=0)
-    # Warm-up (not measured): kernel compilation and allocator growth would otherwise land on
-    # whichever setting runs first.
-    prefill_once(model, tokens[: min(ctx, 2 * chunk)], chunk, tile, f"C={chunk} T={tile} warm-up", options)
+    _warm_up(model, tokens, Setting(chunk, tile, options.scale_tiles), options)
     repeat = options.repeat
     runs = [
         prefill_once(model, tokens, chunk, tile, f"C={chunk} T={tile} run {r + 1}/{repeat}", options)
         for r in range(repeat)
     ]
+    return _row(model, ctx, chunk, tile, options, runs)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One (chunk C, tile T) row of a comparison, with tiles scaled by bytes or T rows everywhere."""
+
+    chunk: int
+    tile: int
+    scale_tiles: bool = True
+
+    @property
+    def label(self) -> str:
+        return f"C={self.chunk} T={self.tile}" + ("" if self.scale_tiles else " fixed")
+
+
+def bench_interleaved(model: DeepseekV4, ctx: int, settings: Sequence[Setting], options: RunOptions = RunOptions()) -> list[dict]:
+    """`options.repeat` rounds, each one prefill per setting in turn, so slow drift (GPU clocks,
+    allocator state) falls on every setting alike rather than on whichever ran last. -> one row
+    per setting: the median over rounds, and every round's seconds under "run_seconds"."""
+    tokens = random_tokens(model.cfg.vocab_size, ctx, seed=0)
+    per_setting = [replace(options, scale_tiles=s.scale_tiles) for s in settings]
+    for setting, opts in zip(settings, per_setting):
+        _warm_up(model, tokens, setting, opts)
+    runs: list[list[tuple[float, int, dict]]] = [[] for _ in settings]
+    for r in range(options.repeat):
+        for i, (setting, opts) in enumerate(zip(settings, per_setting)):
+            label = f"{setting.label} round {r + 1}/{options.repeat}"
+            runs[i].append(prefill_once(model, tokens, setting.chunk, setting.tile, label, opts))
+    return [_row(model, ctx, s.chunk, s.tile, o, r) for s, o, r in zip(settings, per_setting, runs)]
+
+
+def _warm_up(model: DeepseekV4, tokens: list[int], setting: Setting, options: RunOptions) -> None:
+    """Two chunks, not measured: kernel compilation and allocator growth would otherwise land on
+    whichever setting runs first."""
+    head = tokens[: min(len(tokens), 2 * setting.chunk)]
+    prefill_once(model, head, setting.chunk, setting.tile, f"{setting.label} warm-up", options)
+
+
+def _row(model: DeepseekV4, ctx: int, chunk: int, tile: int, options: RunOptions, runs: list[tuple[float, int, dict]]) -> dict:
     seconds = statistics.median(r[0] for r in runs)
     plan = make_plan(model.cfg, ctx, chunk, tile, dtype_name(model.dtype))
     stages = {k: statistics.median(r[2][k] for r in runs) for k in runs[0][2]}
@@ -84,10 +123,11 @@ def bench_with_model(model: DeepseekV4, ctx: int, chunk: int, tile: int, options
         "chunk": chunk,
         "tile": tile,
         "dtype": dtype_name(model.dtype),
-        "repeat": repeat,
+        "repeat": len(runs),
         "stage_sync": options.stage_sync,
         "scale_tiles": options.scale_tiles,
         "prefill_seconds": seconds,
+        "run_seconds": [r[0] for r in runs],
         "prefill_tokens_per_s": ctx / seconds,
         "peak_memory_bytes": peak,
         "planned_peak_bytes": plan.peak_bytes,
@@ -98,6 +138,30 @@ def bench_with_model(model: DeepseekV4, ctx: int, chunk: int, tile: int, options
         "stage_seconds": stages,
         **stages,
     }
+
+
+def bench_compare(
+    model_dir: Path, ctx: int, settings: Sequence[Setting], dtype: str | None = None, options: RunOptions = RunOptions()
+) -> list[dict]:
+    model = load_model(Path(model_dir), dtype=dtype or default_compute_dtype())
+    return bench_interleaved(model, ctx, settings, options)
+
+
+def compare_table(rows: list[dict]) -> str:
+    """Markdown: each setting against the first one."""
+    first = rows[0]["prefill_tokens_per_s"]
+    lines = [
+        "| chunk C | tile T | tiles | tokens/s (median) | vs first | seconds per round | peak MiB | peak/plan |",
+        "|---:|---:|---|---:|---:|---|---:|---:|",
+    ]
+    for r in rows:
+        rounds = ", ".join(f"{s:.2f}" for s in r["run_seconds"])
+        lines.append(
+            f"| {r['chunk']} | {r['tile']} | {'scaled' if r['scale_tiles'] else 'fixed'} "
+            f"| {r['prefill_tokens_per_s']:.1f} | {r['prefill_tokens_per_s'] / first:.3f} | {rounds} "
+            f"| {r['peak_memory_bytes'] / 2**20:,.0f} | {r['peak_vs_plan']:.3f} |"
+        )
+    return "\n".join(lines)
 
 
 def bench_prefill(

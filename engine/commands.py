@@ -6,13 +6,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.dtypes import DTYPES
 
 if TYPE_CHECKING:  # the handlers import the bench (and the model loader) only when a bench runs
-    from engine.bench import RunOptions
+    from engine.bench import RunOptions, Setting
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -131,6 +132,12 @@ def _register_bench(subparsers) -> None:
     _add_prefill_run_args(mat)
     mat.add_argument("--out", type=Path, default=Path("docs"))
     mat.set_defaults(func=_bench_matrix)
+    cmp = sub.add_parser("compare", help="settings in interleaved rounds, each against the first")
+    _add_prefill_run_args(cmp)
+    cmp.add_argument("--settings", nargs="+", required=True, type=_setting, metavar="C:T[:fixed]",
+                     help="chunk:tile pairs; ':fixed' gives that setting T rows at every layer")
+    cmp.add_argument("--json", action="store_true")
+    cmp.set_defaults(func=_bench_compare)
     idx = sub.add_parser("indexer", help="indexer scoring throughput vs the device's bf16 matmul rate")
     idx.add_argument("--tile", type=int, default=1024)
     idx.add_argument("--rows", type=int, default=262144, help="compressed rows N (ctx / 4)")
@@ -161,6 +168,28 @@ def _run_options(args) -> RunOptions:
     from engine.bench import RunOptions
 
     return RunOptions(repeat=args.repeat, stage_sync=args.stage_sync, scale_tiles=args.scale_tiles)
+
+
+def _setting(spec: str) -> Setting:
+    """'4096:1024' or '4096:1024:fixed' -> Setting (argparse reports a ValueError as a usage error)."""
+    from engine.bench import Setting
+
+    parts = spec.split(":")
+    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "fixed"):
+        raise argparse.ArgumentTypeError(f"setting {spec!r}: expected C:T or C:T:fixed")
+    chunk, tile = int(parts[0]), int(parts[1])
+    if not 1 <= tile <= chunk:
+        raise argparse.ArgumentTypeError(f"setting {spec!r}: the tile must be between 1 and the chunk")
+    return Setting(chunk, tile, scale_tiles=len(parts) == 2)
+
+
+def _bench_compare(args) -> int:
+    from engine.bench import bench_compare, compare_table
+
+    settings = [s if args.scale_tiles else replace(s, scale_tiles=False) for s in args.settings]
+    rows = bench_compare(args.model, args.ctx, settings, args.dtype, _run_options(args))
+    print("\n".join(json.dumps(r) for r in rows) if args.json else compare_table(rows))
+    return 0
 
 
 def _bench_indexer(args) -> int:
