@@ -42,13 +42,12 @@ class AttentionWeights:
 @dataclass(frozen=True)
 class SegmentSlice:
     """Tokens [offset, offset + length) of the step's flat batch belong to one sequence whose cache
-    already holds `start` tokens; they run in tiles of `tile` query rows."""
+    already holds `start` tokens."""
 
     offset: int
     length: int
     start: int
     cache: LayerCache
-    tile: int  # query rows per indexer/attention tile at this layer (engine/tiling.py)
 
 
 # Query and output projections run on fixed blocks of this many rows of the step's batch, counted
@@ -75,6 +74,7 @@ def attention(
     w: AttentionWeights,
     cfg: ModelConfig,
     layer: int,
+    tile: int,
     timer: ForwardTrace,
 ) -> mx.array:
     """x: [T, D] (normed block input), positions: [T] -> [T, D]."""
@@ -84,7 +84,7 @@ def attention(
     queries = _QueryBlocks(chunk.q_residual, cos, sin, w, cfg, layer)
     output = _OutputBlocks(cos, sin, w, cfg)
     for seg in segments:
-        _segment_attention(x, chunk, queries, output, seg, w, cfg, layer, timer)
+        _segment_attention(x, chunk, queries, output, seg, w, cfg, layer, tile, timer)
     return output.result()
 
 
@@ -207,6 +207,7 @@ def _segment_attention(
     w: AttentionWeights,
     cfg: ModelConfig,
     layer: int,
+    tile: int,
     timer: ForwardTrace,
 ) -> None:
     """Attention of one segment's queries, tile by tile into `output`; appends to its layer cache."""
@@ -222,8 +223,8 @@ def _segment_attention(
     # Evaluating the cache's new state now lets the chunk-wide arrays it was cut from go before the
     # tile loop, instead of at the end of the forward pass.
     timer.boundary("other", keys, *cache.arrays())
-    for r0 in range(0, seg.length, seg.tile):
-        r1 = min(r0 + seg.tile, seg.length)
+    for r0 in range(0, seg.length, tile):
+        r1 = min(r0 + tile, seg.length)
         q, index_q = queries.rows(lo + r0, lo + r1)
         timer.stage("other", q, *([] if index_q is None else [index_q]))
         index_w = None if chunk.index_w is None else chunk.index_w[lo + r0 : lo + r1]

@@ -7,7 +7,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -26,13 +26,11 @@ MATRIX = ((4096, 4096), (2048, 2048), (1024, 1024), (4096, 2048), (4096, 1024))
 
 @dataclass(frozen=True)
 class RunOptions:
-    """How a bench row runs: measured prefills per row (the median is reported), evaluation at
-    every stage boundary (exact stage times, more host round trips), and whether narrower layers
-    take more rows per tile (engine/tiling.py) or every layer takes T."""
+    """How a bench row runs: measured prefills per row (the median is reported), and evaluation at
+    every stage boundary (exact stage times, more host round trips)."""
 
     repeat: int = 1
     stage_sync: bool = True
-    scale_tiles: bool = True
 
 
 def prefill_once(
@@ -46,8 +44,7 @@ def prefill_once(
     timer = ForwardTrace(stage_sync=options.stage_sync)
     start = time.perf_counter()
     for lo in range(0, len(tokens), chunk):
-        segment = Segment(cache, tokens[lo : lo + chunk])
-        logits = model.forward([segment], tile=tile, timer=timer, scale_tiles=options.scale_tiles)
+        logits = model.forward([Segment(cache, tokens[lo : lo + chunk])], tile=tile, timer=timer)
         mx.eval(logits, cache.arrays())
         _progress(label, lo + chunk, len(tokens))
     seconds = time.perf_counter() - start
@@ -68,7 +65,7 @@ def _progress(label: str, done: int, total: int) -> None:
 
 def bench_with_model(model: DeepseekV4, ctx: int, chunk: int, tile: int, options: RunOptions = RunOptions()) -> dict:
     tokens = random_tokens(model.cfg.vocab_size, ctx, seed=0)
-    _warm_up(model, tokens, Setting(chunk, tile, options.scale_tiles), options)
+    _warm_up(model, tokens, Setting(chunk, tile), options)
     repeat = options.repeat
     runs = [
         prefill_once(model, tokens, chunk, tile, f"C={chunk} T={tile} run {r + 1}/{repeat}", options)
@@ -79,31 +76,32 @@ def bench_with_model(model: DeepseekV4, ctx: int, chunk: int, tile: int, options
 
 @dataclass(frozen=True)
 class Setting:
-    """One (chunk C, tile T) row of a comparison, with tiles scaled by bytes or T rows everywhere."""
+    """One (chunk C, tile T) row of a comparison."""
 
     chunk: int
     tile: int
-    scale_tiles: bool = True
 
     @property
     def label(self) -> str:
-        return f"C={self.chunk} T={self.tile}" + ("" if self.scale_tiles else " fixed")
+        return f"C={self.chunk} T={self.tile}"
 
 
 def bench_interleaved(model: DeepseekV4, ctx: int, settings: Sequence[Setting], options: RunOptions = RunOptions()) -> list[dict]:
-    """`options.repeat` rounds, each one prefill per setting in turn, so slow drift (GPU clocks,
-    allocator state) falls on every setting alike rather than on whichever ran last. -> one row
-    per setting: the median over rounds, and every round's seconds under "run_seconds"."""
+    """`options.repeat` rounds of one prefill per setting, in forward order, then backward (A B, B A,
+    A B, …). Consecutive prefills in one process on the H200 slow down (measured: the fourth 8–13 %
+    slower than the first, docs/BENCHMARKS.md §4.3), so a fixed order would charge that drift to
+    whichever setting runs last; over an even number of rounds a linear drift cancels.
+    -> one row per setting: the mean over its rounds, and every round's seconds in "run_seconds"."""
     tokens = random_tokens(model.cfg.vocab_size, ctx, seed=0)
-    per_setting = [replace(options, scale_tiles=s.scale_tiles) for s in settings]
-    for setting, opts in zip(settings, per_setting):
-        _warm_up(model, tokens, setting, opts)
+    for setting in settings:
+        _warm_up(model, tokens, setting, options)
     runs: list[list[tuple[float, int, dict]]] = [[] for _ in settings]
     for r in range(options.repeat):
-        for i, (setting, opts) in enumerate(zip(settings, per_setting)):
-            label = f"{setting.label} round {r + 1}/{options.repeat}"
-            runs[i].append(prefill_once(model, tokens, setting.chunk, setting.tile, label, opts))
-    return [_row(model, ctx, s.chunk, s.tile, o, r) for s, o, r in zip(settings, per_setting, runs)]
+        order = range(len(settings)) if r % 2 == 0 else reversed(range(len(settings)))
+        for i in order:
+            label = f"{settings[i].label} round {r + 1}/{options.repeat}"
+            runs[i].append(prefill_once(model, tokens, settings[i].chunk, settings[i].tile, label, options))
+    return [_row(model, ctx, s.chunk, s.tile, options, r, statistics.mean) for s, r in zip(settings, runs)]
 
 
 def _warm_up(model: DeepseekV4, tokens: list[int], setting: Setting, options: RunOptions) -> None:
@@ -113,8 +111,12 @@ def _warm_up(model: DeepseekV4, tokens: list[int], setting: Setting, options: Ru
     prefill_once(model, head, setting.chunk, setting.tile, f"{setting.label} warm-up", options)
 
 
-def _row(model: DeepseekV4, ctx: int, chunk: int, tile: int, options: RunOptions, runs: list[tuple[float, int, dict]]) -> dict:
-    seconds = statistics.median(r[0] for r in runs)
+def _row(
+    model: DeepseekV4, ctx: int, chunk: int, tile: int, options: RunOptions, runs: list[tuple[float, int, dict]],
+    summary=statistics.median,
+) -> dict:
+    """One setting's report; `summary` (median, or mean for interleaved rounds) of the runs' seconds."""
+    seconds = summary([r[0] for r in runs])
     plan = make_plan(model.cfg, ctx, chunk, tile, dtype_name(model.dtype))
     stages = {k: statistics.median(r[2][k] for r in runs) for k in runs[0][2]}
     peak = max(r[1] for r in runs)
@@ -125,7 +127,6 @@ def _row(model: DeepseekV4, ctx: int, chunk: int, tile: int, options: RunOptions
         "dtype": dtype_name(model.dtype),
         "repeat": len(runs),
         "stage_sync": options.stage_sync,
-        "scale_tiles": options.scale_tiles,
         "prefill_seconds": seconds,
         "run_seconds": [r[0] for r in runs],
         "prefill_tokens_per_s": ctx / seconds,
@@ -151,14 +152,13 @@ def compare_table(rows: list[dict]) -> str:
     """Markdown: each setting against the first one."""
     first = rows[0]["prefill_tokens_per_s"]
     lines = [
-        "| chunk C | tile T | tiles | tokens/s (median) | vs first | seconds per round | peak MiB | peak/plan |",
-        "|---:|---:|---|---:|---:|---|---:|---:|",
+        "| chunk C | tile T | tokens/s (mean of rounds) | vs first | seconds per round | peak MiB | peak/plan |",
+        "|---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         rounds = ", ".join(f"{s:.2f}" for s in r["run_seconds"])
         lines.append(
-            f"| {r['chunk']} | {r['tile']} | {'scaled' if r['scale_tiles'] else 'fixed'} "
-            f"| {r['prefill_tokens_per_s']:.1f} | {r['prefill_tokens_per_s'] / first:.3f} | {rounds} "
+            f"| {r['chunk']} | {r['tile']} | {r['prefill_tokens_per_s']:.1f} | {r['prefill_tokens_per_s'] / first:.3f} | {rounds} "
             f"| {r['peak_memory_bytes'] / 2**20:,.0f} | {r['peak_vs_plan']:.3f} |"
         )
     return "\n".join(lines)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -132,10 +131,9 @@ def _register_bench(subparsers) -> None:
     _add_prefill_run_args(mat)
     mat.add_argument("--out", type=Path, default=Path("docs"))
     mat.set_defaults(func=_bench_matrix)
-    cmp = sub.add_parser("compare", help="settings in interleaved rounds, each against the first")
+    cmp = sub.add_parser("compare", help="settings in interleaved rounds (A B, B A, …), each against the first")
     _add_prefill_run_args(cmp)
-    cmp.add_argument("--settings", nargs="+", required=True, type=_setting, metavar="C:T[:fixed]",
-                     help="chunk:tile pairs; ':fixed' gives that setting T rows at every layer")
+    cmp.add_argument("--settings", nargs="+", required=True, type=_setting, metavar="C:T", help="chunk:tile pairs")
     cmp.add_argument("--json", action="store_true")
     cmp.set_defaults(func=_bench_compare)
     idx = sub.add_parser("indexer", help="indexer scoring throughput vs the device's bf16 matmul rate")
@@ -158,36 +156,30 @@ def _add_prefill_run_args(p: argparse.ArgumentParser) -> None:
                    help="evaluate at every stage boundary for exact per-stage seconds (default); "
                         "--no-stage-sync evaluates only where memory needs it (tiles, layers) and "
                         "charges a stage's time to the next evaluation point")
-    p.add_argument("--scale-tiles", action=argparse.BooleanOptionalAction, default=True,
-                   help="narrower layers take more query rows per tile within the scratch the tile "
-                        "needs at the widest layer (default, as the server runs); --no-scale-tiles "
-                        "gives every layer T rows")
 
 
 def _run_options(args) -> RunOptions:
     from engine.bench import RunOptions
 
-    return RunOptions(repeat=args.repeat, stage_sync=args.stage_sync, scale_tiles=args.scale_tiles)
+    return RunOptions(repeat=args.repeat, stage_sync=args.stage_sync)
 
 
 def _setting(spec: str) -> Setting:
-    """'4096:1024' or '4096:1024:fixed' -> Setting (argparse reports a ValueError as a usage error)."""
+    """'4096:1024' -> Setting(4096, 1024); argparse turns the errors into a usage message."""
     from engine.bench import Setting
 
-    parts = spec.split(":")
-    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "fixed"):
-        raise argparse.ArgumentTypeError(f"setting {spec!r}: expected C:T or C:T:fixed")
-    chunk, tile = int(parts[0]), int(parts[1])
-    if not 1 <= tile <= chunk:
+    chunk, sep, tile = spec.partition(":")
+    if not (sep and chunk.isdigit() and tile.isdigit()):
+        raise argparse.ArgumentTypeError(f"setting {spec!r}: expected C:T, e.g. 4096:1024")
+    if not 1 <= int(tile) <= int(chunk):
         raise argparse.ArgumentTypeError(f"setting {spec!r}: the tile must be between 1 and the chunk")
-    return Setting(chunk, tile, scale_tiles=len(parts) == 2)
+    return Setting(int(chunk), int(tile))
 
 
 def _bench_compare(args) -> int:
     from engine.bench import bench_compare, compare_table
 
-    settings = [s if args.scale_tiles else replace(s, scale_tiles=False) for s in args.settings]
-    rows = bench_compare(args.model, args.ctx, settings, args.dtype, _run_options(args))
+    rows = bench_compare(args.model, args.ctx, args.settings, args.dtype, _run_options(args))
     print("\n".join(json.dumps(r) for r in rows) if args.json else compare_table(rows))
     return 0
 

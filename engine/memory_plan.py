@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from math import prod
-from typing import Collection
 from pathlib import Path
 
 from engine.attention import PROJECTION_ROWS
@@ -102,11 +101,10 @@ def make_plan(cfg: ModelConfig, ctx: int, chunk: int, tile: int, dtype: str = "f
     )
 
 
-def indexer_buffers(cfg: ModelConfig, ctx: int, tile: int, kinds: Collection[str] | None = None) -> list[Buffer]:
+def indexer_buffers(cfg: ModelConfig, ctx: int, tile: int) -> list[Buffer]:
     """One CSA tile: fp32 scores, the visibility-masked copy, the top-k sort scratch (the seed's
-    'scores + mask + top-k' = 3 × T × N × 4 bytes), then the compact selection. `kinds`: the layer
-    kinds to cover (default: the model's)."""
-    if CSA not in (cfg.layer_types if kinds is None else kinds):
+    'scores + mask + top-k' = 3 × T × N × 4 bytes), then the compact selection."""
+    if CSA not in cfg.layer_types:
         return []
     rows = ctx // cfg.compress_rates[CSA]
     k = min(cfg.index_topk, rows)
@@ -118,23 +116,20 @@ def indexer_buffers(cfg: ModelConfig, ctx: int, tile: int, kinds: Collection[str
     ]
 
 
-def attention_buffers(cfg: ModelConfig, ctx: int, tile: int, b: int, kinds: Collection[str] | None = None) -> list[Buffer]:
+def attention_buffers(cfg: ModelConfig, ctx: int, tile: int, b: int) -> list[Buffer]:
     """One tile of mixed attention at the widest layer: the tile's queries (projected in fixed
     blocks, engine/attention.py), gathered window ∪ selected rows, or HCA's shared compressed rows;
-    logits and probabilities in fp32 for every head; the output waiting for its projection block.
-    `kinds`: the layer kinds to cover (default: the model's; the plan then pairs CSA's gathered
-    rows with the widest row set, an upper bound over kinds)."""
-    kinds = cfg.layer_types if kinds is None else kinds
+    logits and probabilities in fp32 for every head; the output waiting for its projection block."""
     heads, hd, w = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
     widest = w
     gathered = w
-    if CSA in kinds:
+    if CSA in cfg.layer_types:
         k = min(cfg.index_topk, ctx // cfg.compress_rates[CSA])
         widest, gathered = max(widest, w + k), w + k
-    if HCA in kinds:
+    if HCA in cfg.layer_types:
         widest = max(widest, w + ctx // cfg.compress_rates[HCA])
     q_rows = tile + PROJECTION_ROWS  # a tile's blocks can reach one block beyond it
-    index_q = cfg.index_n_heads * cfg.index_head_dim if CSA in kinds else 0
+    index_q = cfg.index_n_heads * cfg.index_head_dim if CSA in cfg.layer_types else 0
     out = [
         Buffer("tile_queries", 2 * q_rows * (heads * hd + index_q) * b,
                "2 × (T + block) × (heads × head_dim + index_heads × index_head_dim) (blocks, joined)"),
@@ -147,17 +142,6 @@ def attention_buffers(cfg: ModelConfig, ctx: int, tile: int, b: int, kinds: Coll
         out.append(Buffer("attention_lowp_copies", 2 * tile * heads * (widest + 1) * b,
                           "2 × T × heads × (widest row set + sink) × dtype (product, probs copy)"))
     return out
-
-
-def layer_tile_bytes(cfg: ModelConfig, kind: str, ctx: int, rows: int, b: int) -> int:
-    """Scratch of one tile of `rows` query rows at a layer of `kind` (WINDOW, CSA, HCA) with `ctx`
-    tokens cached, with that kind's own row sets: its indexer and attention workspaces together.
-    Together, not the larger of the two as in the plan's workspace: without stage syncs a tile is
-    one evaluation, and MLX's CUDA backend keeps its buffers until the evaluation completes
-    (measured on the H200 at 512k: CSA tiles sized by the larger one peaked 11 % above T-row tiles)."""
-    indexer = sum(buf.nbytes for buf in indexer_buffers(cfg, ctx, rows, (kind,)))
-    attention = sum(buf.nbytes for buf in attention_buffers(cfg, ctx, rows, b, (kind,)))
-    return indexer + attention
 
 
 def chunk_buffers(cfg: ModelConfig, chunk: int, b: int) -> list[Buffer]:

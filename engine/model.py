@@ -19,7 +19,6 @@ from engine.config import HASH_MOE, ModelConfig
 from engine.hyper import HyperWeights, expand, head_collapse, hyper_weights
 from engine.moe import MoEWeights, moe
 from engine.norms import rms_norm
-from engine.tiling import layer_tiles
 from engine.trace import ForwardTrace
 
 
@@ -57,34 +56,25 @@ class DeepseekV4:
         tile: int | None = None,
         all_logits: bool = False,
         timer: ForwardTrace | None = None,
-        scale_tiles: bool = True,
     ) -> list[mx.array]:
         """Runs every segment's tokens through the model, appending to their caches.
 
         Returns per segment the logits [L, vocab] (all_logits) or [1, vocab] of its last token.
-        `tile`: indexer/attention query rows per tile at the widest layer (None: the whole segment,
-        the untiled path); narrower layers take more rows in the same scratch unless `scale_tiles`
-        is off (engine/tiling.py). Results are the same either way.
+        `tile`: indexer/attention query rows per tile (None: the whole segment, the untiled path).
         """
         timer = timer or ForwardTrace()
         token_ids = mx.array([int(t) for s in segments for t in s.token_ids], dtype=mx.int32)
         positions = mx.concatenate([mx.arange(s.cache.num_tokens, s.cache.num_tokens + len(s.token_ids)) for s in segments])
-        tiles = [self._tiles(s, tile, scale_tiles) for s in segments]
+        tile = tile or max(len(s.token_ids) for s in segments)
         streams = self._embed(token_ids)
         for i, layer in enumerate(self.layers):
-            slices = _slices(segments, i, tiles, self.cfg.layer_types[i])
-            streams = self._layer(streams, token_ids, positions, slices, layer, i, timer)
+            slices = _slices(segments, i)
+            streams = self._layer(streams, token_ids, positions, slices, layer, i, tile, timer)
             timer.boundary("other", streams)
         for s in segments:
             s.cache.num_tokens += len(s.token_ids)
             s.cache.token_ids.extend(s.token_ids)
         return self._logits(streams, segments, all_logits)
-
-    def _tiles(self, segment: Segment, tile: int | None, scale: bool) -> dict[str, int]:
-        """Rows per tile by layer kind for one segment."""
-        length = len(segment.token_ids)
-        ctx = segment.cache.num_tokens + length
-        return layer_tiles(self.cfg, ctx, length, tile or length, self.dtype.size, scale)
 
     def _embed(self, token_ids: mx.array) -> mx.array:
         """[T] -> [T, hc, D]: every stream starts as the token's embedding (a broadcast view, gone
@@ -92,10 +82,10 @@ class DeepseekV4:
         embedded = self.weights["embed.weight"][token_ids]  # [T, D]
         return mx.broadcast_to(embedded[:, None, :], (embedded.shape[0], self.cfg.hc_mult, embedded.shape[1]))
 
-    def _layer(self, streams, token_ids, positions, slices, layer: LayerWeights, i: int, timer: ForwardTrace):
+    def _layer(self, streams, token_ids, positions, slices, layer: LayerWeights, i: int, tile: int, timer: ForwardTrace):
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         post, comb, collapsed = hyper_weights(streams, layer.attn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
-        attn_out = attention(rms_norm(collapsed, layer.attn_norm, eps), positions, slices, layer.attn, cfg, i, timer)
+        attn_out = attention(rms_norm(collapsed, layer.attn_norm, eps), positions, slices, layer.attn, cfg, i, tile, timer)
         streams = expand(attn_out, streams, post, comb)
         post, comb, collapsed = hyper_weights(streams, layer.ffn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
         timer.stage("other", collapsed)
@@ -128,10 +118,10 @@ def _segment_ends(segments: Sequence[Segment]) -> list[int]:
     return ends
 
 
-def _slices(segments: Sequence[Segment], layer: int, tiles: list[dict[str, int]], kind: str) -> list[SegmentSlice]:
+def _slices(segments: Sequence[Segment], layer: int) -> list[SegmentSlice]:
     out, offset = [], 0
-    for s, segment_tiles in zip(segments, tiles):
-        out.append(SegmentSlice(offset, len(s.token_ids), s.cache.num_tokens, s.cache.layers[layer], segment_tiles[kind]))
+    for s in segments:
+        out.append(SegmentSlice(offset, len(s.token_ids), s.cache.num_tokens, s.cache.layers[layer]))
         offset += len(s.token_ids)
     return out
 

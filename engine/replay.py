@@ -24,15 +24,12 @@ def random_tokens(vocab_size: int, count: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab_size, count).tolist()
 
 
-def run_sequence(
-    model: DeepseekV4, tokens: list[int], num_prefill: int, chunk: int, tile: int | None, scale_tiles: bool = True
-) -> Run:
+def run_sequence(model: DeepseekV4, tokens: list[int], num_prefill: int, chunk: int, tile: int | None) -> Run:
     """Prefill tokens[:num_prefill] in chunks (tile None: untiled), decode the rest one by one."""
     cache, trace, rows = model.new_cache(), ForwardTrace(record_selections=True), []
     for lo in range(0, num_prefill, chunk):
         piece = tokens[lo : min(lo + chunk, num_prefill)]
-        logits = model.forward([Segment(cache, piece)], tile=tile, all_logits=True, timer=trace, scale_tiles=scale_tiles)
-        rows.append(_host(logits[0]))
+        rows.append(_host(model.forward([Segment(cache, piece)], tile=tile, all_logits=True, timer=trace)[0]))
     for token in tokens[num_prefill:]:
         rows.append(_host(model.forward([Segment(cache, [token])], timer=trace)[0]))
     return Run(np.concatenate(rows), trace.selections)

@@ -21,11 +21,11 @@ from engine.memory_plan import cache_bytes_at, make_plan
 from engine.model import DeepseekV4, Segment
 from engine.protocol import SampledToken, SamplingParams, StepOutput, StepPlan
 from engine.sampler import RequestRng, TokenHistory, sample
-from engine.tiling import MAX_TILE_ELEMENTS, largest_tile_array
 from engine.trace import ForwardTrace
 
 
 GPU_MAX_SORT_ROWS = 65535
+GPU_MAX_ARRAY_ELEMENTS = 2**31 - 1
 
 
 def gpu_limit_errors(cfg: ModelConfig, prefill_chunk: int, indexer_tile: int, max_context: int) -> list[str]:
@@ -34,11 +34,12 @@ def gpu_limit_errors(cfg: ModelConfig, prefill_chunk: int, indexer_tile: int, ma
     if prefill_chunk > GPU_MAX_SORT_ROWS:
         problems.append(f"prefill_chunk ({prefill_chunk}) must be ≤ {GPU_MAX_SORT_ROWS} on the GPU: MLX's GPU "
                         "sorts (MoE routing) reject more rows in one call")
-    elements = max(largest_tile_array(cfg, kind, max_context, indexer_tile) for kind in set(cfg.layer_types))
-    if elements > MAX_TILE_ELEMENTS:
+    plan = make_plan(cfg, max_context, prefill_chunk, indexer_tile)
+    logits = next(b.nbytes // 4 for b in plan.attention if b.name == "attention_logits")
+    if logits > GPU_MAX_ARRAY_ELEMENTS:
         problems.append(f"indexer_tile ({indexer_tile}) is too large for max_context {max_context} on the GPU: a "
-                        f"tile's largest array (attention logits or indexer scores) would have {elements:,} elements, more than MLX's CUDA kernels "
-                        f"index ({MAX_TILE_ELEMENTS:,}; measured: an illegal memory access); use a smaller tile")
+                        f"tile's attention logits would have {logits:,} elements, more than MLX's CUDA kernels "
+                        f"index ({GPU_MAX_ARRAY_ELEMENTS:,}; measured: an illegal memory access); use a smaller tile")
     return problems
 
 

@@ -103,10 +103,7 @@ class Settings(BaseSettings):
         4096, ge=1, description="Global prefill chunk C in tokens, also the scheduler's per-step token budget."
     )
     indexer_tile: int = Field(
-        1024,
-        ge=1,
-        description="Lightning-indexer/attention query-row tile T (≤ prefill_chunk) at the layer with the largest "
-        "tile scratch; bounds the T×N score scratch. Narrower layers take more rows within the same bytes.",
+        1024, ge=1, description="Lightning-indexer query-row tile T (≤ prefill_chunk); bounds the T×N score scratch."
     )
     stage_timing_interval: int = Field(
         16,

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from engine.attention import PROJECTION_ROWS
+from engine import bench
 from engine.bench import RunOptions, bench_with_model
 from engine.config import CSA, HCA, WINDOW
 from engine.consistency import check_model_consistency, differing
@@ -52,10 +53,9 @@ def untiled(model, tokens):
     return run_sequence(model, tokens, CTX, CHUNK, CHUNK)
 
 
-@pytest.mark.parametrize("scale_tiles", [False, True], ids=["every layer T", "scaled by bytes"])
 @pytest.mark.parametrize("tile", [CHUNK, 64, 96, 7, 1], ids=["T=C", "T|C", "T∤C", "T=7", "T=1"])
-def test_tiles_select_the_same_rows_and_give_bit_identical_logits(model, tokens, untiled, tile, scale_tiles):
-    tiled = run_sequence(model, tokens, CTX, CHUNK, tile, scale_tiles)
+def test_tiles_select_the_same_rows_and_give_bit_identical_logits(model, tokens, untiled, tile):
+    tiled = run_sequence(model, tokens, CTX, CHUNK, tile)
     num_diff, num_compared = differing(tiled.selections, untiled.selections)
     assert num_compared == 2 * (CTX + 70)  # two CSA layers, every position
     assert num_diff == 0
@@ -88,13 +88,36 @@ def test_check_consistency_cli_is_exact_with_row_invariant_blas(model_dir, chunk
 
 def test_bench_prefill_cli_reports_how_it_ran(model_dir):
     cmd = [sys.executable, "-m", "server.cli", "bench", "prefill", "--model", str(model_dir), "--ctx", "256",
-           "--chunk", "128", "--tile", "32", "--no-scale-tiles", "--no-stage-sync", "--json"]
+           "--chunk", "128", "--tile", "32", "--no-stage-sync", "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert (report["ctx"], report["chunk"], report["tile"]) == (256, 128, 32)
-    assert report["scale_tiles"] is False and report["stage_sync"] is False and report["stage_seconds"] == {}
+    assert report["stage_sync"] is False and report["stage_seconds"] == {}
     assert report["prefill_tokens_per_s"] > 0 and report["peak_memory_bytes"] > report["weights_bytes"]
+
+
+def test_bench_compare_alternates_the_order_of_settings_between_rounds(model, monkeypatch):
+    ran = []
+
+    def fake_prefill(model, tokens, chunk, tile, label="", options=None):
+        ran.append(((chunk, tile), len(tokens)))
+        return float(len(ran)), 1000 * len(ran), {}
+
+    monkeypatch.setattr(bench, "prefill_once", fake_prefill)
+    rows = bench.bench_interleaved(model, 512, [bench.Setting(128, 128), bench.Setting(128, 32)], RunOptions(repeat=3))
+    a, b = (128, 128), (128, 32)
+    # Warm-ups of two chunks each, then rounds A B, B A, A B over the whole context.
+    assert ran == [(a, 256), (b, 256)] + [(s, 512) for s in (a, b, b, a, a, b)]
+    assert rows[0]["run_seconds"] == [3.0, 6.0, 7.0] and rows[1]["run_seconds"] == [4.0, 5.0, 8.0]
+    assert rows[0]["prefill_seconds"] == pytest.approx(16 / 3) and rows[1]["peak_memory_bytes"] == 8000
+
+
+def test_bench_compare_cli_rejects_a_malformed_setting(model_dir):
+    cmd = [sys.executable, "-m", "server.cli", "bench", "compare", "--model", str(model_dir), "--ctx", "256",
+           "--settings", "128:128", "128:256"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2 and "setting '128:256': the tile must be between 1 and the chunk" in out.stderr
 
 
 @pytest.mark.parametrize("split", [1, 2, 3, 4, 5, 127, 128, 129, 200])
@@ -119,16 +142,6 @@ def test_measured_peak_within_15_percent_of_plan(tmp_path_factory, chunk, tile):
     small = load_model(_small_dir(tmp_path_factory), dtype="float32")
     result = bench_with_model(small, ctx=4096, chunk=chunk, tile=tile)
     assert 0.85 <= result["peak_vs_plan"] <= 1.15, result
-
-
-def test_layers_taking_larger_tiles_do_not_raise_the_measured_peak(tmp_path_factory):
-    # At ctx 4096 the small model's window and HCA layers take 512-row tiles where CSA takes 128;
-    # MLX's measured peak must stay that of 128-row tiles everywhere (a 512 tile peaks 2.5× higher).
-    small = load_model(_small_dir(tmp_path_factory), dtype="float32")
-    fixed = bench_with_model(small, ctx=4096, chunk=512, tile=128, options=RunOptions(scale_tiles=False))
-    scaled = bench_with_model(small, ctx=4096, chunk=512, tile=128)
-    assert scaled["scale_tiles"] and not fixed["scale_tiles"]
-    assert scaled["peak_memory_bytes"] <= 1.02 * fixed["peak_memory_bytes"], (scaled, fixed)
 
 
 _SMALL = {}
