@@ -26,8 +26,9 @@ MATRIX = ((4096, 4096), (2048, 2048), (1024, 1024), (4096, 2048), (4096, 1024))
 
 @dataclass(frozen=True)
 class RunOptions:
-    """How a bench row runs: measured prefills per row (the median is reported), and evaluation at
-    every stage boundary (exact stage times, more host round trips)."""
+    """How a bench row runs: measured prefills per row (`bench prefill` reports their median; the
+    matrix and `bench compare` run them as rounds in alternating order and report the mean), and
+    evaluation at every stage boundary (exact stage times, more host round trips)."""
 
     repeat: int = 1
     stage_sync: bool = True
@@ -118,7 +119,7 @@ def _row(
     """One setting's report; `summary` (median, or mean for interleaved rounds) of the runs' seconds."""
     seconds = summary([r[0] for r in runs])
     plan = make_plan(model.cfg, ctx, chunk, tile, dtype_name(model.dtype))
-    stages = {k: statistics.median(r[2][k] for r in runs) for k in runs[0][2]}
+    stages = {k: summary([r[2][k] for r in runs]) for k in runs[0][2]}
     peak = max(r[1] for r in runs)
     return {
         "ctx": ctx,
@@ -178,9 +179,10 @@ def bench_matrix(
     out_dir: Path = Path("docs"),
     options: RunOptions = RunOptions(),
 ) -> str:
-    """Runs the five rows in one process, writes `bench-matrix-ctx{N}.{md,json,png}` under out_dir."""
+    """Runs the five rows in one process (interleaved rounds, see `bench_interleaved`), writes
+    `bench-matrix-ctx{N}.{md,json,png}` under out_dir."""
     model = load_model(Path(model_dir), dtype=dtype or default_compute_dtype())
-    rows = [bench_with_model(model, ctx, c, t, options) for c, t in MATRIX]
+    rows = bench_interleaved(model, ctx, [Setting(c, t) for c, t in MATRIX], options)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"bench-matrix-ctx{ctx}"
     stem.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")

@@ -113,6 +113,15 @@ def test_bench_compare_alternates_the_order_of_settings_between_rounds(model, mo
     assert rows[0]["prefill_seconds"] == pytest.approx(16 / 3) and rows[1]["peak_memory_bytes"] == 8000
 
 
+def test_bench_matrix_writes_the_five_rows(model_dir, tmp_path):
+    table = bench.bench_matrix(model_dir, ctx=96, dtype="float32", out_dir=tmp_path, options=RunOptions(repeat=2))
+    rows = json.loads((tmp_path / "bench-matrix-ctx96.json").read_text())
+    assert [(r["chunk"], r["tile"]) for r in rows] == list(bench.MATRIX)
+    assert all(len(r["run_seconds"]) == 2 and r["prefill_tokens_per_s"] > 0 for r in rows)
+    assert (tmp_path / "bench-matrix-ctx96.md").read_text().strip() == table
+    assert len(table.splitlines()) == 2 + len(bench.MATRIX)
+
+
 def test_bench_compare_cli_rejects_a_malformed_setting(model_dir):
     cmd = [sys.executable, "-m", "server.cli", "bench", "compare", "--model", str(model_dir), "--ctx", "256",
            "--settings", "128:128", "128:256"]
