@@ -89,8 +89,8 @@ class Setting:
 
 def bench_interleaved(model: DeepseekV4, ctx: int, settings: Sequence[Setting], options: RunOptions = RunOptions()) -> list[dict]:
     """`options.repeat` rounds of one prefill per setting, in forward order, then backward (A B, B A,
-    A B, …). Consecutive prefills in one process on the H200 slow down (measured: the fourth 8–13 %
-    slower than the first, docs/BENCHMARKS.md §4.3), so a fixed order would charge that drift to
+    A B, …). Consecutive prefills in one process on the H200 slow down (measured: the fourth run 10–18 %
+    slower than the first, docs/BENCHMARKS.md §4.5), so a fixed order would charge that drift to
     whichever setting runs last; over an even number of rounds a linear drift cancels.
     -> one row per setting: the mean over its rounds, and every round's seconds in "run_seconds"."""
     tokens = random_tokens(model.cfg.vocab_size, ctx, seed=0)
