@@ -26,12 +26,24 @@ MATRIX = ((4096, 4096), (2048, 2048), (1024, 1024), (4096, 2048), (4096, 1024))
 
 @dataclass(frozen=True)
 class RunOptions:
-    """How a bench row runs: measured prefills per row (`bench prefill` reports their median; the
-    matrix and `bench compare` run them as rounds in alternating order and report the mean), and
-    evaluation at every stage boundary (exact stage times, more host round trips)."""
+    """How a bench row runs: measured prefills per row (rounds in alternating order across settings,
+    see `bench_interleaved`; the mean is reported), and evaluation at every stage boundary (exact
+    stage times, more host round trips)."""
 
     repeat: int = 1
     stage_sync: bool = True
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One (chunk C, tile T) row of a comparison."""
+
+    chunk: int
+    tile: int
+
+    @property
+    def label(self) -> str:
+        return f"C={self.chunk} T={self.tile}"
 
 
 def prefill_once(
@@ -65,26 +77,8 @@ def _progress(label: str, done: int, total: int) -> None:
 
 
 def bench_with_model(model: DeepseekV4, ctx: int, chunk: int, tile: int, options: RunOptions = RunOptions()) -> dict:
-    tokens = random_tokens(model.cfg.vocab_size, ctx, seed=0)
-    _warm_up(model, tokens, Setting(chunk, tile), options)
-    repeat = options.repeat
-    runs = [
-        prefill_once(model, tokens, chunk, tile, f"C={chunk} T={tile} run {r + 1}/{repeat}", options)
-        for r in range(repeat)
-    ]
-    return _row(model, ctx, chunk, tile, options, runs)
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One (chunk C, tile T) row of a comparison."""
-
-    chunk: int
-    tile: int
-
-    @property
-    def label(self) -> str:
-        return f"C={self.chunk} T={self.tile}"
+    """One setting: a warm-up, then `options.repeat` measured prefills."""
+    return bench_interleaved(model, ctx, [Setting(chunk, tile)], options)[0]
 
 
 def bench_interleaved(model: DeepseekV4, ctx: int, settings: Sequence[Setting], options: RunOptions = RunOptions()) -> list[dict]:
@@ -102,7 +96,7 @@ def bench_interleaved(model: DeepseekV4, ctx: int, settings: Sequence[Setting], 
         for i in order:
             label = f"{settings[i].label} round {r + 1}/{options.repeat}"
             runs[i].append(prefill_once(model, tokens, settings[i].chunk, settings[i].tile, label, options))
-    return [_row(model, ctx, s.chunk, s.tile, options, r, statistics.mean) for s, r in zip(settings, runs)]
+    return [_row(model, ctx, s.chunk, s.tile, options, r) for s, r in zip(settings, runs)]
 
 
 def _warm_up(model: DeepseekV4, tokens: list[int], setting: Setting, options: RunOptions) -> None:
@@ -112,14 +106,11 @@ def _warm_up(model: DeepseekV4, tokens: list[int], setting: Setting, options: Ru
     prefill_once(model, head, setting.chunk, setting.tile, f"{setting.label} warm-up", options)
 
 
-def _row(
-    model: DeepseekV4, ctx: int, chunk: int, tile: int, options: RunOptions, runs: list[tuple[float, int, dict]],
-    summary=statistics.median,
-) -> dict:
-    """One setting's report; `summary` (median, or mean for interleaved rounds) of the runs' seconds."""
-    seconds = summary([r[0] for r in runs])
+def _row(model: DeepseekV4, ctx: int, chunk: int, tile: int, options: RunOptions, runs: list[tuple[float, int, dict]]) -> dict:
+    """One setting's report: the mean of its runs' seconds and stage seconds, the highest peak."""
+    seconds = statistics.mean(r[0] for r in runs)
     plan = make_plan(model.cfg, ctx, chunk, tile, dtype_name(model.dtype))
-    stages = {k: summary([r[2][k] for r in runs]) for k in runs[0][2]}
+    stages = {k: statistics.mean(r[2][k] for r in runs) for k in runs[0][2]}
     peak = max(r[1] for r in runs)
     return {
         "ctx": ctx,
@@ -145,8 +136,7 @@ def _row(
 def bench_compare(
     model_dir: Path, ctx: int, settings: Sequence[Setting], dtype: str | None = None, options: RunOptions = RunOptions()
 ) -> list[dict]:
-    model = load_model(Path(model_dir), dtype=dtype or default_compute_dtype())
-    return bench_interleaved(model, ctx, settings, options)
+    return bench_interleaved(_load(model_dir, dtype), ctx, settings, options)
 
 
 def compare_table(rows: list[dict]) -> str:
@@ -168,8 +158,7 @@ def compare_table(rows: list[dict]) -> str:
 def bench_prefill(
     model_dir: Path, ctx: int, chunk: int, tile: int, dtype: str | None = None, options: RunOptions = RunOptions()
 ) -> dict:
-    model = load_model(Path(model_dir), dtype=dtype or default_compute_dtype())
-    return bench_with_model(model, ctx, chunk, tile, options)
+    return bench_with_model(_load(model_dir, dtype), ctx, chunk, tile, options)
 
 
 def bench_matrix(
@@ -181,8 +170,7 @@ def bench_matrix(
 ) -> str:
     """Runs the five rows in one process (interleaved rounds, see `bench_interleaved`), writes
     `bench-matrix-ctx{N}.{md,json,png}` under out_dir."""
-    model = load_model(Path(model_dir), dtype=dtype or default_compute_dtype())
-    rows = bench_interleaved(model, ctx, [Setting(c, t) for c, t in MATRIX], options)
+    rows = bench_interleaved(_load(model_dir, dtype), ctx, [Setting(c, t) for c, t in MATRIX], options)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"bench-matrix-ctx{ctx}"
     stem.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
@@ -190,6 +178,10 @@ def bench_matrix(
     stem.with_suffix(".md").write_text(table + "\n")
     _plot(rows, stem.with_suffix(".png"))
     return table
+
+
+def _load(model_dir: Path, dtype: str | None) -> DeepseekV4:
+    return load_model(Path(model_dir), dtype=dtype or default_compute_dtype())
 
 
 def matrix_table(rows: list[dict]) -> str:
