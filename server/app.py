@@ -19,7 +19,7 @@ from typing import Any, Literal
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.tokenizer import Tokenizer
+from engine.model.tokenizer import Tokenizer
 from server.errors import APIError, install_error_handlers, payload_too_large, unauthorized, unavailable
 from server.metrics import Metrics, metrics_router
 from server.prepare import ModelInfo, ServedModel, served_model_name
@@ -55,7 +55,7 @@ class AppState:
         self.served = served
 
     def engine_stats(self) -> Any | None:
-        """The engine's current stats for a scrape (engine.engine_loop.EngineStats); None while loading."""
+        """The engine's current stats for a scrape (engine.serving.engine_loop.EngineStats); None while loading."""
         return self.served.engine.stats() if self.served is not None else None
 
     def require_model(self) -> ServedModel:

@@ -14,7 +14,7 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine.tokenizer import Tokenizer
+from engine.model.tokenizer import Tokenizer
 from server.dsml import Delta, StreamingOutputParser, ToolCall, parse_completion
 from server.generation import ChoiceRun, Piece, close_runs, collect_all, merge_pieces, open_runs
 from server.logprobs import chat_logprobs

@@ -1,4 +1,4 @@
-"""`tessera`: the one console script. `serve` lives here; the engine's subcommands come from engine.commands.
+"""`tessera`: the one console script. `serve` lives here; the engine's subcommands come from engine.tools.commands.
 
 `serve`'s flags are generated from the Settings schema (one flag per field, its description as help), so
 the CLI cannot drift from the settings. Only flags actually given become overrides: an absent flag leaves
@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from pydantic import ValidationError
 
-from engine import commands
+from engine.tools import commands
 from server.settings import Settings, load_settings
 
 # Fields whose flag is spelled differently from the field name.

@@ -11,7 +11,7 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine.protocol import SamplingParams
+from engine.serving.protocol import SamplingParams
 from server.generation import ChoiceRun, Piece, close_runs, collect_all, merge_pieces, open_runs
 from server.logprobs import CompletionLogprobsBuilder
 from server.prepare import (

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.protocol import AdmissionError
+from engine.serving.protocol import AdmissionError
 from server.chat_format import ChatFormatError
 from server.schemas import Unsupported
 

@@ -14,8 +14,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
-from engine.protocol import AdmissionError, Done, Error, Event, Progress, SamplingParams, Token
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.serving.protocol import AdmissionError, Done, Error, Event, Progress, SamplingParams, Token
+from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from server.errors import APIError, internal_error, invalid_request, overloaded, unavailable
 from server.metrics import Metrics
 

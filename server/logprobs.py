@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from engine.protocol import Token
-from engine.tokenizer import Tokenizer
+from engine.serving.protocol import Token
+from engine.model.tokenizer import Tokenizer
 from server.schemas import CompletionLogprobs, TokenLogprob, TopLogprob
 
 

@@ -30,11 +30,11 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from starlette.responses import Response
 
-from engine.protocol import Done, Error, Event, Progress, SamplingParams, StepOutput, StepPlan, Token
+from engine.serving.protocol import Done, Error, Event, Progress, SamplingParams, StepOutput, StepPlan, Token
 
 if TYPE_CHECKING:
-    from engine.engine_loop import EngineStats
-    from engine.protocol import Runner
+    from engine.serving.engine_loop import EngineStats
+    from engine.serving.protocol import Runner
     from server.settings import Settings
 
 # ---- bucket families -------------------------------------------------------------------------------
@@ -62,8 +62,8 @@ PREFILL_STAGE_BUCKETS = (
 _M = TypeVar("_M", Gauge, Counter, Histogram)
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
-REJECTION_REASONS = ("queue_full", "too_long", "never_fits", "shutting_down")  # engine.protocol.AdmissionReason
-PREFILL_STAGES = ("indexer_score", "topk", "attention", "moe", "other")  # engine/trace.py STAGES
+REJECTION_REASONS = ("queue_full", "too_long", "never_fits", "shutting_down")  # engine.serving.protocol.AdmissionReason
+PREFILL_STAGES = ("indexer_score", "topk", "attention", "moe", "other")  # engine/model/trace.py STAGES
 
 # tessera_ family -> the vllm: names with exactly its meaning (counters by their name without `_total`).
 # vLLM exports its per-token latency twice: as inter_token_latency_seconds and, under the older name,
@@ -263,7 +263,7 @@ class Metrics:
         decode_s: float | None = None,
     ) -> None:
         """A request ended (finish_reason: stop | length | abort | error). A phase the request never reached,
-        or whose split is unknown, is None and is not observed (as in engine.protocol.RequestTimings)."""
+        or whose split is unknown, is None and is not observed (as in engine.serving.protocol.RequestTimings)."""
         self._success.labels(self.model_name, finish_reason).inc()
         self._request_prompt_tokens.observe(num_prompt_tokens)
         self._request_generation_tokens.observe(num_generation_tokens)
@@ -381,7 +381,7 @@ class RequestTracker:
         self.num_streamed_tokens += 1
 
     def _on_done(self, done: Done) -> None:
-        # A stop token is generated but never streamed (engine.protocol.Done): it arrived with Done.
+        # A stop token is generated but never streamed (engine.serving.protocol.Done): it arrived with Done.
         now = self._clock()
         for _ in range(done.num_generated_tokens - self.num_streamed_tokens):
             self._on_token(now)

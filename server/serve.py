@@ -18,7 +18,7 @@ from types import FrameType
 
 import uvicorn
 
-from engine.tokenizer import Tokenizer
+from engine.model.tokenizer import Tokenizer
 from server.app import AppState, create_app, default_metrics
 from server.metrics import MeteredRunner, Metrics
 from server.prepare import ModelInfo, ServedModel, served_model_name
@@ -35,11 +35,11 @@ def build_engine(settings: Settings, metrics: Metrics | None = None) -> ServedMo
     `metrics`: the app's, already serving /metrics while this loads; None builds one. Every engine step is
     reported to it (MeteredRunner). Engine modules are imported here, not at the top, so the server can be
     imported and tested without MLX or a model."""
-    from engine.default_model import ensure_default_model
-    from engine.engine_loop import AsyncEngine
-    from engine.loader import load_config
-    from engine.runner import build_runner
-    from engine.scheduler import SchedulerConfig
+    from engine.tools.default_model import ensure_default_model
+    from engine.serving.engine_loop import AsyncEngine
+    from engine.model.loader import load_config
+    from engine.serving.runner import build_runner
+    from engine.serving.scheduler import SchedulerConfig
 
     name = served_model_name(settings)
     model_dir = Path(settings.model) if settings.model is not None else ensure_default_model()

@@ -22,12 +22,12 @@ import openai
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.engine_loop import AsyncEngine
-from engine.fake_runner import ScriptedRunner
-from engine.protocol import SamplingParams, StepOutput, StepPlan
-from engine.scheduler import SchedulerConfig
-from engine.tokenizer import Tokenizer
-from engine.tokenizer_train import train_tokenizer
+from engine.serving.engine_loop import AsyncEngine
+from tests.support.fake_runner import ScriptedRunner
+from engine.serving.protocol import SamplingParams, StepOutput, StepPlan
+from engine.serving.scheduler import SchedulerConfig
+from engine.model.tokenizer import Tokenizer
+from engine.tools.tokenizer_train import train_tokenizer
 from server.app import create_app
 from server.metrics import MeteredRunner, Metrics
 from server.prepare import ModelInfo

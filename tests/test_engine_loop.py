@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from engine.engine_loop import AsyncEngine, EngineLoop
-from engine.fake_runner import ScriptedRunner
-from engine.protocol import AdmissionError, Done, Error, Progress, SamplingParams, Token
-from engine.request import Request
-from engine.scheduler import SchedulerConfig
+from engine.serving.engine_loop import AsyncEngine, EngineLoop
+from tests.support.fake_runner import ScriptedRunner
+from engine.serving.protocol import AdmissionError, Done, Error, Progress, SamplingParams, Token
+from engine.serving.request import Request
+from engine.serving.scheduler import SchedulerConfig
 
 TIMEOUT_S = 10.0
 

@@ -10,11 +10,11 @@ import sys
 import mlx.core as mx
 import pytest
 
-from engine.loader import load_model
-from engine.make_model import make_model
-from engine.memory_plan import cache_bytes_at, cache_bytes_by_part, plan_for
-from engine.model import Segment
-from engine.replay import random_tokens
+from engine.model.loader import load_model
+from engine.tools.make_model import make_model
+from engine.model.memory_plan import cache_bytes_at, cache_bytes_by_part, plan_for
+from engine.model.deepseek_v4 import Segment
+from engine.tools.replay import random_tokens
 
 GiB = 2**30
 
@@ -35,7 +35,7 @@ def test_tiling_bounds_the_scratch_by_the_tile_not_the_chunk():
 
 
 def test_plan_cli_json(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "engine.commands", "plan", "--preset", "v4-flash", "--ctx", "1048576",
+    out = subprocess.run([sys.executable, "-m", "engine.tools.commands", "plan", "--preset", "v4-flash", "--ctx", "1048576",
                           "--chunk", "4096", "--tile", "1024", "--json"], capture_output=True, text=True, check=True)
     plan = json.loads(out.stdout)
     assert plan["tile"] == 1024 and plan["peak_bytes"] > plan["weights_bytes"] > 0
@@ -83,8 +83,8 @@ def _capacity_bytes(cache) -> int:
 
 
 def test_gpu_limits_refuse_tiles_whose_attention_logits_exceed_int32_indexing():
-    from engine.make_model import preset_config
-    from engine.runner import gpu_limit_errors
+    from engine.tools.make_model import preset_config
+    from engine.serving.runner import gpu_limit_errors
 
     cfg = preset_config("flash-attn")
     assert gpu_limit_errors(cfg, 4096, 1024, 1048576) == []

@@ -17,13 +17,13 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from engine.engine_loop import AsyncEngine
-from engine.fake_runner import ScriptedRunner
-from engine.protocol import (
+from engine.serving.engine_loop import AsyncEngine
+from tests.support.fake_runner import ScriptedRunner
+from engine.serving.protocol import (
     DecodeSlot, Done, Error, PrefillChunk, Progress, RequestTimings, SampledToken, SamplingParams, StepOutput,
     StepPlan, Token,
 )
-from engine.scheduler import SchedulerConfig
+from engine.serving.scheduler import SchedulerConfig
 from server.metrics import (
     INTER_TOKEN_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, VLLM_ALIASES, MeteredRunner, Metrics,
     build_1_2_5_buckets, metrics_router,
@@ -389,7 +389,7 @@ def _values(metrics: Metrics, family_name: str) -> list[tuple]:
 
 
 def _stats(num_running: int, num_waiting: int, reserved: int, budget: int | None):
-    from engine.engine_loop import EngineStats
+    from engine.serving.engine_loop import EngineStats
 
     return EngineStats(
         num_running=num_running, num_waiting=num_waiting, reserved_cache_bytes=reserved, memory_budget_bytes=budget,

@@ -24,9 +24,9 @@ from typing import Any, Iterator
 import openai
 import pytest
 
-from engine.engine_loop import AsyncEngine
-from engine.fake_runner import ScriptedRunner
-from engine.scheduler import SchedulerConfig
+from engine.serving.engine_loop import AsyncEngine
+from tests.support.fake_runner import ScriptedRunner
+from engine.serving.scheduler import SchedulerConfig
 from server.app import create_app
 from server.metrics import MeteredRunner, Metrics
 from server.prepare import ModelInfo

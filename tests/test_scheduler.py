@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from engine.fake_runner import ScriptedRunner
-from engine.protocol import Done, Error, Progress, SamplingParams, StepPlan, Token
-from engine.request import Request
-from engine.scheduler import AdmissionError, RequestEvent, Scheduler, SchedulerConfig
+from tests.support.fake_runner import ScriptedRunner
+from engine.serving.protocol import Done, Error, Progress, SamplingParams, StepPlan, Token
+from engine.serving.request import Request
+from engine.serving.scheduler import AdmissionError, RequestEvent, Scheduler, SchedulerConfig
 
 BYTES_PER_TOKEN = 10
 

@@ -19,7 +19,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.protocol import Done, SamplingParams, Token
+from engine.serving.protocol import Done, SamplingParams, Token
 from server.dsml import render_tool_calls
 from server_harness import MODEL_NAME, LiveServer, free_port, live_server, make_tokenizer
 

@@ -13,17 +13,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.attention import PROJECTION_ROWS
-from engine import bench
-from engine.bench import RunOptions, bench_with_model
-from engine.config import CSA, HCA, WINDOW
-from engine.consistency import check_model_consistency, differing
-from engine.replay import run_sequence
-from engine.loader import load_model
-from engine.make_model import make_model
-from engine.model import Segment
-from engine.replay import random_tokens
-from engine.trace import ForwardTrace
+from engine.model.attention import PROJECTION_ROWS
+from engine.tools import bench
+from engine.tools.bench import RunOptions, bench_with_model
+from engine.model.config import CSA, HCA, WINDOW
+from engine.tools.consistency import check_model_consistency, differing
+from engine.tools.replay import run_sequence
+from engine.model.loader import load_model
+from engine.tools.make_model import make_model
+from engine.model.deepseek_v4 import Segment
+from engine.tools.replay import random_tokens
+from engine.model.trace import ForwardTrace
 
 # top-k 16 of up to ~100 visible rows; HCA ratio 32 so a 400-token run crosses 12 of its
 # boundaries and 100 of the ratio-4 ones; window 16.

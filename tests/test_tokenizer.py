@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from engine.tokenizer_train import SPECIAL_TOKENS, train_tokenizer
+from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.tools.tokenizer_train import SPECIAL_TOKENS, train_tokenizer
 from server.chat_format import ASSISTANT, BOS, EOS, THINK_END, THINK_START, USER, render_prompt
 from server.dsml import DSML
 

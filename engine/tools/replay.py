@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from engine.model import DeepseekV4, Segment
-from engine.trace import ForwardTrace
+from engine.model.deepseek_v4 import DeepseekV4, Segment
+from engine.model.trace import ForwardTrace
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from engine.config import CSA, ModelConfig, WINDOW
+from engine.model.config import CSA, ModelConfig, WINDOW
 
 
 def owned(rows: mx.array) -> mx.array:

@@ -3,7 +3,7 @@ one sequence at N tokens, and the weights — from the model config alone.
 
 The same numbers feed `tessera plan`, admission control (a sequence's cache at its max length) and
 the Prometheus memory gauges; `tessera bench prefill` checks the planned peak against MLX's measured
-peak. Buffers are listed as this engine allocates them (engine/attention.py, kernels/), so a change
+peak. Buffers are listed as this engine allocates them (engine/model/attention.py, kernels/), so a change
 there that adds a [T, N] temporary belongs here too.
 """
 
@@ -14,11 +14,11 @@ from dataclasses import asdict, dataclass, field
 from math import prod
 from pathlib import Path
 
-from engine.attention import PROJECTION_ROWS
-from engine.cache import RowBuffer
-from engine.config import CSA, HCA, WINDOW, ModelConfig, config_from_dict
-from engine.dtypes import DTYPES
-from engine.weights import expected_shapes
+from engine.model.attention import PROJECTION_ROWS
+from engine.model.cache import RowBuffer
+from engine.model.config import CSA, HCA, WINDOW, ModelConfig, config_from_dict
+from engine.model.dtypes import DTYPES
+from engine.model.weights import expected_shapes
 
 GiB = 2**30
 
@@ -118,7 +118,7 @@ def indexer_buffers(cfg: ModelConfig, ctx: int, tile: int) -> list[Buffer]:
 
 def attention_buffers(cfg: ModelConfig, ctx: int, tile: int, b: int) -> list[Buffer]:
     """One tile of mixed attention at the widest layer: the tile's queries (projected in fixed
-    blocks, engine/attention.py), gathered window ∪ selected rows, or HCA's shared compressed rows;
+    blocks, engine/model/attention.py), gathered window ∪ selected rows, or HCA's shared compressed rows;
     logits and probabilities in fp32 for every head; the output waiting for its projection block."""
     heads, hd, w = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
     widest = w
@@ -232,7 +232,7 @@ def plan_for(model_dir: Path | None, preset: str | None, ctx: int, chunk: int, t
     elif preset == "v4-flash" or preset is None:
         cfg, dtype = config_from_dict(V4_FLASH), dtype or "bfloat16"
     else:
-        from engine.make_model import preset_config
+        from engine.tools.make_model import preset_config
 
         cfg, dtype = preset_config(preset), dtype or "float32"
     return make_plan(cfg, ctx, chunk, tile, dtype)

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.dtypes import DTYPES
+from engine.model.dtypes import DTYPES
 
 if TYPE_CHECKING:  # the handlers import the bench (and the model loader) only when a bench runs
-    from engine.bench import RunOptions, Setting
+    from engine.tools.bench import RunOptions, Setting
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -35,7 +35,7 @@ def _register_make_model(subparsers) -> None:
 
 
 def _make_model(args) -> int:
-    from engine.make_model import make_model
+    from engine.tools.make_model import make_model
 
     overrides = {} if args.layers is None else {"layers": args.layers}
     out = make_model(args.dir, args.preset, seed=args.seed, with_tokenizer=not args.no_tokenizer, dtype=args.dtype, **overrides)
@@ -79,7 +79,7 @@ def _check_kernels(args) -> int:
 
 
 def _check_reference(args) -> int:
-    from engine.reference_check import ReferenceUnavailable, check_reference
+    from engine.tools.reference_check import ReferenceUnavailable, check_reference
 
     try:
         report = check_reference(args.model, args.tokens, args.chunk, args.tile, args.decode, args.seed)
@@ -91,7 +91,7 @@ def _check_reference(args) -> int:
 
 
 def _check_consistency(args) -> int:
-    from engine.consistency import check_consistency
+    from engine.tools.consistency import check_consistency
 
     report = check_consistency(args.model, args.ctx, args.decode, args.chunk, args.tile, args.seed, args.dtype)
     _print_report(report.as_dict(), args.json)
@@ -111,7 +111,7 @@ def _register_plan(subparsers) -> None:
 
 
 def _plan(args) -> int:
-    from engine.memory_plan import format_plan, plan_for
+    from engine.model.memory_plan import format_plan, plan_for
 
     plan = plan_for(args.model, args.preset, args.ctx, args.chunk, args.tile or args.chunk, args.dtype)
     print(json.dumps(plan.as_dict(), indent=2) if args.json else format_plan(plan))
@@ -159,14 +159,14 @@ def _add_prefill_run_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_options(args) -> RunOptions:
-    from engine.bench import RunOptions
+    from engine.tools.bench import RunOptions
 
     return RunOptions(repeat=args.repeat, stage_sync=args.stage_sync)
 
 
 def _setting(spec: str) -> Setting:
     """'4096:1024' -> Setting(4096, 1024); argparse turns the errors into a usage message."""
-    from engine.bench import Setting
+    from engine.tools.bench import Setting
 
     chunk, sep, tile = spec.partition(":")
     if not (sep and chunk.isdigit() and tile.isdigit()):
@@ -177,7 +177,7 @@ def _setting(spec: str) -> Setting:
 
 
 def _bench_compare(args) -> int:
-    from engine.bench import bench_compare, compare_table
+    from engine.tools.bench import bench_compare, compare_table
 
     rows = bench_compare(args.model, args.ctx, args.settings, args.dtype, _run_options(args))
     print("\n".join(json.dumps(r) for r in rows) if args.json else compare_table(rows))
@@ -192,7 +192,7 @@ def _bench_indexer(args) -> int:
 
 
 def _bench_prefill(args) -> int:
-    from engine.bench import bench_prefill
+    from engine.tools.bench import bench_prefill
 
     result = bench_prefill(args.model, args.ctx, args.chunk, args.tile or args.chunk, args.dtype, _run_options(args))
     _print_report(result, args.json)
@@ -200,7 +200,7 @@ def _bench_prefill(args) -> int:
 
 
 def _bench_matrix(args) -> int:
-    from engine.bench import bench_matrix
+    from engine.tools.bench import bench_matrix
 
     table = bench_matrix(args.model, args.ctx, args.dtype, args.out, _run_options(args))
     print(table)
@@ -216,9 +216,9 @@ def _print_report(report: dict, as_json: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The engine's commands without the server's dependencies (`python -m engine.commands …`),
+    """The engine's commands without the server's dependencies (`python -m engine.tools.commands …`),
     for machines that carry only MLX and numpy, such as the GPU box."""
-    parser = argparse.ArgumentParser(prog="python -m engine.commands")
+    parser = argparse.ArgumentParser(prog="python -m engine.tools.commands")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.func(args)

@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from engine.protocol import (
+from engine.serving.protocol import (
     AdmissionError,
     DecodeSlot,
     Done,
@@ -32,7 +32,7 @@ from engine.protocol import (
     StepPlan,
     Token,
 )
-from engine.request import Request, RequestStatus
+from engine.serving.request import Request, RequestStatus
 
 __all__ = ["AdmissionError", "Scheduler", "SchedulerConfig", "RequestEvent"]
 

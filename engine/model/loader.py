@@ -13,10 +13,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine.config import ModelConfig, config_from_dict
-from engine.dtypes import DTYPES
-from engine.model import DeepseekV4
-from engine.weights import canonical_name, expected_shapes, expert_key
+from engine.model.config import ModelConfig, config_from_dict
+from engine.model.dtypes import DTYPES
+from engine.model.deepseek_v4 import DeepseekV4
+from engine.model.weights import canonical_name, expected_shapes, expert_key
 
 
 

@@ -18,9 +18,9 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Iterable, Mapping, Sequence
 
-from engine.protocol import AdmissionError, Event, Runner, SamplingParams, StepOutput, StepPlan, is_terminal
-from engine.request import Request
-from engine.scheduler import RequestEvent, Scheduler, SchedulerConfig
+from engine.serving.protocol import AdmissionError, Event, Runner, SamplingParams, StepOutput, StepPlan, is_terminal
+from engine.serving.request import Request
+from engine.serving.scheduler import RequestEvent, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.cache import CompressorFrontier, owned
-from engine.config import RopeSpec
-from engine.norms import rms_norm
-from engine.rope import apply_rope, cos_sin
+from engine.model.cache import CompressorFrontier, owned
+from engine.model.config import RopeSpec
+from engine.model.norms import rms_norm
+from engine.model.rope import apply_rope, cos_sin
 
 
 @dataclass(frozen=True)

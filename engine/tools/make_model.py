@@ -14,9 +14,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from engine.config import CSA, HCA, WINDOW, ModelConfig, config_from_dict
-from engine.dtypes import DTYPES
-from engine.weights import expected_shapes
+from engine.model.config import CSA, HCA, WINDOW, ModelConfig, config_from_dict
+from engine.model.dtypes import DTYPES
+from engine.model.weights import expected_shapes
 
 _YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
 
@@ -98,7 +98,7 @@ def make_model(out_dir: Path, preset: str = "tiny", seed: int = 0, with_tokenize
     cfg = preset_config(preset, **overrides)
     write_checkpoint(out_dir, cfg, seed, dtype)
     if with_tokenizer:
-        from engine.tokenizer_train import train_tokenizer
+        from engine.tools.tokenizer_train import train_tokenizer
 
         train_tokenizer(Path(out_dir), vocab_size=cfg.vocab_size, seed=seed)
     return Path(out_dir)

@@ -14,9 +14,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from engine.loader import load_model
-from engine.model import DeepseekV4
-from engine.replay import random_tokens, run_sequence
+from engine.model.loader import load_model
+from engine.model.deepseek_v4 import DeepseekV4
+from engine.tools.replay import random_tokens, run_sequence
 
 
 class ReferenceUnavailable(RuntimeError):

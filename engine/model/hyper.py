@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.norms import unweighted_rms_norm
+from engine.model.norms import unweighted_rms_norm
 
 
 @dataclass(frozen=True)

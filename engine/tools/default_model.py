@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from engine.make_model import make_model
+from engine.tools.make_model import make_model
 
 DEFAULT_PRESET, DEFAULT_SEED = "tiny", 0
 _COMPLETE = ".complete"

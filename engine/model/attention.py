@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.cache import LayerCache, owned
-from engine.compressor import CompressorWeights, compress
-from engine.config import CSA, HCA, WINDOW, ModelConfig
-from engine.norms import rms_norm, unweighted_rms_norm
-from engine.rope import apply_rope, cos_sin
-from engine.trace import ForwardTrace
+from engine.model.cache import LayerCache, owned
+from engine.model.compressor import CompressorWeights, compress
+from engine.model.config import CSA, HCA, WINDOW, ModelConfig
+from engine.model.norms import rms_norm, unweighted_rms_norm
+from engine.model.rope import apply_rope, cos_sin
+from engine.model.trace import ForwardTrace
 from kernels.indexer import indexer_scores, select_topk
 from kernels.sparse_attention import mixed_attention, shared_rows
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.loader import load_model
-from engine.model import DeepseekV4
-from engine.replay import random_tokens, run_sequence
-from engine.runner import default_compute_dtype
+from engine.model.loader import load_model
+from engine.model.deepseek_v4 import DeepseekV4
+from engine.tools.replay import random_tokens, run_sequence
+from engine.serving.runner import default_compute_dtype
 
 
 # The fresh whole-sequence prefill runs in one untiled chunk up to this many tokens: MLX's GPU sorts

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from engine.protocol import DecodeSlot, PrefillChunk, SampledToken, SamplingParams, StepOutput, StepPlan
+from engine.serving.protocol import DecodeSlot, PrefillChunk, SampledToken, SamplingParams, StepOutput, StepPlan
 
 
 class InjectedFailure(RuntimeError):

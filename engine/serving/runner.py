@@ -1,4 +1,4 @@
-"""ModelRunner: executes the scheduler's StepPlan on the V4 model (the `Runner` of engine/protocol.py).
+"""ModelRunner: executes the scheduler's StepPlan on the V4 model (the `Runner` of engine/serving/protocol.py).
 
 One step = all running decodes plus at most one prefill chunk, run as one flat batch of segments;
 then one token is sampled for every decode and for a prefill chunk that completes its prompt.
@@ -13,15 +13,15 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from engine.cache import SequenceCache
-from engine.config import ModelConfig
-from engine.dtypes import dtype_name
-from engine.loader import load_model
-from engine.memory_plan import cache_bytes_at, make_plan
-from engine.model import DeepseekV4, Segment
-from engine.protocol import SampledToken, SamplingParams, StepOutput, StepPlan
-from engine.sampler import RequestRng, TokenHistory, sample
-from engine.trace import ForwardTrace
+from engine.model.cache import SequenceCache
+from engine.model.config import ModelConfig
+from engine.model.dtypes import dtype_name
+from engine.model.loader import load_model
+from engine.model.memory_plan import cache_bytes_at, make_plan
+from engine.model.deepseek_v4 import DeepseekV4, Segment
+from engine.serving.protocol import SampledToken, SamplingParams, StepOutput, StepPlan
+from engine.serving.sampler import RequestRng, TokenHistory, sample
+from engine.model.trace import ForwardTrace
 
 
 GPU_MAX_SORT_ROWS = 65535

@@ -12,14 +12,14 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from engine.attention import AttentionWeights, SegmentSlice, attention
-from engine.cache import SequenceCache
-from engine.compressor import CompressorWeights
-from engine.config import HASH_MOE, ModelConfig
-from engine.hyper import HyperWeights, expand, head_collapse, hyper_weights
-from engine.moe import MoEWeights, moe
-from engine.norms import rms_norm
-from engine.trace import ForwardTrace
+from engine.model.attention import AttentionWeights, SegmentSlice, attention
+from engine.model.cache import SequenceCache
+from engine.model.compressor import CompressorWeights
+from engine.model.config import HASH_MOE, ModelConfig
+from engine.model.hyper import HyperWeights, expand, head_collapse, hyper_weights
+from engine.model.moe import MoEWeights, moe
+from engine.model.norms import rms_norm
+from engine.model.trace import ForwardTrace
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Segment:
 class DeepseekV4:
     def __init__(self, cfg: ModelConfig, weights: dict[str, mx.array]) -> None:
         self.cfg = cfg
-        self.weights = weights  # canonical (official) names, see engine/weights.py
+        self.weights = weights  # canonical (official) names, see engine/model/weights.py
         self.layers = [_layer_weights(weights, cfg, i) for i in range(cfg.num_hidden_layers)]
         self.dtype = weights["embed.weight"].dtype
 

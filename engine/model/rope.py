@@ -13,7 +13,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from engine.config import RopeSpec
+from engine.model.config import RopeSpec
 
 
 @lru_cache(maxsize=16)
