@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _register_make_model(subparsers) -> None:
     p = subparsers.add_parser("make-model", help="write a random-weight V4 checkpoint (+ tokenizer)")
     p.add_argument("dir", type=Path)
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "flash-attn"])
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "flash-attn", "flash-width"])
     p.add_argument("--layers", type=int, default=None, help="number of layers (window, then CSA/HCA alternating)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))

@@ -42,6 +42,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_routed_experts=8, num_experts_per_tok=2, index_n_heads=64, index_head_dim=128, index_topk=512,
         layer_types=[WINDOW, CSA, HCA, CSA], num_hash_layers=1, max_position_embeddings=1048576,
     ),
+    # Every V4 Flash width real (hidden, 256 experts top-6 + shared, heads, indexer, vocab) with 4 layers
+    # instead of 43, so per-layer prefill and decode numbers extrapolate to the whole model.
+    "flash-width": dict(
+        vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=4, num_attention_heads=64,
+        head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, sliding_window=128,
+        n_routed_experts=256, num_experts_per_tok=6, index_n_heads=64, index_head_dim=128, index_topk=512,
+        layer_types=[WINDOW, CSA, HCA, CSA], num_hash_layers=1, max_position_embeddings=1048576,
+    ),
 }
 
 
