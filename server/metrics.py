@@ -30,7 +30,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from starlette.responses import Response
 
-from engine.serving.protocol import Done, Error, Event, Progress, SamplingParams, StepOutput, StepPlan, Token
+from engine.serving.protocol import Done, Error, Event, Progress, PromptLogprobs, SamplingParams, StepOutput, StepPlan, Token
 
 if TYPE_CHECKING:
     from engine.serving.engine_loop import EngineStats
@@ -357,7 +357,7 @@ class RequestTracker:
             self._on_done(event)
         elif isinstance(event, Error):
             self._finish("error", self.num_streamed_tokens)
-        elif not isinstance(event, Progress):
+        elif not isinstance(event, (Progress, PromptLogprobs)):
             raise TypeError(f"not an engine event: {event!r}")
 
     def on_rejected(self, reason: str) -> None:

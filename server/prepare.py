@@ -9,11 +9,11 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import dataclass
-from typing import Any, Awaitable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 from starlette.requests import Request
 
-from engine.serving.protocol import SamplingParams
+from engine.serving.protocol import SamplingParams, TokenConstraint
 from engine.model.tokenizer import Tokenizer
 from server.chat_format import render_prompt, render_with_template
 from server.errors import ClientDisconnected, context_length_exceeded, invalid_request, model_not_found
@@ -21,6 +21,7 @@ from server.generation import ChoiceRun
 from server.metrics import Metrics
 from server.schemas import ChatCompletionRequest, SamplingFields
 from server.settings import Settings
+from server.structured_output import GrammarCompiler
 
 T = TypeVar("T")
 
@@ -45,6 +46,11 @@ class ServedModel:
     tokenizer: Tokenizer
     info: ModelInfo
     metrics: Metrics  # the app's (AppState.metrics): each ChoiceRun reports its request to it
+    grammars: GrammarCompiler = None  # type: ignore[assignment]  # structured outputs; made from the tokenizer
+
+    def __post_init__(self) -> None:
+        if self.grammars is None:  # lazy inside: llguidance reads the tokenizer on the first constrained request
+            object.__setattr__(self, "grammars", GrammarCompiler(self.tokenizer))
 
 
 def served_model_name(settings: Settings) -> str:
@@ -115,10 +121,14 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
 
 
 def sampling_params(body: SamplingFields, *, max_tokens: int, num_logprobs: int | None, choice: int,
-                    vocab_size: int) -> SamplingParams:
-    """Engine sampling for choice `choice`: with a seed, choice i samples with seed + i (distinct, reproducible)."""
+                    vocab_size: int, eos_token_id: int | None = None, prompt_logprobs: int | None = None,
+                    constraint: Callable[[], TokenConstraint] | None = None) -> SamplingParams:
+    """Engine sampling for choice `choice`: with a seed, choice i samples with seed + i (distinct, reproducible).
+    `constraint` makes each choice its own grammar state (structured outputs)."""
     bias = body.logit_bias or {}
     check_token_ids(list(bias), vocab_size, param="logit_bias")
+    # EOS as a stop token id: min_tokens masks stop ids (the scheduler ends on EOS either way).
+    stop_ids = (eos_token_id,) if eos_token_id is not None and body.min_tokens and not body.ignore_eos else ()
     return SamplingParams(
         temperature=body.temperature,
         top_p=body.top_p,
@@ -132,15 +142,20 @@ def sampling_params(body: SamplingFields, *, max_tokens: int, num_logprobs: int 
         logit_bias=tuple(sorted(bias.items())),
         logprobs=num_logprobs,
         ignore_eos=body.ignore_eos,
+        stop_token_ids=stop_ids,
+        min_tokens=body.min_tokens,
+        prompt_logprobs=prompt_logprobs,
+        constraint=constraint() if constraint is not None else None,
     )
 
 
 def start_runs(served: ServedModel, inflight: set[str], response_id: str,
-               prompts: Sequence[tuple[list[int], SamplingParams]], stops: Sequence[str]) -> list[ChoiceRun]:
+               prompts: Sequence[tuple[list[int], SamplingParams]], stops: Sequence[str],
+               skip_special_tokens: bool = True) -> list[ChoiceRun]:
     """One engine request per (prompt ids, sampling), in choice order; nothing is awaited yet."""
     return [
         ChoiceRun(served.engine, served.tokenizer, f"{response_id}-{index}", prompt_ids, sampling, stops, inflight,
-                  served.metrics)
+                  served.metrics, skip_special_tokens)
         for index, (prompt_ids, sampling) in enumerate(prompts)
     ]
 

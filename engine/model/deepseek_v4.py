@@ -54,12 +54,13 @@ class DeepseekV4:
         self,
         segments: Sequence[Segment],
         tile: int | None = None,
-        all_logits: bool = False,
+        all_logits: bool | Sequence[bool] = False,
         timer: ForwardTrace | None = None,
     ) -> list[mx.array]:
         """Runs every segment's tokens through the model, appending to their caches.
 
-        Returns per segment the logits [L, vocab] (all_logits) or [1, vocab] of its last token.
+        Returns per segment the logits [L, vocab] (all_logits, or all_logits[i] for segment i) or [1, vocab] of
+        its last token: the lm head runs only on the rows asked for.
         `tile`: indexer/attention query rows per tile (None: the whole segment, the untiled path).
         """
         timer = timer or ForwardTrace()
@@ -94,28 +95,24 @@ class DeepseekV4:
         timer.stage("moe", ffn_out)
         return expand(ffn_out, streams, post, comb)
 
-    def _logits(self, streams: mx.array, segments: Sequence[Segment], all_logits: bool) -> list[mx.array]:
+    def _logits(self, streams: mx.array, segments: Sequence[Segment], all_logits: bool | Sequence[bool]) -> list[mx.array]:
         cfg, w = self.cfg, self.weights
-        if not all_logits:  # only each segment's last token is sampled
-            ends = mx.array(_segment_ends(segments))
-            streams = streams[ends]
+        wants_all = [all_logits] * len(segments) if isinstance(all_logits, bool) else list(all_logits)
+        rows, sizes, offset = [], [], 0  # the rows the lm head runs on: every row of a wants_all segment, else its last
+        for s, want in zip(segments, wants_all):
+            count = len(s.token_ids) if want else 1
+            rows.extend(range(offset + len(s.token_ids) - count, offset + len(s.token_ids)))
+            sizes.append(count)
+            offset += len(s.token_ids)
+        if len(rows) < offset:
+            streams = streams[mx.array(rows)]
         hidden = head_collapse(streams, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], cfg.hc_eps, cfg.rms_norm_eps)
         logits = rms_norm(hidden, w["norm.weight"], cfg.rms_norm_eps) @ w["head.weight"].T  # [rows, vocab]
-        if not all_logits:
-            return [logits[i : i + 1] for i in range(len(segments))]
-        out, offset = [], 0
-        for s in segments:
-            out.append(logits[offset : offset + len(s.token_ids)])
-            offset += len(s.token_ids)
+        out, start = [], 0
+        for size in sizes:
+            out.append(logits[start : start + size])
+            start += size
         return out
-
-
-def _segment_ends(segments: Sequence[Segment]) -> list[int]:
-    ends, offset = [], 0
-    for s in segments:
-        offset += len(s.token_ids)
-        ends.append(offset - 1)
-    return ends
 
 
 def _slices(segments: Sequence[Segment], layer: int) -> list[SegmentSlice]:

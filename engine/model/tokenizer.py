@@ -113,6 +113,10 @@ class Tokenizer:
         self._token_bytes[token_id] = raw
         return raw
 
+    def backend_json(self) -> str:
+        """The whole `tokenizers` spec as JSON (what grammar engines such as llguidance build masks from)."""
+        return self._backend.to_str()
+
     # ---- vocabulary facts -----------------------------------------------------------------------
 
     @property

@@ -14,6 +14,22 @@ from typing import Literal, Protocol, Sequence, Union
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
+class TokenConstraint(Protocol):
+    """Which tokens one request may sample next (structured outputs). The server implements it over a grammar
+    engine (server/structured_output.py); the runner only asks for masks and reports accepted tokens, so the
+    engine never sees a grammar. Stateful: one per request, never shared between requests."""
+
+    def allowed_mask(self) -> bytes:
+        """The tokens allowed next, as a packed bitmask: token i is allowed iff bit (i % 8) of byte i // 8 is
+        set (little-endian bit order, the layout of 32-bit little-endian mask words). Never all zero: a finished
+        grammar allows the end-of-sequence token."""
+        ...
+
+    def accept(self, token_id: int) -> None:
+        """The token the sampler chose (always one `allowed_mask` allowed); advance the grammar past it."""
+        ...
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings (OpenAI names). Validation happens at the HTTP edge."""
@@ -31,6 +47,10 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token's logprob + top-k alternatives
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0  # stop tokens (EOS, stop_token_ids) are masked until this many tokens were generated
+    prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob + top-k alternatives
+    # Structured outputs: the allowed-token mask for every sampled token (stateful, one per request).
+    constraint: TokenConstraint | None = field(default=None, compare=False)
 
     @property
     def is_greedy(self) -> bool:
@@ -89,8 +109,28 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
+class PromptLogprob:
+    """A prompt token's logprob under the raw (unprocessed) distribution of the row before it."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Logprobs of prompt positions [start, start + len(entries)) of one request, from one prefill chunk. The
+    first prompt token has none (nothing precedes it), so the first chunk's entries start at position 1."""
+
+    request_id: str
+    start: int
+    entries: tuple[PromptLogprob, ...]
+
+
+@dataclass(frozen=True)
 class StepOutput:
     sampled: tuple[SampledToken, ...] = ()
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # only for prefills whose request asked for them
     stage_seconds: dict[str, float] = field(default_factory=dict)  # indexer_score, topk, attention, moe, other
 
 
@@ -158,7 +198,7 @@ class Error:
     kind: Literal["internal", "rejected", "overloaded"] = "internal"
 
 
-Event = Union[Token, Progress, Done, Error]
+Event = Union[Token, Progress, PromptLogprobs, Done, Error]
 
 
 def is_terminal(event: Event) -> bool:

@@ -3,6 +3,11 @@
 One step = all running decodes plus at most one prefill chunk, run as one flat batch of segments;
 then one token is sampled for every decode and for a prefill chunk that completes its prompt.
 Owns each request's cache, token history and random stream, keyed by request id.
+
+Structured outputs: a request's TokenConstraint mask for this step's token is computed on the host while the
+model step evaluates (`mx.async_eval`), so grammar work overlaps the forward pass instead of following it.
+Prompt logprobs: a prefill chunk of a request that asked for them runs the lm head on all its rows (only
+then), and the chunk's prompt logprobs come back in the StepOutput: no second pass, whatever the chunking.
 """
 
 from __future__ import annotations
@@ -19,7 +24,17 @@ from engine.model.dtypes import dtype_name
 from engine.model.loader import load_model
 from engine.model.memory_plan import cache_bytes_at, make_plan
 from engine.model.deepseek_v4 import DeepseekV4, Segment
-from engine.serving.protocol import SampledToken, SamplingParams, StepOutput, StepPlan
+import numpy as np
+
+from engine.serving.protocol import (
+    PrefillChunk,
+    PromptLogprob,
+    PromptLogprobs,
+    SampledToken,
+    SamplingParams,
+    StepOutput,
+    StepPlan,
+)
 from engine.serving.sampler import RequestRng, TokenHistory, sample
 from engine.model.trace import ForwardTrace
 
@@ -49,6 +64,7 @@ class _Sequence:
     sampling: SamplingParams
     history: TokenHistory
     rng: RequestRng
+    prompt_ids: tuple[int, ...]
 
 
 class ModelRunner:
@@ -81,7 +97,9 @@ class ModelRunner:
     # ---- Runner protocol -----------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
-        self._sequences[request_id] = _Sequence(self.model.new_cache(), sampling, TokenHistory(prompt_ids), RequestRng(sampling.seed))
+        self._sequences[request_id] = _Sequence(
+            self.model.new_cache(), sampling, TokenHistory(prompt_ids), RequestRng(sampling.seed), tuple(prompt_ids)
+        )
 
     def execute(self, plan: StepPlan) -> StepOutput:
         ids, segments = [], []
@@ -89,18 +107,51 @@ class ModelRunner:
             ids.append(slot.request_id)
             segments.append(Segment(self._sequences[slot.request_id].cache, [slot.token_id]))
         sampled_ids = list(ids)
+        wants_prompt_logprobs = False
         if plan.prefill is not None:
             chunk = plan.prefill
-            segments.append(Segment(self._sequences[chunk.request_id].cache, list(chunk.token_ids)))
+            seq = self._sequences[chunk.request_id]
+            segments.append(Segment(seq.cache, list(chunk.token_ids)))
+            wants_prompt_logprobs = seq.sampling.prompt_logprobs is not None
             if chunk.is_last:
                 sampled_ids.append(chunk.request_id)
         if not segments:
             return StepOutput()
         timer = ForwardTrace(stage_sync=self._times_stages(plan))
-        logits = self.model.forward(segments, tile=self.indexer_tile, timer=timer)
+        all_rows = [False] * len(plan.decodes) + ([wants_prompt_logprobs] if plan.prefill is not None else [])
+        logits = self.model.forward(segments, tile=self.indexer_tile, all_logits=all_rows, timer=timer)
+        prompt_logprobs = ()
+        if wants_prompt_logprobs:
+            prompt_logprobs = (self._prompt_logprobs(plan.prefill, logits[-1]),)
+            logits[-1] = logits[-1][-1:]  # the last row is what samples
         rows = logits[: len(sampled_ids)]  # the prefill is last: its row only counts when it samples
         sampled = self._sample(sampled_ids, mx.concatenate(rows) if rows else None)
-        return StepOutput(sampled=tuple(sampled), stage_seconds=timer.as_dict())
+        return StepOutput(sampled=tuple(sampled), prompt_logprobs=prompt_logprobs, stage_seconds=timer.as_dict())
+
+    def _prompt_logprobs(self, chunk: PrefillChunk, logits: mx.array) -> PromptLogprobs:
+        """Row j of the chunk's logits [L, V] predicts prompt position chunk.start + j + 1; the last chunk's last
+        row predicts the first output token instead (sampled, not a prompt logprob)."""
+        seq = self._sequences[chunk.request_id]
+        end = min(chunk.start + len(chunk.token_ids), len(seq.prompt_ids) - 1)  # last prompt position predicted
+        num_rows = end - chunk.start
+        if num_rows <= 0:
+            return PromptLogprobs(chunk.request_id, chunk.start + 1, ())
+        rows = logits[:num_rows].astype(mx.float32)  # [n, V]
+        logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)  # raw distribution, as vLLM's prompt logprobs
+        targets = seq.prompt_ids[chunk.start + 1 : end + 1]
+        num_top = min(seq.sampling.prompt_logprobs or 0, rows.shape[1])
+        top_ids = mx.argpartition(-logprobs, num_top - 1, axis=-1)[:, :num_top] if num_top > 0 else None
+        mx.eval(logprobs, *([top_ids] if top_ids is not None else []))
+        values = np.array(logprobs)
+        entries = []
+        for j, target in enumerate(targets):
+            top: tuple[tuple[int, float], ...] = ()
+            if top_ids is not None:
+                ids = np.array(top_ids[j])
+                ids = ids[np.lexsort((ids, -values[j, ids]))]
+                top = tuple((int(i), float(values[j, i])) for i in ids)
+            entries.append(PromptLogprob(int(target), float(values[j, target]), top))
+        return PromptLogprobs(chunk.request_id, chunk.start + 1, tuple(entries))
 
     def _times_stages(self, plan: StepPlan) -> bool:
         if plan.prefill is None or not self.stage_timing_interval:
@@ -131,10 +182,16 @@ class ModelRunner:
         if logits is None:
             return []
         seqs = [self._sequences[r] for r in request_ids]
-        samples = sample(logits, [s.sampling for s in seqs], [s.history for s in seqs], [s.rng for s in seqs])
+        masks = None
+        if any(s.sampling.constraint is not None for s in seqs):
+            mx.async_eval(logits)  # the model step runs while the host computes the grammar masks
+            masks = [s.sampling.constraint.allowed_mask() if s.sampling.constraint is not None else None for s in seqs]
+        samples = sample(logits, [s.sampling for s in seqs], [s.history for s in seqs], [s.rng for s in seqs], masks)
         out = []
         for request_id, seq, s in zip(request_ids, seqs, samples):
             seq.history.append(s.token_id)
+            if seq.sampling.constraint is not None:
+                seq.sampling.constraint.accept(s.token_id)
             out.append(SampledToken(request_id, s.token_id, s.logprob, s.top_logprobs))
         return out
 

@@ -27,6 +27,7 @@ from engine.serving.protocol import (
     FinishReason,
     PrefillChunk,
     Progress,
+    PromptLogprobs,
     SampledToken,
     StepOutput,
     StepPlan,
@@ -243,15 +244,18 @@ class Scheduler:
                 request.num_computed_tokens += 1
                 events += self._accept_sample(request, sampled.get(slot.request_id))
         if plan.prefill is not None:
-            events += self._advance_prefill(plan.prefill, sampled)
+            prompt_logprobs = {entry.request_id: entry for entry in output.prompt_logprobs}
+            events += self._advance_prefill(plan.prefill, sampled, prompt_logprobs.get(plan.prefill.request_id))
         return events
 
-    def _advance_prefill(self, chunk: PrefillChunk, sampled: dict[str, SampledToken]) -> list[RequestEvent]:
+    def _advance_prefill(self, chunk: PrefillChunk, sampled: dict[str, SampledToken],
+                         prompt_logprobs: PromptLogprobs | None) -> list[RequestEvent]:
         request = self._requests.get(chunk.request_id)
         if request is None:
             return []
         request.num_computed_tokens += len(chunk.token_ids)
-        events: list[RequestEvent] = [(request, Progress(request.num_computed_tokens, request.num_prompt_tokens))]
+        events: list[RequestEvent] = [(request, prompt_logprobs)] if prompt_logprobs is not None else []
+        events.append((request, Progress(request.num_computed_tokens, request.num_prompt_tokens)))
         if chunk.is_last:
             events += self._accept_sample(request, sampled.get(chunk.request_id))
         return events

@@ -12,7 +12,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from engine.serving.protocol import DecodeSlot, PrefillChunk, SampledToken, SamplingParams, StepOutput, StepPlan
+from engine.serving.protocol import (
+    DecodeSlot,
+    PrefillChunk,
+    PromptLogprob,
+    PromptLogprobs,
+    SampledToken,
+    SamplingParams,
+    StepOutput,
+    StepPlan,
+)
 
 
 class InjectedFailure(RuntimeError):
@@ -65,9 +74,26 @@ class ScriptedRunner:
             if self.fail_when is not None and self.fail_when(plan):
                 raise InjectedFailure(f"injected failure in a step running {', '.join(plan.request_ids)}")
             sampled = [self._decode(slot) for slot in plan.decodes]
+            prompt_logprobs = ()
             if plan.prefill is not None:
+                prompt_logprobs = self._prompt_logprobs(plan.prefill)
                 sampled += self._prefill(plan.prefill)
-        return StepOutput(sampled=tuple(sampled), stage_seconds={"other": time.perf_counter() - started})
+        return StepOutput(sampled=tuple(sampled), prompt_logprobs=prompt_logprobs,
+                          stage_seconds={"other": time.perf_counter() - started})
+
+    def _prompt_logprobs(self, chunk: PrefillChunk) -> tuple[PromptLogprobs, ...]:
+        """Plausible prompt logprobs (position p: -p / 10) for the chunk's positions, when asked for."""
+        seq = self._sequence(chunk.request_id)
+        num_top = seq.sampling.prompt_logprobs
+        if num_top is None:
+            return ()
+        end = min(chunk.start + len(chunk.token_ids), len(seq.prompt_ids) - 1)
+        entries = []
+        for position in range(chunk.start + 1, end + 1):
+            token_id = seq.prompt_ids[position]
+            top = tuple(((token_id + i + 1) % self.vocab_size, -0.01 * (i + 1)) for i in range(num_top))
+            entries.append(PromptLogprob(token_id, -position / 10, top))
+        return (PromptLogprobs(chunk.request_id, chunk.start + 1, tuple(entries)),)
 
     def release(self, request_id: str) -> None:
         with self._lock:
