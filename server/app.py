@@ -17,10 +17,18 @@ import time
 from typing import Any, Literal
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.model.tokenizer import Tokenizer
-from server.errors import APIError, install_error_handlers, payload_too_large, unauthorized, unavailable
+from server.errors import (
+    APIError,
+    install_error_handlers,
+    payload_too_large,
+    report_client_error,
+    unauthorized,
+    unavailable,
+)
 from server.metrics import Metrics, metrics_router
 from server.prepare import ModelInfo, ServedModel, served_model_name
 from server.routes import router
@@ -86,10 +94,11 @@ class EdgeGuard:
 
     _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
-    def __init__(self, app: ASGIApp, api_keys: list[str], max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_keys: list[str], max_body_bytes: int, metrics: Metrics | None = None) -> None:
         self.app = app
         self._key_digests = [_digest(key.encode()) for key in api_keys]
         self._max_body_bytes = max_body_bytes
+        self._metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -101,6 +110,7 @@ class EdgeGuard:
             if scope["method"] in ("POST", "PUT", "PATCH"):
                 receive = await self._buffered_body(scope, receive)
         except APIError as exc:
+            report_client_error(exc, f"{scope['method']} {scope['path']}", self._metrics)
             await exc.response()(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -176,7 +186,13 @@ def create_app(
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(metrics_router(metrics, state.engine_stats))
-    app.add_middleware(EdgeGuard, api_keys=list(settings.api_keys), max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(EdgeGuard, api_keys=list(settings.api_keys), max_body_bytes=settings.max_body_bytes,
+                       metrics=metrics)
+    if settings.allowed_origins:
+        # Added last, so outermost: a preflight OPTIONS is answered here, before EdgeGuard's key check, and
+        # errors from EdgeGuard (401, 413) still carry CORS headers a browser can read. vLLM's defaults.
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials=False)
     return app
 
 

@@ -169,8 +169,22 @@ def _from_http(exc: StarletteHTTPException, request: Request | None) -> APIError
     return APIError(exc.status_code, str(exc.detail), type=error_type, headers=dict(exc.headers or {}))
 
 
+def report_client_error(error: APIError, route: str, metrics: Any | None) -> None:
+    """Every 4xx is logged with its code and param and counted by reason (docs/OBSERVABILITY.md).
+    `metrics`: the app's server.metrics.Metrics (None before an app exists)."""
+    if not 400 <= error.status < 500:
+        return
+    reason = error.code or error.type
+    logger.info("%s -> %d %s (param=%s): %s", route, error.status, reason, error.param, error.message)
+    if metrics is not None:
+        metrics.client_error(error.status, reason)
+
+
 async def handle_exception(request: Request, exc: Exception) -> JSONResponse:
-    return to_api_error(exc, request).response()
+    error = to_api_error(exc, request)
+    state = getattr(request.app.state, "tessera", None)
+    report_client_error(error, f"{request.method} {request.url.path}", getattr(state, "metrics", None))
+    return error.response()
 
 
 def install_error_handlers(app: FastAPI) -> None:

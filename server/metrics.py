@@ -187,6 +187,10 @@ class Metrics:
         )
         for reason in FINISH_REASONS:  # exist at 0 from the start, so rate() works before the first finish
             self._success.labels(m, reason)
+        self._client_errors = self._counter(
+            "tessera_client_errors_total", "HTTP 4xx responses by status and reason (the OpenAI error code, else "
+            "its type).", "status", "reason"
+        )
         self._ttft = self._histogram(
             "tessera_time_to_first_token_seconds", "Request arrival to its first token.", TTFT_BUCKETS
         ).labels(m)
@@ -276,6 +280,10 @@ class Metrics:
             self._latency["request_inference_time"].observe(prefill_s + decode_s)
         if decode_s is not None and num_generation_tokens > 1:
             self._tpot.observe(decode_s / (num_generation_tokens - 1))
+
+    def client_error(self, status: int, reason: str) -> None:
+        """An HTTP 4xx answered (server/errors.py report_client_error): reason is the error's code or type."""
+        self._client_errors.labels(self.model_name, str(status), reason).inc()
 
     def rejected(self, reason: str) -> None:
         """A request refused before it was queued (AdmissionError.reason)."""

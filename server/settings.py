@@ -66,7 +66,7 @@ def parse_byte_size(value: Any) -> int:
 
 
 def _parse_api_keys(value: Any) -> Any:
-    """One key, `"k1,k2"`, or a JSON list (the form an env var can carry) -> list of keys."""
+    """One item, `"k1,k2"`, or a JSON list (the form an env var can carry) -> list (API keys, CORS origins)."""
     if isinstance(value, str):
         text = value.strip()
         if text.startswith("["):
@@ -127,6 +127,12 @@ class Settings(BaseSettings):
         description="Accepted bearer keys for inference routes; empty: no authentication. "
         "CLI: --api-key repeated; env: TESSERA_API_KEYS='k1,k2'.",
     )
+    allowed_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["*"],
+        description="CORS: origins browsers may call from (vLLM's --allowed-origins, same default: any). A JSON "
+        "list or comma-separated; empty: no CORS headers. Preflight OPTIONS requests are answered before the "
+        "API-key check (browsers never send credentials on a preflight).",
+    )
     max_num_seqs: int = Field(16, ge=1, description="Most requests decoding at once (the running batch).")
     max_queued_requests: int = Field(
         256, ge=0, description="Most requests waiting for admission; beyond it a request gets 503 + Retry-After."
@@ -144,9 +150,9 @@ class Settings(BaseSettings):
         "info", description="Log level of Tessera and uvicorn."
     )
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "allowed_origins", mode="before")
     @classmethod
-    def _split_api_keys(cls, value: Any) -> Any:
+    def _split_lists(cls, value: Any) -> Any:
         return _parse_api_keys(value)
 
     @field_validator("log_level", mode="before")
