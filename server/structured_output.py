@@ -57,19 +57,23 @@ def json_grammar(schema: dict[str, Any] | None) -> str:
 
 
 def tool_call_grammar(tools: list[ToolSpec], parallel: bool) -> str:
-    """One DSML tool-call block with one invoke (or more when `parallel`) of the given tools."""
+    """One DSML tool-call block with one invoke (or more when `parallel`) of the given tools.
+
+    Every piece after the block's opening starts with its own "\\n" (`\\n<｜DSML｜invoke…`, `\\n<｜DSML｜parameter…`,
+    `\\n</｜DSML｜invoke>`): a lone "\\n" terminal would be a prefix of the closing ones, and llguidance's lexer,
+    greedy, would then never split them."""
     lines = []
     invoke_rules = []
     for i, tool in enumerate(tools):
-        params = _parameter_rules(tool, f"t{i}")
+        params, rules = _parameter_rules(tool, f"t{i}")
         invoke_rules.append(f"invoke_{i}")
-        head = _literal(f'<{DSML}invoke name="{tool.name}">\n')
+        head = _literal(f'\n<{DSML}invoke name="{tool.name}">')
         tail = _literal(f"\n</{DSML}invoke>")
-        lines.append(f"invoke_{i}: {head} {params[0]} {tail}")
-        lines.extend(params[1])
+        lines.append(f"invoke_{i}: {head} {params} {tail}")
+        lines.extend(rules)
     invokes = "invoke: " + " | ".join(invoke_rules)
-    repeat = ' ("\\n" invoke)*' if parallel else ""
-    body = f"body: {_literal(TOOL_CALLS_START + chr(10))} invoke{repeat} {_literal(chr(10) + TOOL_CALLS_END)}"
+    calls = "invoke+" if parallel else "invoke"
+    body = f"body: {_literal(TOOL_CALLS_START)} {calls} {_literal(chr(10) + TOOL_CALLS_END)}"
     return "\n".join([body, invokes, *lines]) + "\n"
 
 
@@ -80,11 +84,10 @@ def _parameter_rules(tool: ToolSpec, prefix: str) -> tuple[str, list[str]]:
     parts, rules = [], []
     for j, (name, schema) in enumerate(properties.items()):
         rule = f"{prefix}_p{j}"
-        head = _literal(f'<{DSML}parameter name="{name}" string="false">')
+        head = _literal(f'\n<{DSML}parameter name="{name}" string="false">')
         rules.append(f"{rule}: {head} {_json_rule(schema if isinstance(schema, dict) else {})} "
                      f"{_literal(f'</{DSML}parameter>')}")
-        piece = f'"\\n" {rule}' if parts else rule
-        parts.append(piece if name in required else f"({piece})?")
+        parts.append(rule if name in required else f"{rule}?")
     return (" ".join(parts) if parts else '""'), rules
 
 
