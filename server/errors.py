@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.serving.protocol import AdmissionError
 from server.chat_format import ChatFormatError
 from server.schemas import Unsupported
+from server.structured_output import GrammarError
 
 logger = logging.getLogger("tessera.server")
 
@@ -113,6 +114,8 @@ def to_api_error(exc: BaseException, request: Request | None = None) -> APIError
         return _from_validation(list(exc.errors()))
     if isinstance(exc, Unsupported):
         return invalid_request(exc.message, param=exc.param, code="unsupported_value")
+    if isinstance(exc, GrammarError):
+        return invalid_request(exc.message, param=exc.param)
     if isinstance(exc, ChatFormatError):
         return invalid_request(str(exc.message), param=exc.param)
     if isinstance(exc, AdmissionError):
@@ -190,5 +193,5 @@ async def handle_exception(request: Request, exc: Exception) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error FastAPI can see through `handle_exception`."""
     for exc_type in (APIError, RequestValidationError, StarletteHTTPException, Unsupported, ChatFormatError,
-                     AdmissionError, ClientDisconnected, Exception):
+                     GrammarError, AdmissionError, ClientDisconnected, Exception):
         app.add_exception_handler(exc_type, handle_exception)

@@ -25,12 +25,20 @@ import llguidance
 
 from engine.model.tokenizer import Tokenizer
 from server.dsml import DSML, TOOL_CALLS_END, TOOL_CALLS_START, THINK_END
-from server.errors import invalid_request
 
 logger = logging.getLogger("tessera.server")
 
 # Compact JSON: whitespace between tokens is not free text a random (or rambling) model can loop in.
 _JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+class GrammarError(ValueError):
+    """A grammar llguidance rejects (a bad schema); server/errors.py maps it to a 400 naming `param`."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -152,7 +160,7 @@ class GrammarCompiler:
         with self._lock:
             if self._ll_tokenizer is None:
                 if self._tokenizer.eos_token_id is None:
-                    raise invalid_request("structured outputs need a tokenizer with an end-of-sequence token")
+                    raise GrammarError("structured outputs need a tokenizer with an end-of-sequence token")
                 self._ll_tokenizer = llguidance.LLTokenizer(self._tokenizer.backend_json(),
                                                             eos_token=self._tokenizer.eos_token_id)
             return self._ll_tokenizer
@@ -166,11 +174,11 @@ class GrammarCompiler:
         grammar = llguidance.LLMatcher.grammar_from_lark(lark)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
         if is_error:
-            raise invalid_request(f"Invalid schema for structured output: {messages[0]}", param=param)
+            raise GrammarError(f"Invalid schema for structured output: {messages[0]}", param=param)
         return grammar
 
     def constraint(self, grammar: str) -> GrammarConstraint:
         matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise invalid_request(f"Invalid schema for structured output: {matcher.get_error()}")
+            raise GrammarError(f"Invalid schema for structured output: {matcher.get_error()}")
         return GrammarConstraint(matcher, self._tokenizer.eos_token_id, self._tokenizer.vocab_size)

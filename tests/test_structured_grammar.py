@@ -111,8 +111,9 @@ def test_auto_single_call_is_text_or_one_call(tokenizer):
 
 
 def test_a_schema_llguidance_rejects_is_a_400_naming_the_field(tokenizer):
-    from server.errors import APIError
+    from server.errors import to_api_error
     grammars = GrammarCompiler(tokenizer)
-    with pytest.raises(APIError) as info:
+    with pytest.raises(ValueError) as info:
         grammars.check(full_grammar(json_grammar({"type": "nonsense"}), False, None), "response_format.json_schema.schema")
-    assert info.value.status == 400 and info.value.param == "response_format.json_schema.schema"
+    error = to_api_error(info.value)
+    assert error.status == 400 and error.param == "response_format.json_schema.schema"
