@@ -68,6 +68,14 @@ def _register_check(subparsers) -> None:
     ker = sub.add_parser("kernels", help="device kernels vs their references (selections, scores, tile invariance)")
     ker.add_argument("--json", action="store_true")
     ker.set_defaults(func=_check_kernels)
+    gpu = sub.add_parser("gpu", help="on a CUDA machine: kernel checks + tiled-vs-untiled matrix over awkward shapes; "
+                                     "exits 1 on any difference")
+    gpu.add_argument("--model", type=Path, default=None, help="checkpoint (default: a flash-attn, 3-layer one in a temp dir)")
+    gpu.add_argument("--shape", action="append", default=None, metavar="CTX:CHUNK:TILE", help="replace the built-in matrix")
+    gpu.add_argument("--dtype", action="append", default=None, choices=list(DTYPES), help="default: bfloat16 and float32")
+    gpu.add_argument("--allow-cpu", action="store_true", help="run without CUDA (the reference path) instead of failing")
+    gpu.add_argument("--json", action="store_true")
+    gpu.set_defaults(func=_check_gpu)
 
 
 def _check_kernels(args) -> int:
@@ -76,6 +84,12 @@ def _check_kernels(args) -> int:
     report = check_indexer_kernel()
     _print_report(report, args.json)
     return 0
+
+
+def _check_gpu(args) -> int:
+    from engine.tools.gpu_check import check_gpu_command
+
+    return check_gpu_command(args.model, args.shape, args.dtype, args.allow_cpu, args.json)
 
 
 def _check_reference(args) -> int:
