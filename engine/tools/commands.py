@@ -73,6 +73,7 @@ def _register_check(subparsers) -> None:
     gpu.add_argument("--model", type=Path, default=None, help="checkpoint (default: a flash-attn, 3-layer one in a temp dir)")
     gpu.add_argument("--shape", action="append", default=None, metavar="CTX:CHUNK:TILE", help="replace the built-in matrix")
     gpu.add_argument("--dtype", action="append", default=None, choices=list(DTYPES), help="default: bfloat16 and float32")
+    gpu.add_argument("--rows", type=int, default=3001, help="query rows of the row-invariance checks")
     gpu.add_argument("--allow-cpu", action="store_true", help="run without CUDA (the reference path) instead of failing")
     gpu.add_argument("--json", action="store_true")
     gpu.set_defaults(func=_check_gpu)
@@ -89,7 +90,7 @@ def _check_kernels(args) -> int:
 def _check_gpu(args) -> int:
     from engine.tools.gpu_check import check_gpu_command
 
-    return check_gpu_command(args.model, args.shape, args.dtype, args.allow_cpu, args.json)
+    return check_gpu_command(args.model, args.shape, args.dtype, args.allow_cpu, args.json, args.rows)
 
 
 def _check_reference(args) -> int:

@@ -139,8 +139,14 @@ class GpuCheckReport:
         return out
 
 
+def invariance_tiles(rows: int) -> tuple[int, ...]:
+    """Tiles for the row-invariance checks: 701 (∤ 3001, last tile 197) and 1000 (last tile 1 row)
+    at the default 3001 rows; for fewer rows, the same kind of pair scaled down."""
+    return (701, 1000) if rows > 1000 else (max(1, rows // 4 - 4), max(1, rows // 3))
+
+
 def run_gpu_check(model_dir: Path, shapes: tuple[Shape, ...] = MATRIX, dtypes: tuple[str, ...] = DTYPES,
-                  log=print) -> GpuCheckReport:
+                  rows: int = 3001, log=print) -> GpuCheckReport:
     from kernels.cuda import on_cuda
     from kernels.device_checks import check_indexer_kernel
 
@@ -151,7 +157,7 @@ def run_gpu_check(model_dir: Path, shapes: tuple[Shape, ...] = MATRIX, dtypes: t
     cfg = load_config(Path(model_dir))  # the row-invariance checks run at the model's widths
     invariance = check_row_invariance(index_heads=cfg.index_n_heads, index_dim=cfg.index_head_dim, topk=cfg.index_topk,
                                       heads=cfg.num_attention_heads, head_dim=cfg.head_dim, window=cfg.sliding_window,
-                                      dtypes=dtypes)
+                                      t=rows, n=max(1, rows // 4), tiles=invariance_tiles(rows), dtypes=dtypes)
     violations += [f"row invariance: {name}" for name, ok in invariance["exact"].items() if not ok]
     matrix = consistency_matrix(model_dir, shapes, dtypes, log=log)
     violations += [f"matrix: {r.dtype} ctx {r.ctx} chunk {r.chunk} tile {r.tile}: |Δlogit| {r.max_abs_diff}, "
@@ -268,7 +274,7 @@ def parse_shape(spec: str) -> Shape:
 
 
 def check_gpu_command(model: Path | None, shape_specs: list[str] | None, dtypes: list[str] | None,
-                      allow_cpu: bool, as_json: bool) -> int:
+                      allow_cpu: bool, as_json: bool, rows: int = 3001) -> int:
     """`tessera check gpu`: 0 when every check holds; 1 on any violation; 2 on bad arguments or,
     without --allow-cpu, when no CUDA device runs the kernels (a pass there would prove nothing)."""
     import json
@@ -282,6 +288,9 @@ def check_gpu_command(model: Path | None, shape_specs: list[str] | None, dtypes:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if rows < 1:
+        print(f"error: --rows {rows}: need at least 1 query row", file=sys.stderr)
+        return 2
     if not on_cuda() and not allow_cpu:
         print(f"error: no CUDA device ({mx.default_device()}); `check gpu` checks the CUDA path "
               "(--allow-cpu runs the reference path instead)", file=sys.stderr)
@@ -289,6 +298,6 @@ def check_gpu_command(model: Path | None, shape_specs: list[str] | None, dtypes:
     log = (lambda *a: print(*a, file=sys.stderr)) if as_json else print  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = model if model is not None else make_check_model(Path(tmp) / "flash-attn-3")
-        report = run_gpu_check(model_dir, shapes, tuple(dtypes or DTYPES), log=log)
+        report = run_gpu_check(model_dir, shapes, tuple(dtypes or DTYPES), rows, log=log)
     print(json.dumps(report.as_dict()) if as_json else format_report(report))
     return 1 if report.violations else 0
