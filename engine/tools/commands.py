@@ -76,6 +76,7 @@ def _register_check(subparsers) -> None:
     gpu.add_argument("--rows", type=int, default=3001, help="query rows of the row-invariance checks")
     gpu.add_argument("--allow-cpu", action="store_true", help="run without CUDA (the reference path) instead of failing")
     gpu.add_argument("--json", action="store_true")
+    gpu.add_argument("--out", type=Path, default=None, help="also write the report as JSON to this file")
     gpu.set_defaults(func=_check_gpu)
 
 
@@ -90,7 +91,7 @@ def _check_kernels(args) -> int:
 def _check_gpu(args) -> int:
     from engine.tools.gpu_check import check_gpu_command
 
-    return check_gpu_command(args.model, args.shape, args.dtype, args.allow_cpu, args.json, args.rows)
+    return check_gpu_command(args.model, args.shape, args.dtype, args.allow_cpu, args.json, args.rows, args.out)
 
 
 def _check_reference(args) -> int:

@@ -274,9 +274,10 @@ def parse_shape(spec: str) -> Shape:
 
 
 def check_gpu_command(model: Path | None, shape_specs: list[str] | None, dtypes: list[str] | None,
-                      allow_cpu: bool, as_json: bool, rows: int = 3001) -> int:
+                      allow_cpu: bool, as_json: bool, rows: int = 3001, out: Path | None = None) -> int:
     """`tessera check gpu`: 0 when every check holds; 1 on any violation; 2 on bad arguments or,
-    without --allow-cpu, when no CUDA device runs the kernels (a pass there would prove nothing)."""
+    without --allow-cpu, when no CUDA device runs the kernels (a pass there would prove nothing).
+    `out`: also write the report as JSON there."""
     import json
     import sys
     import tempfile
@@ -300,4 +301,6 @@ def check_gpu_command(model: Path | None, shape_specs: list[str] | None, dtypes:
         model_dir = model if model is not None else make_check_model(Path(tmp) / "flash-attn-3")
         report = run_gpu_check(model_dir, shapes, tuple(dtypes or DTYPES), rows, log=log)
     print(json.dumps(report.as_dict()) if as_json else format_report(report))
+    if out is not None:
+        Path(out).write_text(json.dumps(report.as_dict(), indent=1) + "\n")
     return 1 if report.violations else 0
