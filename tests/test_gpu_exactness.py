@@ -25,6 +25,7 @@ from engine.tools.replay import random_tokens, run_sequence
 from kernels import indexer_cuda, topk_cuda
 from kernels.indexer import mask_invisible, select_topk_reference
 from kernels.sparse_attention import mixed_attention_reference
+from tests.equivalence.row_invariant_blas import row_invariant_blas
 
 OVERRIDES = dict(layer_types=[WINDOW, CSA, HCA, CSA], num_hidden_layers=4, compress_rates={CSA: 4, HCA: 32})
 CTX, CHUNK = 403, PROJECTION_ROWS + 64  # 320 = 2.5 attention blocks; ctx ends inside a compression block
@@ -228,6 +229,7 @@ def _check_gpu(model_dir, *extra) -> int:
     return commands.main(args)
 
 
+@row_invariant_blas  # its row-invariance checks run the CPU references, whose gemms OpenBLAS makes row-variant
 def test_check_gpu_passes_on_exact_code_and_fails_on_an_injected_fault(model_dir, monkeypatch, capsys):
     monkeypatch.setattr(attention, "mixed_attention", _shape_sensitive_attention)
     assert _check_gpu(model_dir, "--allow-cpu") == 0
