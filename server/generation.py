@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Sequence
+from typing import AsyncIterator, Sequence
 
 from engine.serving.protocol import (
     AdmissionError,
     Done,
+    EngineClient,
     Error,
     Event,
     Progress,
@@ -92,7 +93,7 @@ class ChoiceRun:
 
     def __init__(
         self,
-        engine: Any,
+        engine: EngineClient,
         tokenizer: Tokenizer,
         request_id: str,
         prompt_ids: Sequence[int],
