@@ -53,7 +53,9 @@ def reference_logits(model_dir: Path, tokens: list[int]) -> np.ndarray:
             "the reference needs torch and transformers==5.23.0: pip install 'tessera[test]' "
             f"(import failed: {exc})"
         ) from exc
-    model = DeepseekV4ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    # An FP8/FP4 checkpoint loads dequantized on the CPU but keeps its BF16 tensors BF16; the cast
+    # is exact and makes the whole forward float32.
+    model = DeepseekV4ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).float().eval()
     with torch.no_grad():
         return model(torch.tensor([tokens]), use_cache=False).logits[0].float().numpy()
 
