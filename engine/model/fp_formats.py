@@ -37,9 +37,11 @@ def decode_e4m3(codes: np.ndarray) -> np.ndarray:
 
 
 def decode_e8m0(codes: np.ndarray) -> np.ndarray:
-    """E8M0 byte b -> 2^(b - 127) (b = 255 is NaN)."""
-    out = np.exp2(codes.astype(np.float32) - 127.0)
-    return np.where(codes == 255, np.float32(np.nan), out).astype(np.float32)
+    """E8M0 byte b -> 2^(b - 127) (b = 255 is NaN), built from float32 bits so it is exact."""
+    b = codes.astype(np.uint32)
+    bits = np.where(b == 0, np.uint32(0x00400000), b << np.uint32(23))  # 2^-127 is subnormal
+    bits = np.where(b == 255, np.uint32(0x7FC00000), bits)
+    return bits.astype(np.uint32).view(np.float32)
 
 
 def unpack_e2m1(packed: np.ndarray) -> np.ndarray:

@@ -68,7 +68,8 @@ def open_tensors(path: Path) -> dict[str, RawTensor]:
     data_size = path.stat().st_size - start
     mapped = np.memmap(path, dtype=np.uint8, mode="r", offset=start, shape=(data_size,)) if data_size else np.zeros(0, np.uint8)
     out: dict[str, RawTensor] = {}
-    for name, info in header.items():
+    by_offset = sorted(header.items(), key=lambda kv: kv[1].get("data_offsets", (0, 0))[0])
+    for name, info in by_offset:  # a truncated file names the first tensor it cuts
         out[name] = _view(path, name, info, mapped, data_size)
     return out
 

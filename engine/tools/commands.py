@@ -31,15 +31,34 @@ def _register_make_model(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--no-tokenizer", action="store_true", help="skip training the byte-level BPE tokenizer")
+    _add_checkpoint_format_args(p)
     p.set_defaults(func=_make_model)
 
 
+def _add_checkpoint_format_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", default="plain", choices=["plain", "official"],
+                   help="plain: every tensor in --dtype; official: DeepSeek's FP8 dense + FP4 experts with E8M0 scales")
+    p.add_argument("--config", type=Path, default=None, metavar="FILE.json",
+                   help="a DeepSeek V4 config.json (transformers' field names) instead of --preset")
+
+
 def _make_model(args) -> int:
+    from engine.model.config import ConfigError
+    from engine.model.official_format import FormatError
     from engine.tools.make_model import make_model
 
     overrides = {} if args.layers is None else {"layers": args.layers}
-    out = make_model(args.dir, args.preset, seed=args.seed, with_tokenizer=not args.no_tokenizer, dtype=args.dtype, **overrides)
-    print(f"wrote {args.preset} checkpoint to {out}")
+    if args.config is not None and not args.config.is_file():
+        print(f"error: --config: no such file {args.config}", file=sys.stderr)
+        return 2
+    try:
+        out = make_model(args.dir, args.preset, seed=args.seed, with_tokenizer=not args.no_tokenizer, dtype=args.dtype,
+                         fmt=args.format, config_file=args.config, **overrides)
+    except (ConfigError, FormatError) as exc:  # a config or shape the chosen format cannot hold
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    source = args.config or f"{args.preset} preset"
+    print(f"wrote {args.format} checkpoint ({source}) to {out}")
     return 0
 
 
