@@ -142,16 +142,27 @@ def _convert_all(raw: dict[str, RawTensor], cfg: ModelConfig, opts: LoadOptions)
     total = sum(raw[n].data.nbytes for n in expected)
     show = opts.progress and total > 256 * 2**20  # a bar only where loading takes noticeable time
     weights: dict[str, Weight] = {}
+    experts: dict[str, dict[int, Weight]] = {}
     done = 0
     for i, (name, shape) in enumerate(expected.items()):
-        weights[name] = _finish(_tensor(raw, name, shape, opts.weights_dtype), opts)
+        w = _finish(_tensor(raw, name, shape, opts.weights_dtype), opts)
+        key = expert_key(name)
+        if key is None:
+            weights[name] = w
+        else:  # stack a layer's experts as soon as all are read: peak memory stays ~ one layer over
+            group = experts.setdefault(key[0], {})
+            group[key[1]] = w
+            if len(group) == cfg.n_routed_experts:
+                weights[key[0]] = _stack([group[e] for e in sorted(group)])
+                mx.eval(_arrays(weights[key[0]]))
+                del experts[key[0]]
         done += raw[name].data.nbytes
         if show and (i % 64 == 0 or done == total):
-            mx.eval(_arrays(weights[name]))  # bounds the host copies in flight
+            mx.eval(_arrays(w))  # bounds the host copies in flight
             _progress_bar(done, total)
     if show:
         print(file=sys.stderr)
-    return _stack_experts(weights)
+    return weights
 
 
 def _arrays(w: Weight) -> list[mx.array]:
@@ -254,21 +265,6 @@ def _progress_bar(done: int, total: int) -> None:
     filled = int(width * done / total)
     sys.stderr.write(f"\rloading weights [{'#' * filled}{'.' * (width - filled)}] {done / 2**30:.1f}/{total / 2**30:.1f} GiB")
     sys.stderr.flush()
-
-
-def _stack_experts(weights: dict[str, Weight]) -> dict[str, Weight]:
-    """`experts.E.w1.weight` × E -> `experts.w1` [E, ...], so a layer's experts are one array each."""
-    groups: dict[str, dict[int, Weight]] = {}
-    out: dict[str, Weight] = {}
-    for name, tensor in weights.items():
-        key = expert_key(name)
-        if key is None:
-            out[name] = tensor
-        else:
-            groups.setdefault(key[0], {})[key[1]] = tensor
-    for stacked, by_index in groups.items():
-        out[stacked] = _stack([by_index[e] for e in sorted(by_index)])
-    return out
 
 
 def _stack(parts: list[Weight]) -> Weight:

@@ -109,3 +109,42 @@ def write_file(path: Path, tensors: dict[str, tuple[str, np.ndarray]], metadata:
         for _, array in tensors.values():
             f.write(np.ascontiguousarray(array).tobytes())
     return 8 + len(encoded) + offset
+
+
+class ShardedWriter:
+    """Writes tensors into `model-0000i-of-0000n.safetensors` shards of at most `shard_bytes` (one
+    tensor may exceed it alone) plus `model.safetensors.index.json`; a full shard is written and
+    freed as soon as the next tensor does not fit."""
+
+    def __init__(self, out_dir: Path, shard_bytes: int) -> None:
+        self.out_dir, self.shard_bytes = Path(out_dir), shard_bytes
+        self._pending: dict[str, tuple[str, np.ndarray]] = {}
+        self._size = 0
+        self._shards: list[list[str]] = []  # names per written shard
+
+    def add(self, name: str, tag: str, array: np.ndarray) -> None:
+        if self._pending and self._size + array.nbytes > self.shard_bytes:
+            self._write_pending()
+        self._pending[name] = (tag, array)
+        self._size += array.nbytes
+
+    def close(self) -> int:
+        """Names the shards, writes the index; returns the bytes written."""
+        if self._pending or not self._shards:
+            self._write_pending()
+        n, weight_map, total = len(self._shards), {}, 0
+        for i, names in enumerate(self._shards):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            tmp = self.out_dir / f".shard-{i}.safetensors"
+            total += tmp.stat().st_size
+            tmp.rename(self.out_dir / final)
+            weight_map.update({k: final for k in names})
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        return total
+
+    def _write_pending(self) -> None:
+        # the shard count is known only at the end: a temporary name now, renamed in close()
+        write_file(self.out_dir / f".shard-{len(self._shards)}.safetensors", self._pending)
+        self._shards.append(list(self._pending))
+        self._pending, self._size = {}, 0

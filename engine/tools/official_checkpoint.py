@@ -16,7 +16,7 @@ import numpy as np
 
 from engine.model.config import ModelConfig
 from engine.model.official_format import QUANTIZATION_CONFIG, quantize_fp8, random_fp4, storage
-from engine.model.safetensors_file import write_file
+from engine.model.safetensors_file import ShardedWriter
 from engine.model.weights import expected_shapes
 
 SHARD_BYTES = 4 * 2**30
@@ -52,39 +52,13 @@ def write_official_checkpoint(out_dir: Path, cfg: ModelConfig, seed: int = 0, sh
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    shards: list[dict[str, tuple[str, np.ndarray]]] = [{}]
-    size = 0
+    writer = ShardedWriter(out_dir, shard_bytes)
     for name, shape in expected_shapes(cfg).items():
-        for key, stored in official_tensors(name, shape, cfg, rng).items():
-            if size and size + stored[1].nbytes > shard_bytes:
-                _flush(out_dir, shards)
-                shards.append({})
-                size = 0
-            shards[-1][key] = stored
-            size += stored[1].nbytes
-    _flush(out_dir, shards, last=True)
+        for key, (tag, array) in official_tensors(name, shape, cfg, rng).items():
+            writer.add(key, tag, array)
+    writer.close()
     _write_config(out_dir, cfg)
     return out_dir
-
-
-def _flush(out_dir: Path, shards: list[dict], last: bool = False) -> None:
-    """Writes the newest shard under a temporary name (the total is known only at the end), frees its
-    arrays; at the end renames every shard to `model-0000i-of-0000n` and writes the index."""
-    index = len(shards) - 1
-    write_file(out_dir / f".shard-{index}.safetensors", shards[-1])
-    shards[-1] = {k: v[0] for k, v in shards[-1].items()}  # keep names only
-    if not last:
-        return
-    n = len(shards)
-    weight_map, total = {}, 0
-    for i, names in enumerate(shards):
-        final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        tmp = out_dir / f".shard-{i}.safetensors"
-        total += tmp.stat().st_size
-        tmp.rename(out_dir / final)
-        weight_map.update({k: final for k in names})
-    index_doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index_doc, indent=2, sort_keys=True) + "\n")
 
 
 def _write_config(out_dir: Path, cfg: ModelConfig) -> None:
