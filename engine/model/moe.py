@@ -35,6 +35,10 @@ def _gather_linear(x: mx.array, w: Weight, experts: mx.array) -> mx.array:
     if isinstance(w, QuantizedWeight):
         return mx.gather_qmm(x, w.values, w.scales, w.biases, rhs_indices=experts, transpose=True,
                              group_size=w.group_size, bits=w.bits, mode=w.mode, sorted_indices=True)
+    if x.dtype != mx.float32 and mx.default_device() == mx.cpu:
+        # MLX's CPU GatherMM runs float32 only; bf16/fp16 weights are upcast per call (exact)
+        out = mx.gather_mm(x.astype(mx.float32), w.swapaxes(-1, -2).astype(mx.float32), rhs_indices=experts, sorted_indices=True)
+        return out.astype(x.dtype)
     return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=experts, sorted_indices=True)
 
 
