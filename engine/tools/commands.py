@@ -177,15 +177,42 @@ def _register_plan(subparsers) -> None:
     p.add_argument("--tile", type=int, default=None, help="indexer tile (default: = chunk, the untiled path)")
     p.add_argument("--dtype", default=None, choices=list(DTYPES))
     p.add_argument("--json", action="store_true")
+    _add_plan_weight_args(p)
     p.set_defaults(func=_plan)
+
+
+def _add_plan_weight_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", default=None, metavar="FORMAT",
+                   choices=["official", "affine4", "affine8", "mxfp4", "bfloat16", "float32", "float16"],
+                   help="count the weights in this format (official FP8/FP4, a `tessera convert` format, or plain); "
+                        "default: every tensor in --dtype")
+    p.add_argument("--memory-budget", type=_bytes_arg, default=None, metavar="SIZE",
+                   help="memory for this process, e.g. 141GiB, 192GB: says whether weights + cache + workspace fit "
+                        "(exit status 1 when they do not)")
+
+
+def _bytes_arg(text: str) -> int:
+    """'141GiB' / '192GB' / '80G' / '1.5TiB' / '1000000' -> bytes (argparse turns errors into usage)."""
+    units = {"": 1, "B": 1, "K": 2**10, "KIB": 2**10, "KB": 10**3, "M": 2**20, "MIB": 2**20, "MB": 10**6,
+             "G": 2**30, "GIB": 2**30, "GB": 10**9, "T": 2**40, "TIB": 2**40, "TB": 10**12}
+    number = text.strip().rstrip("bBiIkKmMgGtT")
+    unit = text.strip()[len(number):].upper()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value <= 0:
+        raise argparse.ArgumentTypeError(f"--memory-budget {text!r}: expected a size like 141GiB, 192GB or 80G")
+    return int(value * units[unit])
 
 
 def _plan(args) -> int:
     from engine.model.memory_plan import format_plan, plan_for
 
-    plan = plan_for(args.model, args.preset, args.ctx, args.chunk, args.tile or args.chunk, args.dtype)
+    plan = plan_for(args.model, args.preset, args.ctx, args.chunk, args.tile or args.chunk, args.dtype,
+                    args.weights, args.memory_budget)
     print(json.dumps(plan.as_dict(), indent=2) if args.json else format_plan(plan))
-    return 0
+    return 1 if plan.fits is False else 0
 
 
 def _register_bench(subparsers) -> None:
