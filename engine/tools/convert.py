@@ -79,7 +79,9 @@ def _requantize(name: str, w: Weight, quant: str, group: int) -> QuantizedWeight
         return w  # official FP4 experts are already mxfp4 in groups of 32: the bytes stay
     if w.shape[-1] % group:
         raise ConvertError(f"tensor {name!r} {w.shape}: input dimension is not a multiple of --group-size {group}")
-    full = w.dequantize(mx.float32) if isinstance(w, QuantizedWeight) else w.astype(mx.float32)
+    # FP8/FP4 values are exact in bf16, and bf16 affine scales/biases are what the plan counts;
+    # a plain source keeps its own dtype (fp32 weights get fp32 scales)
+    full = w.dequantize(mx.bfloat16) if isinstance(w, QuantizedWeight) else w
     q = quantize(full, quant, group)
     mx.eval(q.arrays())
     return q
