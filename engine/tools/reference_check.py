@@ -55,7 +55,10 @@ def reference_logits(model_dir: Path, tokens: list[int]) -> np.ndarray:
         ) from exc
     # An FP8/FP4 checkpoint loads dequantized on the CPU but keeps its BF16 tensors BF16; the cast
     # is exact and makes the whole forward float32.
-    model = DeepseekV4ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).float().eval()
+    try:
+        model = DeepseekV4ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).float().eval()
+    except ImportError as exc:  # FP8 checkpoints need accelerate in transformers' loader
+        raise ReferenceUnavailable(f"transformers cannot load {model_dir}: {exc} (pip install 'tessera[test]')") from exc
     with torch.no_grad():
         return model(torch.tensor([tokens]), use_cache=False).logits[0].float().numpy()
 
