@@ -197,6 +197,13 @@ def test_missing_scale_is_named(official_dir, tmp_path):
         load_model(d)
 
 
+def test_missing_quantized_weight_is_named_with_its_shape(official_dir, tmp_path):
+    d = _copy(official_dir, tmp_path / "m")
+    _rewrite_shard(d, "layers.1.attn.wq_a.weight", lambda t: t.pop("layers.1.attn.wq_a.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'layers.1.attn.wq_a.weight' \(config expects \(32, 64\)\)"):
+        load_model(d)
+
+
 def test_wrong_scale_dtype_is_named(official_dir, tmp_path):
     d = _copy(official_dir, tmp_path / "m")
     name = "layers.0.attn.wo_b.scale"

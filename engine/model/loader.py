@@ -117,12 +117,12 @@ def _check_names(raw: dict[str, RawTensor], cfg: ModelConfig) -> dict[str, tuple
                 del expected[m]
             expected[stacked] = (len(members), *first)
     ignored = {k for k in raw if k.startswith("mtp.")} | _companions(raw)
+    missing = sorted(set(expected) - set(raw))  # first: a missing weight leaves its scale looking unexpected
+    if missing:
+        raise CheckpointError(_first(f"missing tensor {missing[0]!r} (config expects {expected[missing[0]]})", missing))
     unexpected = sorted(set(raw) - set(expected) - ignored)
     if unexpected:
         raise CheckpointError(_first(f"unexpected tensor {unexpected[0]!r} {raw[unexpected[0]].shape}", unexpected))
-    missing = sorted(set(expected) - set(raw))
-    if missing:
-        raise CheckpointError(_first(f"missing tensor {missing[0]!r}", missing))
     return expected
 
 
