@@ -18,6 +18,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -137,32 +138,46 @@ def _mismatch(name: str, got: tuple[int, ...], want: tuple[int, ...], what: str 
 # ---- one tensor -------------------------------------------------------------------------------
 
 
+def iter_weights(model_dir: Path, dtype: str | None = None, progress: bool = True,
+                 weights_dtype: str | None = None) -> Iterator[tuple[str, Weight]]:
+    """The checkpoint's weights one at a time, as load_model holds them (a layer's experts stacked into
+    one `layers.N.ffn.experts.wK`), after every name and shape was checked — so a tool such as
+    `tessera convert` can stream a model larger than memory."""
+    cfg = load_config(model_dir)
+    raw = _open_all(_weight_files(Path(model_dir)))
+    yield from _converted(raw, cfg, LoadOptions(dtype, weights_dtype, progress))
+
+
 def _convert_all(raw: dict[str, RawTensor], cfg: ModelConfig, opts: LoadOptions) -> dict[str, Weight]:
+    return dict(_converted(raw, cfg, opts))
+
+
+def _converted(raw: dict[str, RawTensor], cfg: ModelConfig, opts: LoadOptions) -> Iterator[tuple[str, Weight]]:
     expected = _check_names(raw, cfg)
     total = sum(raw[n].data.nbytes for n in expected)
     show = opts.progress and total > 256 * 2**20  # a bar only where loading takes noticeable time
-    weights: dict[str, Weight] = {}
     experts: dict[str, dict[int, Weight]] = {}
     done = 0
     for i, (name, shape) in enumerate(expected.items()):
         w = _finish(_tensor(raw, name, shape, opts.weights_dtype), opts)
-        key = expert_key(name)
-        if key is None:
-            weights[name] = w
-        else:  # stack a layer's experts as soon as all are read: peak memory stays ~ one layer over
-            group = experts.setdefault(key[0], {})
-            group[key[1]] = w
-            if len(group) == cfg.n_routed_experts:
-                weights[key[0]] = _stack([group[e] for e in sorted(group)])
-                mx.eval(_arrays(weights[key[0]]))
-                del experts[key[0]]
         done += raw[name].data.nbytes
         if show and (i % 64 == 0 or done == total):
             mx.eval(_arrays(w))  # bounds the host copies in flight
             _progress_bar(done, total)
+        key = expert_key(name)
+        if key is None:
+            yield name, w
+            continue
+        # stack a layer's experts as soon as all are read: peak memory stays ~ one layer over
+        group = experts.setdefault(key[0], {})
+        group[key[1]] = w
+        if len(group) == cfg.n_routed_experts:
+            stacked = _stack([group[e] for e in sorted(group)])
+            mx.eval(_arrays(stacked))
+            del experts[key[0]]
+            yield key[0], stacked
     if show:
         print(file=sys.stderr)
-    return weights
 
 
 def _arrays(w: Weight) -> list[mx.array]:
