@@ -253,3 +253,14 @@ def test_make_model_official_from_reviewer_config(tmp_path):
     model = load_model(d, dtype="float32")
     assert model.cfg.moe_intermediate_size == 96 and model.weights["layers.0.ffn.experts.w2"].shape == (3, 256, 96)
     assert np.isfinite(tessera_logits(model, random_tokens(300, 12, 0), 12, 12, None)).all()
+
+
+def test_progress_bar_counts_up_to_the_checkpoint_size(official_dir, monkeypatch, capsys):
+    import engine.model.loader as loader
+
+    monkeypatch.setattr(loader, "PROGRESS_MIN_BYTES", 0)
+    load_model(official_dir)
+    err = capsys.readouterr().err
+    assert "loading weights [" in err
+    final = err.strip().split("\r")[-1]
+    assert "[" + "#" * 40 + "]" in final

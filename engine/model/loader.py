@@ -33,6 +33,7 @@ from engine.model.quantized import QuantizedWeight, Weight
 from engine.model.safetensors_file import RawTensor, SafetensorsError, open_tensors
 from engine.model.weights import canonical_name, expected_shapes, expert_key, stacked_expert_names
 
+PROGRESS_MIN_BYTES = 256 * 2**20  # a progress bar only where loading takes noticeable time
 _FLOAT_TAGS = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
 _INT_TAGS = ("I64", "I32")
 
@@ -155,7 +156,7 @@ def _convert_all(raw: dict[str, RawTensor], cfg: ModelConfig, opts: LoadOptions)
 def _converted(raw: dict[str, RawTensor], cfg: ModelConfig, opts: LoadOptions) -> Iterator[tuple[str, Weight]]:
     expected = _check_names(raw, cfg)
     total = sum(raw[n].data.nbytes for n in expected)
-    show = opts.progress and total > 256 * 2**20  # a bar only where loading takes noticeable time
+    show = opts.progress and total > PROGRESS_MIN_BYTES
     experts: dict[str, dict[int, Weight]] = {}
     done = 0
     for i, (name, shape) in enumerate(expected.items()):
