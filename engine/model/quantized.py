@@ -42,11 +42,6 @@ class QuantizedWeight:
         out = mx.dequantize(self.values, self.scales, self.biases, group_size=self.group_size, bits=self.bits, mode=self.mode)
         return out.astype(dtype)
 
-    def __getitem__(self, index) -> "QuantizedWeight":
-        """Rows of the leading (expert) axis."""
-        b = None if self.biases is None else self.biases[index]
-        return QuantizedWeight(self.values[index], self.scales[index], b, self.mode, self.bits, self.group_size)
-
     def with_float_dtype(self, dtype: mx.Dtype) -> "QuantizedWeight":
         """Affine scales/biases follow the compute dtype (E8M0 scales are bytes and stay)."""
         if self.mode != "affine":
