@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 
 from engine.model.config import ModelConfig, config_from_dict
 from engine.model.dtypes import DTYPES
 from engine.model.deepseek_v4 import DeepseekV4
-from engine.model.weights import canonical_name, expected_shapes, expert_key
+from engine.model.weights import canonical_name, expected_shapes, expert_key, layer_of
 
 
 
@@ -34,17 +35,31 @@ def load_config(model_dir: Path) -> ModelConfig:
     return config_from_dict(json.loads(config_path.read_text()))
 
 
-def load_model(model_dir: Path, dtype: str | None = None, progress: bool = True) -> DeepseekV4:
-    """dtype: compute dtype ("float32" on CPU); None keeps the checkpoint's."""
+def load_model(model_dir: Path, dtype: str | None = None, progress: bool = True,
+               layers: range | None = None, vocab: bool = True) -> DeepseekV4:
+    """dtype: compute dtype ("float32" on CPU); None keeps the checkpoint's.
+
+    A pipeline stage (engine/parallel/) loads only `layers` (None: all) and, with `vocab`, the model-wide
+    tensors (embedding, head, final norms). The whole checkpoint is still checked for names; shapes
+    only where loaded. `mx.load` maps tensors lazily, so what is left out is never read into memory."""
     cfg = load_config(model_dir)
+    layers = range(cfg.num_hidden_layers) if layers is None else layers
+    if not (0 <= layers.start < layers.stop <= cfg.num_hidden_layers and layers.step == 1):
+        raise ValueError(f"layer range {layers.start}..{layers.stop} is not a non-empty part of the model's "
+                         f"{cfg.num_hidden_layers} layers")
     files = _weight_files(Path(model_dir))
     raw = _read_tensors(files, progress)
-    weights = _check_and_stack(raw, cfg)
+    weights = _check_and_stack(raw, cfg, lambda name: _wanted(name, layers, vocab))
     if dtype is not None:
         target = DTYPES[dtype]
         weights = {k: v if not mx.issubdtype(v.dtype, mx.floating) else v.astype(target) for k, v in weights.items()}
     mx.eval(list(weights.values()))
-    return DeepseekV4(cfg, weights)
+    return DeepseekV4(cfg, weights, layers)
+
+
+def _wanted(name: str, layers: range, vocab: bool) -> bool:
+    layer = layer_of(name)
+    return vocab if layer is None else layer in layers
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -85,7 +100,8 @@ def _progress_bar(done: int, total: int) -> None:
     sys.stderr.flush()
 
 
-def _check_and_stack(raw: dict[str, mx.array], cfg: ModelConfig) -> dict[str, mx.array]:
+def _check_and_stack(raw: dict[str, mx.array], cfg: ModelConfig, wanted: Callable[[str], bool]) -> dict[str, mx.array]:
+    """Check names (all of them) and shapes, then keep the `wanted` tensors with experts stacked."""
     expected = expected_shapes(cfg)
     unexpected = sorted(set(raw) - set(expected) - _IGNORED(raw))
     if unexpected:
@@ -93,6 +109,7 @@ def _check_and_stack(raw: dict[str, mx.array], cfg: ModelConfig) -> dict[str, mx
     missing = sorted(set(expected) - set(raw))
     if missing:
         raise CheckpointError(f"missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    expected = {name: shape for name, shape in expected.items() if wanted(name)}
     for name, shape in expected.items():
         if tuple(raw[name].shape) != shape:
             raise CheckpointError(f"shape mismatch for tensor {name!r}: checkpoint has {tuple(raw[name].shape)}, config expects {shape}")

@@ -112,3 +112,12 @@ def expert_key(name: str) -> tuple[str, int] | None:
     """`layers.3.ffn.experts.7.w1.weight` -> ("layers.3.ffn.experts.w1", 7); None for other names."""
     m = _EXPERT.match(name)
     return (f"{m.group(1)}.{m.group(3)}", int(m.group(2))) if m else None
+
+
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+def layer_of(name: str) -> int | None:
+    """`layers.3.attn.wkv.weight` -> 3; None for the model-wide tensors (embedding, head, final norms)."""
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None

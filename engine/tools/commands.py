@@ -65,6 +65,18 @@ def _register_check(subparsers) -> None:
     con.add_argument("--dtype", default="float32", choices=list(DTYPES))
     con.add_argument("--json", action="store_true")
     con.set_defaults(func=_check_consistency)
+    par = sub.add_parser("parallel", help="the replay on a local world of pipeline ranks vs one process (logits, selections)")
+    par.add_argument("--model", type=Path, required=True)
+    par.add_argument("--world", type=int, default=2, help="number of ranks (each a local process)")
+    par.add_argument("--tokens", type=int, required=True, help="prompt tokens N, prefilled in chunks")
+    par.add_argument("--chunk", type=int, required=True)
+    par.add_argument("--tile", type=int, required=True)
+    par.add_argument("--decode", type=int, default=4, help="decode steps M after the prompt")
+    par.add_argument("--seed", type=int, default=0)
+    par.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    par.add_argument("--backend", default=None, choices=["ring", "nccl"], help="default: nccl on CUDA, else ring")
+    par.add_argument("--json", action="store_true")
+    par.set_defaults(func=_check_parallel)
     ker = sub.add_parser("kernels", help="device kernels vs their references (selections, scores, tile invariance)")
     ker.add_argument("--json", action="store_true")
     ker.set_defaults(func=_check_kernels)
@@ -96,6 +108,19 @@ def _check_consistency(args) -> int:
     report = check_consistency(args.model, args.ctx, args.decode, args.chunk, args.tile, args.seed, args.dtype)
     _print_report(report.as_dict(), args.json)
     return 0 if report.differing_selections == 0 else 1
+
+
+def _check_parallel(args) -> int:
+    from engine.parallel.check import check_parallel
+
+    try:
+        report = check_parallel(args.model, args.world, args.tokens, args.chunk, args.tile, args.decode, args.seed,
+                                args.dtype, args.backend)
+    except (ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    _print_report(report.as_dict(), args.json)
+    return 0 if report.passed else 1
 
 
 def _register_plan(subparsers) -> None:

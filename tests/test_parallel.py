@@ -1,0 +1,77 @@
+"""Pipeline parallel on mx.distributed (ring backend, 127.0.0.1): the layer split, the per-rank loading,
+and `tessera check parallel` — a 2-rank replay equals one process in logits and indexer selections."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.model.loader import load_model
+from engine.parallel.layout import split_layers
+from engine.tools.make_model import make_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("tiny"), "tiny", seed=3, with_tokenizer=False)
+
+
+def test_split_covers_every_layer_once_in_order():
+    assert split_layers(43, 2).ranges == (range(0, 21), range(21, 43))
+    assert split_layers(4, 3).ranges == (range(0, 1), range(1, 2), range(2, 4))
+    for world in (1, 2, 3, 5):
+        layers = [i for r in split_layers(10, world).ranges for i in r]
+        assert layers == list(range(10))
+    with pytest.raises(ValueError, match="world"):
+        split_layers(4, 5)
+
+
+def test_a_stage_loads_only_its_layers(tiny_dir):
+    stage = load_model(tiny_dir, layers=range(2, 4), vocab=False)
+    assert {name.split(".")[1] for name in stage.weights} == {"2", "3"}
+    assert sorted(stage.layers) == [2, 3]
+    whole = load_model(tiny_dir)
+    first = load_model(tiny_dir, layers=range(0, 2), vocab=True)
+    assert sum(w.nbytes for w in first.weights.values()) + sum(w.nbytes for w in stage.weights.values()) == \
+        sum(w.nbytes for w in whole.weights.values())
+    with pytest.raises(ValueError, match="layer range"):
+        load_model(tiny_dir, layers=range(3, 5))
+
+
+def _check_parallel(model_dir: Path, *args: str) -> tuple[int, dict]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("LD_PRELOAD", None)  # exactness: the same (reference) BLAS in every process
+    proc = subprocess.run([sys.executable, "-m", "engine.tools.commands", "check", "parallel", "--model", str(model_dir),
+                           *args, "--json"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.stdout, proc.stderr
+    return proc.returncode, json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_check_parallel_equals_one_process(tiny_dir, world):
+    # 100 tokens > ratio 4 × top-k 16: the indexer really chooses; chunk 32 / tile 8: chunked and tiled.
+    code, report = _check_parallel(tiny_dir, "--world", str(world), "--tokens", "100", "--chunk", "32",
+                                   "--tile", "8", "--decode", "3")
+    assert code == 0 and report["passed"], report
+    assert report["max_abs_diff"] <= 1e-5
+    assert report["differing_selections"] == 0
+    assert report["compared_selections"] == 2 * 103  # 2 CSA layers × (100 prompt + 3 decode) positions
+    assert report["layers_per_rank"] == [[r.start, r.stop] for r in split_layers(4, world).ranges]
+    # every rank holds only its part of the weights
+    assert sum(report["weights_bytes_per_rank"]) == report["single_process_weights_bytes"]
+    assert max(report["weights_bytes_per_rank"]) < report["single_process_weights_bytes"]
+
+
+def test_check_parallel_rejects_bad_shapes(tiny_dir):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "engine.tools.commands", "check", "parallel", "--model", str(tiny_dir),
+                           "--tokens", "10", "--chunk", "4", "--tile", "8"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "--tile (8)" in proc.stderr
