@@ -49,13 +49,14 @@ def build_engine(settings: Settings, metrics: Metrics | None = None) -> ServedMo
         metrics = Metrics.from_settings(settings, name, max_model_len)
     elif metrics.model_name != name:
         raise ValueError(f"metrics are labelled {metrics.model_name!r}, the model is served as {name!r}")
-    runner = build_runner(
-        model_dir,
-        settings.prefill_chunk,
-        settings.indexer_tile,
-        max_context=max_model_len,
-        stage_timing_interval=settings.stage_timing_interval,
-    )
+    shape = dict(prefill_chunk=settings.prefill_chunk, indexer_tile=settings.indexer_tile, max_context=max_model_len,
+                 stage_timing_interval=settings.stage_timing_interval)
+    if settings.world > 1:  # pipeline parallel: this process is rank 0 and starts the others
+        from engine.parallel.serving import build_pipeline_runner
+
+        runner = build_pipeline_runner(model_dir, settings.world, **shape)
+    else:
+        runner = build_runner(model_dir, **shape)
     config = SchedulerConfig(
         prefill_chunk=settings.prefill_chunk,
         max_num_seqs=settings.max_num_seqs,

@@ -1,0 +1,52 @@
+"""A follower rank of `tessera serve --world N` (started by rank 0, engine/parallel/serving.py): join the
+world, load this rank's layers, follow rank 0's steps until it says stop. Imports only MLX, numpy and the
+engine, so it runs where the web server's packages are not installed."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+from engine.parallel.launch import init_group
+from engine.parallel.serving import load_stage, run_follower
+
+logger = logging.getLogger("tessera.parallel")
+
+
+def _exit_when_orphaned(poll_s: float = 0.5) -> None:
+    """Rank 0 started us: if it is gone (even before the world formed), so are we."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        logger.critical("rank 0 (pid %d) is gone; exiting", parent)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tessera-parent-watch", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m engine.parallel.follower")
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--tile", type=int, required=True, help="indexer tile, as rank 0's")
+    p.add_argument("--backend", required=True)
+    args = p.parse_args(argv)
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s[rank " + os.environ.get("MLX_RANK", "?") + "]: %(message)s")
+    _exit_when_orphaned()
+    group = init_group(args.backend)
+    stage = load_stage(args.model, group)
+    try:
+        return run_follower(stage, args.tile)
+    except RuntimeError as exc:  # MLX's transport: a peer was lost
+        logger.critical("lost the pipeline: %s; exiting", exc)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""`tessera serve --world N`: rank 0 runs HTTP, the scheduler and the sampler; ranks 1…N-1 follow its steps.
+
+Rank 0's runner is the ordinary ModelRunner over a PipelineStage (engine/parallel/pipeline.py); before
+each step it sends the followers a StepMessage (requests added and released, the plan), passed rank to
+rank along the pipeline. A follower keeps its layers' caches per request and runs each plan through its
+layers, in the order ModelRunner.execute puts the segments (decodes, then the prefill chunk).
+
+Failure is loud: a follower process that exits is seen by RankWatch within 0.2 s and rank 0 exits with
+an error (the pipeline cannot go on without its layers); a lost peer also makes MLX's ring transport raise
+in the step itself. When rank 0 goes, the followers' next receive fails and they exit.
+Shutdown: at exit rank 0 sends `stop` and waits for the followers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from engine.model.deepseek_v4 import Segment
+from engine.model.loader import load_config, load_model
+from engine.parallel.launch import LocalWorld, RankWatch, join_world, new_local_world, spawn_rank, stop_processes
+from engine.parallel.layout import split_layers
+from engine.parallel.messages import StepMessage, recv_bytes, send_bytes
+from engine.parallel.pipeline import PipelineStage
+from engine.serving.protocol import SamplingParams, StepOutput, StepPlan
+from engine.serving.runner import ModelRunner, default_compute_dtype
+
+logger = logging.getLogger("tessera.parallel")
+
+RANK_LOST_EXIT_CODE = 3
+_STOP_GRACE_S = 10.0
+
+
+class PipelineRunner:
+    """The Runner of rank 0: tells the followers each step, then runs it through the pipeline."""
+
+    def __init__(self, runner: ModelRunner, stage: PipelineStage) -> None:
+        self._runner, self._stage = runner, stage
+        self._added: list[str] = []
+        self._released: list[str] = []
+        self._stopped = False
+
+    def add_request(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
+        self._runner.add_request(request_id, prompt_ids, sampling)
+        self._added.append(request_id)
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        self._tell(StepMessage(tuple(self._added), tuple(self._released), plan))
+        self._added, self._released = [], []
+        return self._runner.execute(plan)
+
+    def release(self, request_id: str) -> None:
+        self._runner.release(request_id)
+        self._released.append(request_id)  # the followers free it with the next step (or at stop)
+
+    def cache_bytes_at(self, num_tokens: int) -> int:
+        return self._runner.cache_bytes_at(num_tokens)  # the whole model's: conservative for every rank
+
+    def memory_snapshot(self) -> dict[str, int]:
+        return self._runner.memory_snapshot()  # rank 0's own
+
+    def stop(self) -> None:
+        if not self._stopped:
+            self._stopped = True
+            self._tell(StepMessage(stop=True))
+
+    def _tell(self, message: StepMessage) -> None:
+        send_bytes(message.encode(), 1, self._stage.group)
+
+
+def run_follower(stage: PipelineStage, indexer_tile: int) -> int:
+    """A follower's life: receive each step from the previous rank, pass it on, run it; until `stop`."""
+    caches = {}
+    while True:
+        data = recv_bytes(stage.rank - 1, stage.group)
+        if stage.rank + 1 < stage.world:
+            send_bytes(data, stage.rank + 1, stage.group)
+        message = StepMessage.decode(data)
+        if message.stop:
+            return 0
+        for request_id in message.added:  # before releases: a request aborted before its first step is both
+            caches[request_id] = stage.new_cache()
+        for request_id in message.released:
+            caches.pop(request_id, None)
+        segments = plan_segments(message.plan, caches)
+        if segments:
+            stage.forward(segments, tile=indexer_tile)
+
+
+def plan_segments(plan: StepPlan, caches: dict) -> list[Segment]:
+    """The plan's segments in ModelRunner.execute's order: every decode, then the prefill chunk."""
+    segments = [Segment(caches[slot.request_id], [slot.token_id]) for slot in plan.decodes]
+    if plan.prefill is not None:
+        segments.append(Segment(caches[plan.prefill.request_id], list(plan.prefill.token_ids)))
+    return segments
+
+
+def load_stage(model_dir: Path, group) -> PipelineStage:
+    cfg = load_config(model_dir)
+    layers = split_layers(cfg.num_hidden_layers, group.size()).layers_of(group.rank())
+    model = load_model(model_dir, dtype=default_compute_dtype(), layers=layers, vocab=group.rank() == 0)
+    logger.info("rank %d holds layers %d..%d", group.rank(), layers.start, layers.stop - 1)
+    return PipelineStage(model, group)
+
+
+def build_pipeline_runner(model_dir: Path, world: int, prefill_chunk: int, indexer_tile: int,
+                          max_context: int | None = None, stage_timing_interval: int = 1,
+                          backend: str | None = None) -> PipelineRunner:
+    """Start ranks 1…world-1 on this machine, join as rank 0 and build its runner (the model's first layers)."""
+    split_layers(load_config(model_dir).num_hidden_layers, world)  # a bad world fails before any process starts
+    local = new_local_world(world, backend)
+    argv = ["-m", "engine.parallel.follower", "--model", str(model_dir), "--tile", str(indexer_tile),
+            "--backend", local.backend]
+    followers = {rank: spawn_rank(local, rank, argv) for rank in range(1, world)}
+    for rank, proc in followers.items():
+        logger.info("started rank %d (pid %d)", rank, proc.pid)
+    watch = RankWatch(followers, lambda rank, code: _rank_lost(rank, code, followers))
+    try:
+        stage = load_stage(Path(model_dir), join_world(local, 0))
+        # ModelRunner takes the stage as its model: same cfg, dtype, weights, new_cache and forward.
+        runner = PipelineRunner(ModelRunner(stage, prefill_chunk, indexer_tile, max_context, stage_timing_interval), stage)
+    except BaseException:
+        watch.expect_exit()
+        stop_processes(list(followers.values()), grace_s=0)
+        raise
+    atexit.register(_shut_down, runner, watch, followers)
+    return runner
+
+
+def _rank_lost(rank: int, code: int, followers: dict) -> None:
+    logger.critical("rank %d exited (code %d): its layers are gone, so the server cannot continue; exiting", rank, code)
+    stop_processes([p for r, p in followers.items() if r != rank], grace_s=0)
+    sys.stderr.flush()
+    os._exit(RANK_LOST_EXIT_CODE)
+
+
+def _shut_down(runner: PipelineRunner, watch: RankWatch, followers: dict) -> None:
+    watch.expect_exit()
+    try:
+        runner.stop()
+    except RuntimeError as exc:  # a rank already gone: nothing to tell
+        logger.warning("could not tell the followers to stop: %s", exc)
+    stop_processes(list(followers.values()), grace_s=_STOP_GRACE_S)
+    logger.info("all ranks stopped")
