@@ -86,6 +86,17 @@ def _assert_same(answers, expected) -> None:
         assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) <= 1e-5
 
 
+def _memory_metrics(base: str) -> dict[str, float]:
+    text = httpx.get(base + "/metrics").text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r'^tessera_memory_bytes\{kind="(\w+)"[^}]*\} (\S+)$', text, re.M)}
+
+
+def _whole_weights_bytes(model_dir: Path) -> int:
+    from engine.model.loader import load_model
+
+    return sum(w.nbytes for w in load_model(model_dir).weights.values())
+
+
 def _is_running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -105,6 +116,9 @@ def test_two_ranks_answer_as_one_process_and_stop_together(model_dir, tmp_path):
         # BLAS is row-invariant, so each request's logits do not depend on what shares its step.
         with ThreadPoolExecutor(2) as pool:
             _assert_same(list(pool.map(lambda p: _complete(base, p), PROMPTS)), expected)
+        memory = _memory_metrics(base)  # per rank, as of the last step
+        assert memory["rank1_weights"] > 0 and memory["rank1_mlx_peak"] >= memory["rank1_weights"]
+        assert memory["weights"] + memory["rank1_weights"] == pytest.approx(_whole_weights_bytes(model_dir), abs=1024)
         follower = _follower_pid(log)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0

@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,6 +36,8 @@ class ParallelReport:
     differing_selections: int
     compared_selections: int
     passed: bool
+    single_process_seconds: float  # the replay's wall time in one process (loading excluded)
+    parallel_seconds: float  # the same replay on the ranks, as rank 0 saw it
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -56,7 +59,9 @@ def check_parallel(model_dir: Path, world: int, tokens: int, chunk: int, tile: i
         split_logits = np.load(work / "logits.npy")
     model = load_model(Path(model_dir), dtype=dtype)
     ids = random_tokens(model.cfg.vocab_size, tokens + decode, seed)
+    started = time.perf_counter()
     single = run_sequence(model, ids, tokens, chunk, tile)
+    single_seconds = time.perf_counter() - started
     split_selections = {(layer, pos): tuple(rows) for part in parts for layer, pos, rows in part["selections"]}
     num_diff, num_compared = differing(single.selections, split_selections)
     max_diff = float(np.abs(single.logits - split_logits).max()) if single.logits.shape == split_logits.shape else float("inf")
@@ -67,6 +72,7 @@ def check_parallel(model_dir: Path, world: int, tokens: int, chunk: int, tile: i
         single_process_weights_bytes=sum(w.nbytes for w in model.weights.values()),
         max_abs_diff=max_diff, differing_selections=num_diff, compared_selections=num_compared,
         passed=max_diff <= TOLERANCE and num_diff == 0 and num_compared > 0,
+        single_process_seconds=round(single_seconds, 4), parallel_seconds=round(parts[0]["seconds"], 4),
     )
 
 
@@ -124,14 +130,17 @@ def _worker(args: argparse.Namespace) -> int:
     stage = PipelineStage(load_model(args.model, dtype=args.dtype, layers=layers, vocab=rank == 0), group)
     ids = random_tokens(cfg.vocab_size, args.tokens + args.decode, args.seed)
     cache, trace, rows = stage.new_cache(), ForwardTrace(record_selections=True), []
+    mx.eval(mx.distributed.all_sum(mx.array([1]), group=group))  # every rank loaded: time the replay only
+    started = time.perf_counter()
     for lo in range(0, args.tokens, args.chunk):  # as engine/tools/replay.py's run_sequence
         piece = ids[lo : min(lo + args.chunk, args.tokens)]
         rows.append(stage.forward([Segment(cache, piece)], tile=args.tile, all_logits=True, timer=trace))
     for token in ids[args.tokens :]:
         rows.append(stage.forward([Segment(cache, [token])], timer=trace))
+    seconds = time.perf_counter() - started
     if rank == 0:
         np.save(args.out / "logits.npy", np.concatenate([np.array(r[0].astype(mx.float32)) for r in rows]))
-    part = {"layers": [layers.start, layers.stop], "weights_bytes": sum(w.nbytes for w in stage.weights.values()),
+    part = {"layers": [layers.start, layers.stop], "seconds": seconds, "weights_bytes": sum(w.nbytes for w in stage.weights.values()),
             "selections": [[layer, pos, list(sel)] for (layer, pos), sel in trace.selections.items()]}
     (args.out / f"rank{rank}.json").write_text(json.dumps(part))
     return 0

@@ -20,6 +20,9 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+import mlx.core as mx
+import numpy as np
+
 from engine.model.deepseek_v4 import Segment
 from engine.model.loader import load_config, load_model
 from engine.parallel.launch import LocalWorld, RankWatch, join_world, new_local_world, spawn_rank, stop_processes
@@ -43,6 +46,7 @@ class PipelineRunner:
         self._added: list[str] = []
         self._released: list[str] = []
         self._stopped = False
+        self._follower_memory: dict[str, int] = {}
 
     def add_request(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
         self._runner.add_request(request_id, prompt_ids, sampling)
@@ -51,7 +55,13 @@ class PipelineRunner:
     def execute(self, plan: StepPlan) -> StepOutput:
         self._tell(StepMessage(tuple(self._added), tuple(self._released), plan))
         self._added, self._released = [], []
-        return self._runner.execute(plan)
+        output = self._runner.execute(plan)
+        if not plan.is_empty:
+            snapshot = self._runner.memory_snapshot()
+            rows = gather_memory(self._stage.group, snapshot["weights"], snapshot["kv_cache"])
+            self._follower_memory = {f"rank{r}_{kind}": int(v) for r in range(1, len(rows))
+                                     for kind, v in zip(MEMORY_KINDS, rows[r])}
+        return output
 
     def release(self, request_id: str) -> None:
         self._runner.release(request_id)
@@ -61,7 +71,8 @@ class PipelineRunner:
         return self._runner.cache_bytes_at(num_tokens)  # the whole model's: conservative for every rank
 
     def memory_snapshot(self) -> dict[str, int]:
-        return self._runner.memory_snapshot()  # rank 0's own
+        """Rank 0's own kinds, and each follower's as `rank{r}_{kind}` (as of the last step)."""
+        return {**self._runner.memory_snapshot(), **self._follower_memory}
 
     def stop(self) -> None:
         if not self._stopped:
@@ -75,6 +86,7 @@ class PipelineRunner:
 def run_follower(stage: PipelineStage, indexer_tile: int) -> int:
     """A follower's life: receive each step from the previous rank, pass it on, run it; until `stop`."""
     caches = {}
+    weights_bytes = sum(w.nbytes for w in stage.weights.values())
     while True:
         data = recv_bytes(stage.rank - 1, stage.group)
         if stage.rank + 1 < stage.world:
@@ -89,6 +101,19 @@ def run_follower(stage: PipelineStage, indexer_tile: int) -> int:
         segments = plan_segments(message.plan, caches)
         if segments:
             stage.forward(segments, tile=indexer_tile)
+            gather_memory(stage.group, weights_bytes, sum(c.nbytes for c in caches.values()))
+
+
+MEMORY_KINDS = ("weights", "kv_cache", "mlx_active", "mlx_peak", "mlx_cache")
+
+
+def gather_memory(group: mx.distributed.Group, weights_bytes: int, kv_cache_bytes: int) -> np.ndarray:
+    """Every rank's memory after a step ([world, len(MEMORY_KINDS)] bytes, rounded down to KiB): one small
+    all_gather, which every rank calls at the same point of the step."""
+    row = [weights_bytes, kv_cache_bytes, mx.get_active_memory(), mx.get_peak_memory(), mx.get_cache_memory()]
+    # int32 KiB (up to 2 TiB): GPUs have no float64 and not every backend moves 64-bit integers
+    kib = mx.array([[n // 1024 for n in row]], dtype=mx.int32)
+    return np.array(mx.distributed.all_gather(kib, group=group)).astype(np.int64) * 1024
 
 
 def plan_segments(plan: StepPlan, caches: dict) -> list[Segment]:
