@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from engine.model.loader import load_model
@@ -34,13 +35,16 @@ def test_split_covers_every_layer_once_in_order():
 
 
 def test_a_stage_loads_only_its_layers(tiny_dir):
+    mx.reset_peak_memory()
     stage = load_model(tiny_dir, layers=range(2, 4), vocab=False)
+    stage_peak = mx.get_peak_memory()  # the other layers are never read: mx.load maps tensors lazily
     assert {name.split(".")[1] for name in stage.weights} == {"2", "3"}
     assert sorted(stage.layers) == [2, 3]
     whole = load_model(tiny_dir)
     first = load_model(tiny_dir, layers=range(0, 2), vocab=True)
     assert sum(w.nbytes for w in first.weights.values()) + sum(w.nbytes for w in stage.weights.values()) == \
         sum(w.nbytes for w in whole.weights.values())
+    assert stage_peak < 0.5 * sum(w.nbytes for w in whole.weights.values())
     with pytest.raises(ValueError, match="layer range"):
         load_model(tiny_dir, layers=range(3, 5))
 
