@@ -35,14 +35,13 @@ def build_engine(settings: Settings, metrics: Metrics | None = None) -> ServedMo
     `metrics`: the app's, already serving /metrics while this loads; None builds one. Every engine step is
     reported to it (MeteredRunner). Engine modules are imported here, not at the top, so the server can be
     imported and tested without MLX or a model."""
-    from engine.tools.default_model import ensure_default_model
     from engine.serving.engine_loop import AsyncEngine
     from engine.model.loader import load_config
     from engine.serving.runner import build_runner
     from engine.serving.scheduler import SchedulerConfig
 
     name = served_model_name(settings)
-    model_dir = Path(settings.model) if settings.model is not None else ensure_default_model()
+    model_dir = _model_dir(settings)
     tokenizer = Tokenizer.from_dir(model_dir)
     max_model_len = settings.max_context or load_config(model_dir).max_position_embeddings
     if metrics is None:
@@ -68,6 +67,12 @@ def build_engine(settings: Settings, metrics: Metrics | None = None) -> ServedMo
     engine = AsyncEngine(MeteredRunner(runner, metrics), config, eos_token_ids=eos_ids)
     info = ModelInfo(name=name, root=str(model_dir), max_model_len=max_model_len, created=int(time.time()))
     return ServedModel(engine, tokenizer, info, metrics)
+
+
+def _model_dir(settings: Settings) -> Path:
+    from engine.tools.default_model import ensure_default_model
+
+    return Path(settings.model) if settings.model is not None else ensure_default_model()
 
 
 def kv_cache_budget(memory_budget: int | None, memory: dict[str, int]) -> int | None:
@@ -124,6 +129,14 @@ def serve(settings: Settings) -> int:
     """Run the server until it is shut down; the process exit code."""
     configure_logging(settings.log_level)
     logger.info("effective settings: %s", json.dumps(settings.public_dict(), sort_keys=True))
+    if settings.world > 1:  # under `mlx.launch`, every rank runs this: ranks other than 0 serve no HTTP
+        from engine.parallel.launch import launched_world
+
+        launched = launched_world()
+        if launched is not None and launched[0] != 0:
+            from engine.parallel.follower import follow
+
+            return follow(_model_dir(settings), settings.indexer_tile, launched[1], world=settings.world)
     return asyncio.run(_serve(settings))
 
 

@@ -48,23 +48,26 @@ def _server(model_dir: Path, world: int, log: Path) -> Iterator[tuple[subprocess
         proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir), "--world", str(world),
                                  "--port", str(port), "--prefill-chunk", "32", "--indexer-tile", "8"],
                                 env=env, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, "server not ready in 120 s:\n" + log.read_text()
-            try:
-                if httpx.get(base + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        yield proc, base
+        yield proc, _wait_ready(proc, port, log)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
+
+
+def _wait_ready(proc: subprocess.Popen, port: int, log: Path) -> str:
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, "server not ready in 120 s:\n" + log.read_text()
+        try:
+            if httpx.get(base + "/ready", timeout=1).status_code == 200:
+                return base
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
 
 
 def _follower_pid(log: Path) -> int:
@@ -106,9 +109,14 @@ def _is_running(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-def test_two_ranks_answer_as_one_process_and_stop_together(model_dir, tmp_path):
-    with _server(model_dir, 1, tmp_path / "world1.log") as (_, base):
-        expected = [_complete(base, p) for p in PROMPTS]
+@pytest.fixture(scope="module")
+def expected(model_dir, tmp_path_factory):
+    """One process's greedy answers (tokens, logprobs) to PROMPTS."""
+    with _server(model_dir, 1, tmp_path_factory.mktemp("world1") / "serve.log") as (_, base):
+        return [_complete(base, p) for p in PROMPTS]
+
+
+def test_two_ranks_answer_as_one_process_and_stop_together(model_dir, expected, tmp_path):
     log = tmp_path / "world2.log"
     with _server(model_dir, 2, log) as (proc, base):
         _assert_same([_complete(base, p) for p in PROMPTS], expected)
@@ -124,6 +132,30 @@ def test_two_ranks_answer_as_one_process_and_stop_together(model_dir, tmp_path):
         assert proc.wait(timeout=30) == 0
     assert not _is_running(follower)
     assert "all ranks stopped" in log.read_text()
+
+
+def test_under_mlx_launch_every_rank_runs_tessera_serve(model_dir, expected, tmp_path):
+    """`mlx.launch … tessera serve --world 2`: the launcher made the world; rank 0 serves, rank 1 follows."""
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    if not launcher.is_file():
+        pytest.skip("mlx.launch is not installed beside this python")
+    port, log = _free_port(), tmp_path / "launch.log"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("LD_PRELOAD", None)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(launcher), "--hosts", "127.0.0.1,127.0.0.1", "--backend", "ring", "--python",
+                                 sys.executable, "--", "-m", "server.cli", "serve", "--model", str(model_dir), "--world", "2",
+                                 "--port", str(port), "--prefill-chunk", "32", "--indexer-tile", "8"],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        base = _wait_ready(proc, port, log)
+        _assert_same([_complete(base, p) for p in PROMPTS], expected)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the launcher's terminal: every rank gets it
+        proc.wait(timeout=60)
+        assert "rank 1 holds layers 2..3" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_a_killed_follower_takes_the_server_down_within_seconds(model_dir, tmp_path):

@@ -1,5 +1,6 @@
-"""A follower rank of `tessera serve --world N` (started by rank 0, engine/parallel/serving.py): join the
-world, load this rank's layers, follow rank 0's steps until it says stop. Imports only MLX, numpy and the
+"""A follower rank of `tessera serve --world N` (started by rank 0, engine/parallel/serving.py, or by
+`mlx.launch`, then through `tessera serve` itself): join the world, load this rank's layers, follow rank 0's
+steps until it says stop. Imports only MLX, numpy and the
 engine, so it runs where the web server's packages are not installed."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 from pathlib import Path
 
 from engine.parallel.launch import init_group
-from engine.parallel.serving import load_stage, run_follower
+from engine.parallel.serving import join_launched_world, load_stage, run_follower
 
 logger = logging.getLogger("tessera.parallel")
 
@@ -31,6 +32,17 @@ def _exit_when_orphaned(poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="tessera-parent-watch", daemon=True).start()
 
 
+def follow(model_dir: Path, indexer_tile: int, backend: str, world: int | None = None) -> int:
+    """Join the world, load this rank's layers and follow rank 0 until it says stop (0) or is lost (1)."""
+    group = init_group(backend) if world is None else join_launched_world(world, backend)
+    stage = load_stage(model_dir, group)
+    try:
+        return run_follower(stage, indexer_tile)
+    except RuntimeError as exc:  # MLX's transport: a peer was lost
+        logger.critical("lost the pipeline: %s; exiting", exc)
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.parallel.follower")
     p.add_argument("--model", type=Path, required=True)
@@ -39,13 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s[rank " + os.environ.get("MLX_RANK", "?") + "]: %(message)s")
     _exit_when_orphaned()
-    group = init_group(args.backend)
-    stage = load_stage(args.model, group)
-    try:
-        return run_follower(stage, args.tile)
-    except RuntimeError as exc:  # MLX's transport: a peer was lost
-        logger.critical("lost the pipeline: %s; exiting", exc)
-        return 1
+    return follow(args.model, args.tile, args.backend)
 
 
 if __name__ == "__main__":

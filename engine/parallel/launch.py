@@ -91,6 +91,14 @@ def join_world(world: LocalWorld, rank: int) -> mx.distributed.Group:
     return init_group(world.backend)
 
 
+def launched_world() -> tuple[int, str] | None:
+    """(rank, backend) when a launcher such as `mlx.launch` made the world (MLX_RANK is set); None otherwise."""
+    if "MLX_RANK" not in os.environ:
+        return None
+    backend = "nccl" if "NCCL_HOST_IP" in os.environ else "ring" if "MLX_HOSTFILE" in os.environ else "any"
+    return int(os.environ["MLX_RANK"]), backend
+
+
 def init_group(backend: str) -> mx.distributed.Group:
     group = mx.distributed.init(strict=True, backend=backend)
     logger.info("rank %d of %d joined (%s)", group.rank(), group.size(), backend)

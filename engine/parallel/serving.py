@@ -6,8 +6,10 @@ rank along the pipeline. A follower keeps its layers' caches per request and run
 layers, in the order ModelRunner.execute puts the segments (decodes, then the prefill chunk).
 
 Failure is loud: a follower process that exits is seen by RankWatch within 0.2 s and rank 0 exits with
-an error (the pipeline cannot go on without its layers); a lost peer also makes MLX's ring transport raise
-in the step itself. When rank 0 goes, the followers' next receive fails and they exit.
+an error (the pipeline cannot go on without its layers). Any step that raises on rank 0 (a lost peer makes
+MLX's transport raise) exits it too: after a failure mid-step the ranks are out of step, so the one-process
+policy (fail the step's requests, go on) does not apply. When rank 0 goes, the followers' next receive
+fails and they exit.
 Shutdown: at exit rank 0 sends `stop` and waits for the followers.
 """
 
@@ -25,7 +27,8 @@ import numpy as np
 
 from engine.model.deepseek_v4 import Segment
 from engine.model.loader import load_config, load_model
-from engine.parallel.launch import LocalWorld, RankWatch, join_world, new_local_world, spawn_rank, stop_processes
+from engine.parallel.launch import (RankWatch, init_group, join_world, launched_world, new_local_world, spawn_rank,
+                                    stop_processes)
 from engine.parallel.layout import split_layers
 from engine.parallel.messages import StepMessage, recv_bytes, send_bytes
 from engine.parallel.pipeline import PipelineStage
@@ -53,6 +56,14 @@ class PipelineRunner:
         self._added.append(request_id)
 
     def execute(self, plan: StepPlan) -> StepOutput:
+        try:
+            return self._execute(plan)
+        except Exception:  # noqa: BLE001 — any failure mid-step leaves the ranks out of step
+            logger.critical("a pipelined step failed on rank 0; the ranks are out of step, exiting", exc_info=True)
+            sys.stderr.flush()
+            os._exit(RANK_LOST_EXIT_CODE)
+
+    def _execute(self, plan: StepPlan) -> StepOutput:
         self._tell(StepMessage(tuple(self._added), tuple(self._released), plan))
         self._added, self._released = [], []
         output = self._runner.execute(plan)
@@ -135,8 +146,16 @@ def load_stage(model_dir: Path, group) -> PipelineStage:
 def build_pipeline_runner(model_dir: Path, world: int, prefill_chunk: int, indexer_tile: int,
                           max_context: int | None = None, stage_timing_interval: int = 1,
                           backend: str | None = None) -> PipelineRunner:
-    """Start ranks 1…world-1 on this machine, join as rank 0 and build its runner (the model's first layers)."""
+    """Start ranks 1…world-1 on this machine, join as rank 0 and build its runner (the model's first layers).
+    Under `mlx.launch` (the world exists already, every rank runs `tessera serve`) only join it."""
     split_layers(load_config(model_dir).num_hidden_layers, world)  # a bad world fails before any process starts
+    launched = launched_world()
+    if launched is not None:
+        group = join_launched_world(world, launched[1])
+        stage = load_stage(Path(model_dir), group)
+        runner = PipelineRunner(ModelRunner(stage, prefill_chunk, indexer_tile, max_context, stage_timing_interval), stage)
+        atexit.register(_shut_down, runner, None, {})  # the launcher owns the processes (and stops all if one fails)
+        return runner
     local = new_local_world(world, backend)
     argv = ["-m", "engine.parallel.follower", "--model", str(model_dir), "--tile", str(indexer_tile),
             "--backend", local.backend]
@@ -156,6 +175,13 @@ def build_pipeline_runner(model_dir: Path, world: int, prefill_chunk: int, index
     return runner
 
 
+def join_launched_world(world: int, backend: str):
+    group = init_group(backend)
+    if group.size() != world:
+        raise ValueError(f"--world {world} but the launcher started {group.size()} ranks")
+    return group
+
+
 def _rank_lost(rank: int, code: int, followers: dict) -> None:
     logger.critical("rank %d exited (code %d): its layers are gone, so the server cannot continue; exiting", rank, code)
     stop_processes([p for r, p in followers.items() if r != rank], grace_s=0)
@@ -163,8 +189,9 @@ def _rank_lost(rank: int, code: int, followers: dict) -> None:
     os._exit(RANK_LOST_EXIT_CODE)
 
 
-def _shut_down(runner: PipelineRunner, watch: RankWatch, followers: dict) -> None:
-    watch.expect_exit()
+def _shut_down(runner: PipelineRunner, watch: RankWatch | None, followers: dict) -> None:
+    if watch is not None:
+        watch.expect_exit()
     try:
         runner.stop()
     except RuntimeError as exc:  # a rank already gone: nothing to tell
