@@ -73,9 +73,13 @@ def test_check_parallel_equals_one_process(tiny_dir, world):
     assert max(report["weights_bytes_per_rank"]) < report["single_process_weights_bytes"]
 
 
-def test_check_parallel_rejects_bad_shapes(tiny_dir):
+@pytest.mark.parametrize("args, message", [
+    (["--tile", "8"], "--tile (8)"),
+    (["--tile", "2", "--world", "1"], "--world (1)"),
+    (["--tile", "2", "--world", "5"], "world (5) must be between 1 and the model's 4 layers"),
+])
+def test_check_parallel_rejects_bad_arguments(tiny_dir, args, message):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-m", "engine.tools.commands", "check", "parallel", "--model", str(tiny_dir),
-                           "--tokens", "10", "--chunk", "4", "--tile", "8"], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 2 and "--tile (8)" in proc.stderr
+                           "--tokens", "10", "--chunk", "4", *args], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr

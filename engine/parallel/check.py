@@ -45,12 +45,16 @@ class ParallelReport:
 
 def check_parallel(model_dir: Path, world: int, tokens: int, chunk: int, tile: int, decode: int, seed: int = 0,
                    dtype: str = "float32", backend: str | None = None, timeout_s: float = 900) -> ParallelReport:
-    from engine.model.loader import load_model
+    from engine.model.loader import load_config, load_model
     from engine.parallel.launch import new_local_world
+    from engine.parallel.layout import split_layers
     from engine.tools.consistency import differing
     from engine.tools.replay import random_tokens, run_sequence
 
     _check_shape_args(tokens, chunk, tile, decode)
+    if world < 2:
+        raise ValueError(f"--world ({world}) must be at least 2: the check compares a split model with one process")
+    split_layers(load_config(Path(model_dir)).num_hidden_layers, world)  # a bad world fails before any process starts
     with tempfile.TemporaryDirectory(prefix="tessera-check-parallel-") as tmp:
         work = Path(tmp)
         local = new_local_world(world, backend, work)
