@@ -73,6 +73,13 @@ def test_check_parallel_equals_one_process(tiny_dir, world):
     assert max(report["weights_bytes_per_rank"]) < report["single_process_weights_bytes"]
 
 
+def test_check_parallel_fails_past_its_threshold(tiny_dir):
+    """Exact runs pass at 1e-5; a negative limit cannot be met, so the verdict must say so (exit 1)."""
+    code, report = _check_parallel(tiny_dir, "--tokens", "20", "--chunk", "8", "--tile", "4", "--decode", "1",
+                                   "--max-abs-diff", "-1")
+    assert code == 1 and not report["passed"] and "max |Δlogit|" in report["failures"][0]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--tile", "8"], "--tile (8)"),
     (["--tile", "2", "--world", "1"], "--world (1)"),

@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from engine.parallel.launch import init_group
+from engine.parallel.launch import init_group, launched_world
 from engine.parallel.serving import join_launched_world, load_stage, run_follower
 
 logger = logging.getLogger("tessera.parallel")
@@ -41,6 +41,17 @@ def follow(model_dir: Path, indexer_tile: int, backend: str, world: int | None =
     except RuntimeError as exc:  # MLX's transport: a peer was lost
         logger.critical("lost the pipeline: %s; exiting", exc)
         return 1
+
+
+def follow_if_launched_follower(model_dir: Path | None, indexer_tile: int, world: int) -> int | None:
+    """Under a launcher (`mlx.launch … tessera serve --world N`), on a rank other than 0: follow and return the
+    exit status. Otherwise None: this process is rank 0 (or the world is not made yet) and serves HTTP."""
+    launched = launched_world()
+    if launched is None or launched[0] == 0:
+        return None
+    from engine.tools.default_model import ensure_default_model
+
+    return follow(Path(model_dir) if model_dir is not None else ensure_default_model(), indexer_tile, launched[1], world)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,10 +17,16 @@ from engine.serving.protocol import DecodeSlot, PrefillChunk, StepPlan
 
 @dataclass(frozen=True)
 class StepMessage:
-    added: tuple[str, ...] = ()  # new requests, before the plan runs
-    released: tuple[str, ...] = ()  # finished requests, before the plan runs
-    plan: StepPlan = StepPlan()
+    added: tuple[str, ...] = ()  # the plan's new requests, set up before it runs
+    released: tuple[str, ...] = ()  # the plan's finished requests, dropped first
+    plan: StepPlan = StepPlan()  # its tokens: decodes and the prefill chunk
     stop: bool = False  # the server is shutting down: exit after this message
+
+    @classmethod
+    def of(cls, plan: StepPlan) -> "StepMessage":
+        """What followers need of a plan: ids only for new requests (prompts and sampling stay on rank 0)."""
+        return cls(tuple(n.request_id for n in plan.new_requests), plan.finished_request_ids,
+                   StepPlan(plan.decodes, plan.prefill))
 
     def encode(self) -> bytes:
         plan = {"decodes": [[d.request_id, d.token_id, d.position] for d in self.plan.decodes]}

@@ -1,8 +1,8 @@
 """`tessera serve --world N`: rank 0 runs HTTP, the scheduler and the sampler; ranks 1…N-1 follow its steps.
 
 Rank 0's runner is the ordinary ModelRunner over a PipelineStage (engine/parallel/pipeline.py); before
-each step it sends the followers a StepMessage (requests added and released, the plan), passed rank to
-rank along the pipeline. A follower keeps its layers' caches per request and runs each plan through its
+each step it sends the followers a StepMessage (the plan's finished and new request ids and its tokens),
+passed rank to rank along the pipeline. A follower keeps its layers' caches per request and runs each plan through its
 layers, in the order ModelRunner.execute puts the segments (decodes, then the prefill chunk).
 
 Failure is loud: a follower process that exits is seen by RankWatch within 0.2 s and rank 0 exits with
@@ -20,7 +20,6 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -32,7 +31,7 @@ from engine.parallel.launch import (RankWatch, init_group, join_world, launched_
 from engine.parallel.layout import split_layers
 from engine.parallel.messages import StepMessage, recv_bytes, send_bytes
 from engine.parallel.pipeline import PipelineStage
-from engine.serving.protocol import SamplingParams, StepOutput, StepPlan
+from engine.serving.protocol import StepOutput, StepPlan
 from engine.serving.runner import ModelRunner, default_compute_dtype
 
 logger = logging.getLogger("tessera.parallel")
@@ -46,14 +45,8 @@ class PipelineRunner:
 
     def __init__(self, runner: ModelRunner, stage: PipelineStage) -> None:
         self._runner, self._stage = runner, stage
-        self._added: list[str] = []
-        self._released: list[str] = []
         self._stopped = False
         self._follower_memory: dict[str, int] = {}
-
-    def add_request(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
-        self._runner.add_request(request_id, prompt_ids, sampling)
-        self._added.append(request_id)
 
     def execute(self, plan: StepPlan) -> StepOutput:
         try:
@@ -64,19 +57,14 @@ class PipelineRunner:
             os._exit(RANK_LOST_EXIT_CODE)
 
     def _execute(self, plan: StepPlan) -> StepOutput:
-        self._tell(StepMessage(tuple(self._added), tuple(self._released), plan))
-        self._added, self._released = [], []
+        self._tell(StepMessage.of(plan))
         output = self._runner.execute(plan)
-        if not plan.is_empty:
+        if plan.num_tokens:  # the followers gather exactly when they ran segments
             snapshot = self._runner.memory_snapshot()
             rows = gather_memory(self._stage.group, snapshot["weights"], snapshot["kv_cache"])
             self._follower_memory = {f"rank{r}_{kind}": int(v) for r in range(1, len(rows))
                                      for kind, v in zip(MEMORY_KINDS, rows[r])}
         return output
-
-    def release(self, request_id: str) -> None:
-        self._runner.release(request_id)
-        self._released.append(request_id)  # the followers free it with the next step (or at stop)
 
     def cache_bytes_at(self, num_tokens: int) -> int:
         return self._runner.cache_bytes_at(num_tokens)  # the whole model's: conservative for every rank
@@ -105,10 +93,10 @@ def run_follower(stage: PipelineStage, indexer_tile: int) -> int:
         message = StepMessage.decode(data)
         if message.stop:
             return 0
-        for request_id in message.added:  # before releases: a request aborted before its first step is both
-            caches[request_id] = stage.new_cache()
-        for request_id in message.released:
+        for request_id in message.released:  # in ModelRunner.execute's order: drop, then set up, then run
             caches.pop(request_id, None)
+        for request_id in message.added:
+            caches[request_id] = stage.new_cache()
         segments = plan_segments(message.plan, caches)
         if segments:
             stage.forward(segments, tile=indexer_tile)
