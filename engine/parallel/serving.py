@@ -2,8 +2,8 @@
 
 Rank 0's runner is the ordinary ModelRunner over a PipelineStage (engine/parallel/pipeline.py); before
 each step it sends the followers a StepMessage (the plan's finished and new request ids and its tokens),
-passed rank to rank along the pipeline. A follower keeps its layers' caches per request and runs each plan through its
-layers, in the order ModelRunner.execute puts the segments (decodes, then the prefill chunk).
+passed rank to rank along the pipeline. A follower keeps its layers' caches per request and runs each plan
+through its layers, in the order ModelRunner.execute puts the segments (decodes, then the prefill chunk).
 
 Failure is loud: a follower process that exits is seen by RankWatch within 0.2 s and rank 0 exits with
 an error (the pipeline cannot go on without its layers). Any step that raises on rank 0 (a lost peer makes
@@ -18,12 +18,14 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
+from engine.model.cache import SequenceCache
 from engine.model.deepseek_v4 import Segment
 from engine.model.loader import load_config, load_model
 from engine.parallel.launch import (RankWatch, init_group, join_world, launched_world, new_local_world, spawn_rank,
@@ -84,7 +86,7 @@ class PipelineRunner:
 
 def run_follower(stage: PipelineStage, indexer_tile: int) -> int:
     """A follower's life: receive each step from the previous rank, pass it on, run it; until `stop`."""
-    caches = {}
+    caches: dict[str, SequenceCache] = {}
     weights_bytes = sum(w.nbytes for w in stage.weights.values())
     while True:
         data = recv_bytes(stage.rank - 1, stage.group)
@@ -115,7 +117,7 @@ def gather_memory(group: mx.distributed.Group, weights_bytes: int, kv_cache_byte
     return np.array(mx.distributed.all_gather(kib, group=group)).astype(np.int64) * 1024
 
 
-def plan_segments(plan: StepPlan, caches: dict) -> list[Segment]:
+def plan_segments(plan: StepPlan, caches: dict[str, SequenceCache]) -> list[Segment]:
     """The plan's segments in ModelRunner.execute's order: every decode, then the prefill chunk."""
     segments = [Segment(caches[slot.request_id], [slot.token_id]) for slot in plan.decodes]
     if plan.prefill is not None:
@@ -123,7 +125,7 @@ def plan_segments(plan: StepPlan, caches: dict) -> list[Segment]:
     return segments
 
 
-def load_stage(model_dir: Path, group) -> PipelineStage:
+def load_stage(model_dir: Path, group: mx.distributed.Group) -> PipelineStage:
     cfg = load_config(model_dir)
     layers = split_layers(cfg.num_hidden_layers, group.size()).layers_of(group.rank())
     model = load_model(model_dir, dtype=default_compute_dtype(), layers=layers, vocab=group.rank() == 0)
@@ -137,11 +139,13 @@ def build_pipeline_runner(model_dir: Path, world: int, prefill_chunk: int, index
     """Start ranks 1…world-1 on this machine, join as rank 0 and build its runner (the model's first layers).
     Under `mlx.launch` (the world exists already, every rank runs `tessera serve`) only join it."""
     split_layers(load_config(model_dir).num_hidden_layers, world)  # a bad world fails before any process starts
+    shape = (prefill_chunk, indexer_tile, max_context, stage_timing_interval)
     launched = launched_world()
     if launched is not None:
         group = join_launched_world(world, launched[1])
-        stage = load_stage(Path(model_dir), group)
-        runner = PipelineRunner(ModelRunner(stage, prefill_chunk, indexer_tile, max_context, stage_timing_interval), stage)
+        if group.rank() != 0:
+            raise RuntimeError(f"rank {group.rank()} builds no runner: it follows rank 0 (engine/parallel/follower.py)")
+        runner = _rank_0_runner(load_stage(Path(model_dir), group), *shape)
         atexit.register(_shut_down, runner, None, {})  # the launcher owns the processes (and stops all if one fails)
         return runner
     local = new_local_world(world, backend)
@@ -152,9 +156,7 @@ def build_pipeline_runner(model_dir: Path, world: int, prefill_chunk: int, index
         logger.info("started rank %d (pid %d)", rank, proc.pid)
     watch = RankWatch(followers, lambda rank, code: _rank_lost(rank, code, followers))
     try:
-        stage = load_stage(Path(model_dir), join_world(local, 0))
-        # ModelRunner takes the stage as its model: same cfg, dtype, weights, new_cache and forward.
-        runner = PipelineRunner(ModelRunner(stage, prefill_chunk, indexer_tile, max_context, stage_timing_interval), stage)
+        runner = _rank_0_runner(load_stage(Path(model_dir), join_world(local, 0)), *shape)
     except BaseException:
         watch.expect_exit()
         stop_processes(list(followers.values()), grace_s=0)
@@ -163,21 +165,27 @@ def build_pipeline_runner(model_dir: Path, world: int, prefill_chunk: int, index
     return runner
 
 
-def join_launched_world(world: int, backend: str):
+def _rank_0_runner(stage: PipelineStage, prefill_chunk: int, indexer_tile: int, max_context: int | None,
+                   stage_timing_interval: int) -> PipelineRunner:
+    # ModelRunner takes the stage as its model: the same cfg, dtype, weights, new_cache and forward.
+    return PipelineRunner(ModelRunner(stage, prefill_chunk, indexer_tile, max_context, stage_timing_interval), stage)
+
+
+def join_launched_world(world: int, backend: str) -> mx.distributed.Group:
     group = init_group(backend)
     if group.size() != world:
         raise ValueError(f"--world {world} but the launcher started {group.size()} ranks")
     return group
 
 
-def _rank_lost(rank: int, code: int, followers: dict) -> None:
+def _rank_lost(rank: int, code: int, followers: dict[int, subprocess.Popen]) -> None:
     logger.critical("rank %d exited (code %d): its layers are gone, so the server cannot continue; exiting", rank, code)
     stop_processes([p for r, p in followers.items() if r != rank], grace_s=0)
     sys.stderr.flush()
     os._exit(RANK_LOST_EXIT_CODE)
 
 
-def _shut_down(runner: PipelineRunner, watch: RankWatch | None, followers: dict) -> None:
+def _shut_down(runner: PipelineRunner, watch: RankWatch | None, followers: dict[int, subprocess.Popen]) -> None:
     if watch is not None:
         watch.expect_exit()
     try:
