@@ -12,8 +12,11 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from engine.model.deepseek_v4 import Segment
 from engine.model.loader import load_model
+from engine.model.memory_plan import cache_bytes_at, cache_bytes_by_part
 from engine.parallel.layout import split_layers
+from engine.parallel.serving import max_stage_cache_bytes
 from engine.tools.make_model import make_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,6 +50,26 @@ def test_a_stage_loads_only_its_layers(tiny_dir):
     assert stage_peak < 0.5 * sum(w.nbytes for w in whole.weights.values())
     with pytest.raises(ValueError, match="layer range"):
         load_model(tiny_dir, layers=range(3, 5))
+
+
+def test_admission_counts_the_largest_stage_cache_not_the_whole_model(tiny_dir):
+    """Each rank holds its layers' caches only, so a request needs per GPU what its largest stage holds."""
+    cfg, n = load_model(tiny_dir).cfg, 5000
+    whole = cache_bytes_at(cfg, n, 4)
+    layout = split_layers(cfg.num_hidden_layers, 2)
+    per_rank = [cache_bytes_at(cfg, n, 4, layers) for layers in layout.ranges]
+    assert sum(per_rank) == whole
+    assert max_stage_cache_bytes(cfg, layout, n, 4) == max(per_rank) < whole
+
+
+def test_a_stage_cache_holds_what_the_plan_says(tiny_dir):
+    """The plan's per-layer-range bytes match a real cache filled by the layers of one range."""
+    model = load_model(tiny_dir, dtype="float32")
+    cache = model.new_cache()
+    model.run_layers(model.embed([Segment(cache, list(range(300)))]), [Segment(cache, list(range(300)))], range(2, 4))
+    rows_only = sum(l.nbytes for i, l in enumerate(cache.layers) if i in range(2, 4))
+    assert sum(l.nbytes for i, l in enumerate(cache.layers) if i not in range(2, 4)) == 0
+    assert rows_only == sum(cache_bytes_by_part(model.cfg, 300, None, 4, range(2, 4)).values())
 
 
 def _check_parallel(model_dir: Path, *args: str) -> tuple[int, dict]:

@@ -26,11 +26,13 @@ import mlx.core as mx
 import numpy as np
 
 from engine.model.cache import SequenceCache
+from engine.model.config import ModelConfig
 from engine.model.deepseek_v4 import Segment
 from engine.model.loader import load_config, load_model
+from engine.model.memory_plan import cache_bytes_at
 from engine.parallel.launch import (RankWatch, init_group, join_world, launched_world, new_local_world, spawn_rank,
                                     stop_processes)
-from engine.parallel.layout import split_layers
+from engine.parallel.layout import StageLayout, split_layers
 from engine.parallel.messages import StepMessage, recv_bytes, send_bytes
 from engine.parallel.pipeline import PipelineStage
 from engine.serving.protocol import StepOutput, StepPlan
@@ -69,7 +71,9 @@ class PipelineRunner:
         return output
 
     def cache_bytes_at(self, num_tokens: int) -> int:
-        return self._runner.cache_bytes_at(num_tokens)  # the whole model's: conservative for every rank
+        """One sequence's cache on the rank that holds the most of it: admission is per GPU (memory_budget)."""
+        cfg, layout = self._stage.cfg, split_layers(self._stage.cfg.num_hidden_layers, self._stage.world)
+        return max_stage_cache_bytes(cfg, layout, num_tokens, self._stage.dtype.size)
 
     def memory_snapshot(self) -> dict[str, int]:
         """Rank 0's own kinds, and each follower's as `rank{r}_{kind}` (as of the last step)."""
@@ -103,6 +107,10 @@ def run_follower(stage: PipelineStage, indexer_tile: int) -> int:
         if segments:
             stage.forward(segments, tile=indexer_tile)
             gather_memory(stage.group, weights_bytes, sum(c.nbytes for c in caches.values()))
+
+
+def max_stage_cache_bytes(cfg: ModelConfig, layout: StageLayout, num_tokens: int, dtype_bytes: int) -> int:
+    return max(cache_bytes_at(cfg, num_tokens, dtype_bytes, layers) for layers in layout.ranges)
 
 
 MEMORY_KINDS = ("weights", "kv_cache", "mlx_active", "mlx_peak", "mlx_cache")
