@@ -111,7 +111,8 @@ class Settings(BaseSettings):
         ge=1,
         description="Processes the model's layers are split over (pipeline parallel, docs/PARALLEL.md): rank 0 serves "
         "HTTP and runs the first layers, ranks 1…N-1 start on this machine and run the rest (one GPU each with "
-        "NCCL on CUDA, the ring backend on 127.0.0.1 otherwise). 1: one process.",
+        "NCCL on CUDA, the ring backend on 127.0.0.1 otherwise); under `mlx.launch` every rank runs `tessera serve` "
+        "and rank 0 serves. 1: one process.",
     )
     max_num_seqs: int = Field(16, ge=1, description="Most requests decoding at once (the running batch).")
     max_queued_requests: int = Field(
