@@ -50,6 +50,7 @@ def build_engine(settings: Settings, metrics: Metrics | None = None) -> ServedMo
         max_num_seqs=settings.max_num_seqs,
         max_queued_requests=settings.max_queued_requests,
         memory_budget=settings.memory_budget,
+        world=settings.world,
     ))
     if metrics is None:
         metrics = Metrics.from_settings(settings, name, built.max_model_len)
@@ -99,6 +100,12 @@ def serve(settings: Settings) -> int:
     """Run the server until it is shut down; the process exit code."""
     configure_logging(settings.log_level)
     logger.info("effective settings: %s", json.dumps(settings.public_dict(), sort_keys=True))
+    if settings.world > 1:  # under `mlx.launch` every rank runs this; ranks other than 0 serve no HTTP
+        from engine.parallel.follower import follow_if_launched_follower
+
+        code = follow_if_launched_follower(settings.model, settings.indexer_tile, settings.world)
+        if code is not None:
+            return code
     return asyncio.run(_serve(settings))
 
 

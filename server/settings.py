@@ -106,6 +106,14 @@ class Settings(BaseSettings):
         description="Accepted bearer keys for inference routes; empty: no authentication. "
         "CLI: --api-key repeated; env: TESSERA_API_KEYS='k1,k2'.",
     )
+    world: int = Field(
+        1,
+        ge=1,
+        description="Processes the model's layers are split over (pipeline parallel, docs/PARALLEL.md): rank 0 serves "
+        "HTTP and runs the first layers, ranks 1…N-1 start on this machine and run the rest (one GPU each with "
+        "NCCL on CUDA, the ring backend on 127.0.0.1 otherwise); under `mlx.launch` every rank runs `tessera serve` "
+        "and rank 0 serves. 1: one process.",
+    )
     max_num_seqs: int = Field(16, ge=1, description="Most requests decoding at once (the running batch).")
     max_queued_requests: int = Field(
         256, ge=0, description="Most requests waiting for admission; beyond it a request gets 503 + Retry-After."

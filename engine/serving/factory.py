@@ -27,6 +27,7 @@ class EngineOptions:
     max_num_seqs: int
     max_queued_requests: int
     memory_budget: int | None  # bytes for weights + workspace + KV caches; None: no limit
+    world: int = 1  # processes the layers are split over (engine/parallel/, docs/PARALLEL.md); this one is rank 0
 
 
 @dataclass(frozen=True)
@@ -41,13 +42,14 @@ def build_engine(options: EngineOptions) -> BuiltEngine:
     model_dir = Path(options.model_dir) if options.model_dir is not None else ensure_default_model()
     tokenizer = Tokenizer.from_dir(model_dir)
     max_model_len = options.max_context or load_config(model_dir).max_position_embeddings
-    runner = build_runner(
-        model_dir,
-        options.prefill_chunk,
-        options.indexer_tile,
-        max_context=max_model_len,
-        stage_timing_interval=options.stage_timing_interval,
-    )
+    shape = dict(prefill_chunk=options.prefill_chunk, indexer_tile=options.indexer_tile, max_context=max_model_len,
+                 stage_timing_interval=options.stage_timing_interval)
+    if options.world > 1:  # pipeline parallel: this process is rank 0 (and starts the other ranks)
+        from engine.parallel.serving import build_pipeline_runner
+
+        runner = build_pipeline_runner(model_dir, options.world, **shape)
+    else:
+        runner = build_runner(model_dir, **shape)
     config = SchedulerConfig(
         prefill_chunk=options.prefill_chunk,
         max_num_seqs=options.max_num_seqs,

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 from engine.model.dtypes import DTYPES
 from engine.tools.check_limits import (
-    KERNEL_MAX_DIFFERING_ROWS, KERNEL_MAX_REL_DIFF, REFERENCE_MAX_ABS_DIFF, REFERENCE_MIN_TOP1_AGREEMENT,
-    ConsistencyLimits,
+    KERNEL_MAX_DIFFERING_ROWS, KERNEL_MAX_REL_DIFF, PARALLEL_MAX_ABS_DIFF, REFERENCE_MAX_ABS_DIFF,
+    REFERENCE_MIN_TOP1_AGREEMENT, ConsistencyLimits,
 )
 
 if TYPE_CHECKING:  # the handlers import the bench (and the model loader) only when a bench runs
@@ -102,6 +102,20 @@ def _register_check(subparsers) -> None:
                      help=f"fail if more indexer selections differ (default: {limits.differing_selections})")
     con.add_argument("--json", action="store_true")
     con.set_defaults(func=_check_consistency)
+    par = sub.add_parser("parallel", help="the replay on a local world of pipeline ranks vs one process (logits, selections)")
+    par.add_argument("--model", type=Path, required=True)
+    par.add_argument("--world", type=int, default=2, help="number of ranks (each a local process)")
+    par.add_argument("--tokens", type=int, required=True, help="prompt tokens N, prefilled in chunks")
+    par.add_argument("--chunk", type=int, required=True)
+    par.add_argument("--tile", type=int, required=True)
+    par.add_argument("--decode", type=int, default=4, help="decode steps M after the prompt")
+    par.add_argument("--seed", type=int, default=0)
+    par.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    par.add_argument("--backend", default=None, choices=["ring", "nccl"], help="default: nccl on CUDA, else ring")
+    par.add_argument("--max-abs-diff", type=float, default=PARALLEL_MAX_ABS_DIFF,
+                     help=f"fail if any logit differs from one process's by more (default: {PARALLEL_MAX_ABS_DIFF})")
+    par.add_argument("--json", action="store_true")
+    par.set_defaults(func=_check_parallel)
     ker = sub.add_parser("kernels", help="device kernels vs their references (selections, scores, tile invariance); "
                                          "exit 2 where there is no CUDA device")
     ker.add_argument("--max-rel-diff", type=float, default=KERNEL_MAX_REL_DIFF,
@@ -216,6 +230,18 @@ def _convert(args) -> int:
 
 def _human_bytes(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def _check_parallel(args) -> int:
+    from engine.parallel.check import check_parallel, parallel_failures
+
+    try:
+        report = check_parallel(args.model, args.world, args.tokens, args.chunk, args.tile, args.decode, args.seed,
+                                args.dtype, args.backend)
+    except (ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return _verdict(report.as_dict(), parallel_failures(report, args.max_abs_diff), args.json)
 
 
 def _register_plan(subparsers) -> None:
