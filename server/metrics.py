@@ -421,10 +421,16 @@ class MeteredRunner:
         self._runner = runner
         self._metrics = metrics
         self._num_unprefilled: dict[str, int] = {}
+        self._num_cached: dict[str, int] = {}  # prompt tokens the prefix cache restores, until the request is added
+
+    def match_prefix(self, request_id: str, prompt_ids: Sequence[int]) -> int:
+        num_cached = self._runner.match_prefix(request_id, prompt_ids)
+        self._num_cached[request_id] = num_cached
+        return num_cached
 
     def add_request(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
         self._runner.add_request(request_id, prompt_ids, sampling)
-        self._num_unprefilled[request_id] = len(prompt_ids)
+        self._num_unprefilled[request_id] = len(prompt_ids) - self._num_cached.pop(request_id, 0)
         self._publish_in_flight()
 
     def execute(self, plan: StepPlan) -> StepOutput:

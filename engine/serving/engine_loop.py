@@ -83,7 +83,9 @@ class EngineLoop:
         eos_token_ids: Iterable[int] = (),
     ):
         self._runner = runner
-        self._scheduler = Scheduler(config, runner.cache_bytes_at, eos_token_ids=eos_token_ids)
+        self._scheduler = Scheduler(
+            config, runner.cache_bytes_at, eos_token_ids=eos_token_ids, prefix_match=runner.match_prefix
+        )
         self._emit = emit
         self._cv = threading.Condition()  # guards the scheduler and everything below
         self._pending_release: list[str] = []  # finished requests whose runner state is still to be released

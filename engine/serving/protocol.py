@@ -97,6 +97,11 @@ class StepOutput:
 class Runner(Protocol):
     """Executes a StepPlan on a model. Owns each request's cache, keyed by request id."""
 
+    def match_prefix(self, request_id: str, prompt_ids: Sequence[int]) -> int:
+        """Leading prompt tokens the runner holds in its prefix cache and will restore when the request is
+        added (0: none). Asked right before the request's first step; the first chunk starts there."""
+        ...
+
     def add_request(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None: ...
 
     def execute(self, plan: StepPlan) -> StepOutput: ...

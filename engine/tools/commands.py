@@ -65,6 +65,14 @@ def _register_check(subparsers) -> None:
     con.add_argument("--dtype", default="float32", choices=list(DTYPES))
     con.add_argument("--json", action="store_true")
     con.set_defaults(func=_check_consistency)
+    pc = sub.add_parser("prefix-cache", help="a turn restored from the prefix cache vs the same request without it")
+    pc.add_argument("--model", type=Path, required=True)
+    pc.add_argument("--fill", type=_setting, default="96:32", metavar="C:T", help="chunk:tile of the turn that fills the cache")
+    pc.add_argument("--reuse", type=_setting, default="64:7", metavar="C:T", help="chunk:tile of the turns that reuse it")
+    pc.add_argument("--prompt-tokens", type=int, default=300)
+    pc.add_argument("--seed", type=int, default=0)
+    pc.add_argument("--json", action="store_true")
+    pc.set_defaults(func=_check_prefix_cache)
     ker = sub.add_parser("kernels", help="device kernels vs their references (selections, scores, tile invariance)")
     ker.add_argument("--json", action="store_true")
     ker.set_defaults(func=_check_kernels)
@@ -96,6 +104,16 @@ def _check_consistency(args) -> int:
     report = check_consistency(args.model, args.ctx, args.decode, args.chunk, args.tile, args.seed, args.dtype)
     _print_report(report.as_dict(), args.json)
     return 0 if report.differing_selections == 0 else 1
+
+
+def _check_prefix_cache(args) -> int:
+    from engine.tools.prefix_check import check_prefix_cache
+
+    report = check_prefix_cache(
+        args.model, (args.fill.chunk, args.fill.tile), (args.reuse.chunk, args.reuse.tile), args.prompt_tokens, args.seed
+    )
+    _print_report(report, args.json)
+    return 0 if report["all_identical"] else 1
 
 
 def _register_plan(subparsers) -> None:
