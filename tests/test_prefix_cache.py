@@ -1,0 +1,139 @@
+"""Prefix cache (engine/serving/prefix_cache.py): a turn restored from the cache equals the same
+request without it, bit for bit; prefixes are keyed by their whole history; the scheduler starts a
+request where its cached prefix ends; the cache stays inside its bytes under many distinct prefixes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine.model.loader import load_model
+from engine.serving.prefix_blocks import BLOCK_TOKENS, aligned_chunk_end, chained_keys, root_key
+from engine.serving.protocol import SamplingParams
+from engine.serving.request import Request
+from engine.serving.scheduler import Scheduler, SchedulerConfig
+from engine.tools.make_model import make_model
+from engine.tools.prefix_check import Engine
+from engine.tools.replay import random_tokens
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("prefix"), "tiny", seed=3, with_tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return load_model(model_dir, dtype="float32")
+
+
+def _without_openblas() -> dict:
+    """Chunk-size equivalence is bit-exact only with a row-invariant BLAS (tests/test_tiling.py)."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+    return env
+
+
+def test_a_restored_turn_is_bit_identical_to_the_same_request_without_the_cache(model_dir):
+    cmd = [sys.executable, "-m", "engine.tools.commands", "check", "prefix-cache", "--model", str(model_dir),
+           "--fill", "96:32", "--reuse", "64:7", "--json"]
+    out = subprocess.run(cmd, env=_without_openblas(), capture_output=True, text=True, timeout=600)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    cases = {c["name"]: c for c in report["cases"]}
+    assert all(c["identical"] for c in report["cases"]), report
+    assert out.returncode == 0, out.stderr
+    # Turn 1 (300 prompt tokens + 39 decoded) saved 128 and 256; the next turn (385 tokens, off a block)
+    # restores 256 and saves 384, which the seeded repeat and the concurrent pair then restore.
+    assert cases["next turn, greedy [a]"]["num_cached_tokens"] == 256
+    assert cases["next turn, seeded [a]"]["num_cached_tokens"] == 384
+    assert cases["diverges on a block boundary, greedy [a]"]["num_cached_tokens"] == 256
+    assert cases["two requests share one prefix [a]"]["num_cached_tokens"] == 384
+    assert cases["two requests share one prefix [b]"]["num_cached_tokens"] == 256
+
+
+def test_a_block_key_names_the_whole_prefix_and_the_model():
+    tokens = list(range(3 * BLOCK_TOKENS))
+    changed = [7] + tokens[1:]  # only the first token differs
+    root = root_key("model-a|float32")
+    a, b = chained_keys(tokens, root, 0, len(tokens)), chained_keys(changed, root, 0, len(tokens))
+    assert all(x != y for x, y in zip(a, b))  # a later block's key depends on every earlier token
+    assert chained_keys(tokens, root_key("model-a|bfloat16"), 0, BLOCK_TOKENS) != a[:1]
+    assert chained_keys(tokens, a[0], BLOCK_TOKENS, 3 * BLOCK_TOKENS) == a[1:]  # resuming a chain gives the same keys
+
+
+@pytest.mark.parametrize(
+    "start,end,prompt_end,expected",
+    [
+        (0, 300, 1000, 256),  # stops inside the prompt: back to a block
+        (0, 100, 1000, 100),  # no block inside the chunk: as scheduled
+        (256, 1000, 1000, 896),  # reaches the prompt's end: stop at its last block first
+        (896, 1000, 1000, 1000),  # the tail after the last block
+        (0, 1024, 1024, 1024),  # the prompt ends on a block
+    ],
+)
+def test_prefill_chunks_end_on_blocks(start, end, prompt_end, expected):
+    assert aligned_chunk_end(start, end, prompt_end) == expected
+
+
+class _Matcher:
+    def __init__(self, num_cached: int) -> None:
+        self.num_cached, self.asked = num_cached, []
+
+    def __call__(self, request_id, prompt_ids) -> int:
+        self.asked.append(request_id)
+        return self.num_cached
+
+
+def test_the_scheduler_starts_a_request_where_its_cached_prefix_ends():
+    matcher = _Matcher(256)
+    config = SchedulerConfig(prefill_chunk=300, prefix_cache_bytes=1000)
+    scheduler = Scheduler(config, lambda n: n, prefix_match=matcher)
+    request = Request("r", list(range(700)), SamplingParams(max_tokens=4))
+    scheduler.add(request)
+    starts = []
+    while not request.is_prefill_done:
+        plan = scheduler.schedule()
+        starts.append((plan.prefill.start, plan.prefill.start + len(plan.prefill.token_ids)))
+        request.num_computed_tokens += len(plan.prefill.token_ids)
+    assert starts == [(256, 512), (512, 640), (640, 700)]
+    assert matcher.asked == ["r"] and request.num_cached_tokens == 256
+
+
+def test_without_a_prefix_cache_the_scheduler_neither_asks_nor_aligns():
+    matcher = _Matcher(256)
+    scheduler = Scheduler(SchedulerConfig(prefill_chunk=300), lambda n: n, prefix_match=matcher)
+    scheduler.add(Request("r", list(range(700)), SamplingParams(max_tokens=4)))
+    plan = scheduler.schedule()
+    assert (plan.prefill.start, len(plan.prefill.token_ids)) == (0, 300) and matcher.asked == []
+
+
+def test_admission_counts_the_prefix_cache_inside_the_budget():
+    config = SchedulerConfig(prefill_chunk=64, memory_budget_bytes=1000, prefix_cache_bytes=400)
+    scheduler = Scheduler(config, lambda n: n * 10)
+    scheduler.add(Request("a", list(range(50)), SamplingParams(max_tokens=10)))  # 600 bytes: fits in 1000 - 400
+    scheduler.add(Request("b", list(range(5)), SamplingParams(max_tokens=1)))  # 60 more: would fit 1000, not 600
+    assert scheduler.num_running == 1 and scheduler.num_waiting == 1
+    with pytest.raises(ValueError, match="prefix_cache_bytes"):
+        SchedulerConfig(memory_budget_bytes=1000, prefix_cache_bytes=1000)
+
+
+def test_many_distinct_long_prefixes_never_exceed_the_cache_bytes(model):
+    capacity = 400_000  # a few 384-token prefixes of the tiny model
+    engine = Engine(model, 128, 32, prefix_cache_bytes=capacity)
+    cache = engine.runner.prefix_cache
+    greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    prompts = [random_tokens(model.cfg.vocab_size, 400, seed) for seed in range(8)]
+    peak = 0
+    for i, prompt in enumerate(prompts):
+        engine.run({f"p{i}": prompt}, greedy)
+        peak = max(peak, cache.nbytes)
+        assert engine.runner.memory_snapshot()["prefix_cache"] == cache.nbytes <= capacity
+    assert cache.stats().num_evicted_nodes > 0 and peak > capacity // 2
+    # LRU: the newest prefix is still there, the oldest was evicted.
+    newest = engine.run({"again-newest": prompts[-1] + [1]}, greedy)["again-newest"]
+    oldest = engine.run({"again-oldest": prompts[0] + [1]}, greedy)["again-oldest"]
+    assert newest.num_cached_tokens == 384 and oldest.num_cached_tokens == 0
