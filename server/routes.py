@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.metadata
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -31,9 +30,7 @@ from server.schemas import (
     TokenizeResponse,
     VersionInfo,
 )
-
-if TYPE_CHECKING:
-    from server.app import AppState
+from server.state import AppState
 
 router = APIRouter()
 

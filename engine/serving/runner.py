@@ -80,32 +80,47 @@ class ModelRunner:
         self._sequences: dict[str, _Sequence] = {}
         # 0 bytes: no prefix cache. Its bytes come out of the memory budget (scheduler.py).
         self.prefix_cache = PrefixCache(model.cfg, model.dtype, prefix_cache_bytes) if prefix_cache_bytes > 0 else None
-        self._matched: dict[str, PrefixNode] = {}  # request -> the node match_prefix promised it
+        # request -> the cache match_prefix restored for it and the node it came from, until a plan adds it
+        self._restored: dict[str, tuple[SequenceCache, PrefixNode]] = {}
         self._weights_bytes = sum(w.nbytes for w in model.weights.values())
         self._planned_workspace = make_plan(model.cfg, self.max_context, prefill_chunk, indexer_tile, dtype_name(model.dtype)).workspace_bytes
 
     # ---- Runner protocol -----------------------------------------------------------------------
 
     def match_prefix(self, request_id: str, prompt_ids: Sequence[int]) -> int:
-        """Leading prompt tokens this request will start with from the prefix cache (0: none). Called
-        on the engine thread just before the request's first step; `add_request` restores them."""
+        """Leading prompt tokens this request starts with from the prefix cache (0: none). Restores them now,
+        into a cache of the request's own, so releases in the coming step cannot evict them first."""
         if self.prefix_cache is None:
             return 0
         node = self.prefix_cache.longest_prefix(prompt_ids)
         self.prefix_cache.count_query(len(prompt_ids), node.num_tokens if node else 0)
         if node is None:
             return 0
-        self._matched[request_id] = node
+        self._restored[request_id] = (self.prefix_cache.restore(node, prompt_ids), node)
         return node.num_tokens
 
-    def add_request(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
-        node = self._matched.pop(request_id, None)
-        cache = self.prefix_cache.restore(node, prompt_ids) if node is not None else self.model.new_cache()
-        self._sequences[request_id] = _Sequence(
-            cache, sampling, TokenHistory(prompt_ids), RequestRng(sampling.seed), Lineage(node=node)
-        )
-
     def execute(self, plan: StepPlan) -> StepOutput:
+        """Drop the plan's finished requests, set up its new ones, then run its tokens as one batch."""
+        for request_id in plan.finished_request_ids:
+            self.release(request_id)
+        for new in plan.new_requests:
+            self.add_request(new.request_id, new.prompt_ids, new.sampling, new.num_cached_tokens)
+        return self._run(plan)
+
+    def add_request(
+        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, num_cached_tokens: int = 0
+    ) -> None:
+        """Set up one request's cache, history and random stream (a plan's `new_requests` come here); with
+        cached tokens, the cache `match_prefix` restored."""
+        cache, node = self._restored.pop(request_id, (None, None))
+        if num_cached_tokens and (cache is None or cache.num_tokens != num_cached_tokens):
+            raise RuntimeError(f"{request_id!r}: planned to start at token {num_cached_tokens}, no such prefix restored")
+        if not num_cached_tokens:
+            cache, node = self.model.new_cache(), None
+        lineage = Lineage(node=node)
+        self._sequences[request_id] = _Sequence(cache, sampling, TokenHistory(prompt_ids), RequestRng(sampling.seed), lineage)
+
+    def _run(self, plan: StepPlan) -> StepOutput:
         ids, segments = [], []
         for slot in plan.decodes:
             ids.append(slot.request_id)
@@ -150,7 +165,9 @@ class ModelRunner:
                 self.prefix_cache.save(seq.cache, seq.lineage)
 
     def release(self, request_id: str) -> None:
-        self._matched.pop(request_id, None)
+        """Drop one request's state; unknown ids are a no-op (a plan's `finished_request_ids` come here). Its
+        last decode block boundary goes into the prefix cache first."""
+        self._restored.pop(request_id, None)
         seq = self._sequences.pop(request_id, None)
         if seq is not None:
             if self.prefix_cache is not None and seq.lineage.pending is not None:
