@@ -122,6 +122,18 @@ class Settings(BaseSettings):
         "workspace + the KV caches of admitted requests. A request is admitted only if its cache at its maximum "
         "length fits in what weights and workspace leave. None: no budget (admission by max_num_seqs only).",
     )
+    prefix_cache: bool = Field(
+        True,
+        description="Keep the state of recent sequences at 128-token block boundaries, so a prompt that starts "
+        "with one (a conversation's next turn, a shared system prompt) prefills only the rest. Outputs are "
+        "identical with and without it.",
+    )
+    prefix_cache_bytes: ByteSize | None = Field(
+        None,
+        description="Most bytes the prefix cache holds, least recently used state evicted first, e.g. '8GiB'. "
+        "They come out of memory_budget: requests are admitted against what is left. None: a quarter of what "
+        "the memory budget leaves for caches, or 4GiB without a budget.",
+    )
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Accepted bearer keys for inference routes; empty: no authentication. "

@@ -8,8 +8,11 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.model.loader import load_model
 from engine.serving.prefix_blocks import BLOCK_TOKENS, aligned_chunk_end, chained_keys, root_key
@@ -19,6 +22,7 @@ from engine.serving.scheduler import Scheduler, SchedulerConfig
 from engine.tools.make_model import make_model
 from engine.tools.prefix_check import Engine
 from engine.tools.replay import random_tokens
+from tests.server_harness import serving
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +141,60 @@ def test_many_distinct_long_prefixes_never_exceed_the_cache_bytes(model):
     newest = engine.run({"again-newest": prompts[-1] + [1]}, greedy)["again-newest"]
     oldest = engine.run({"again-oldest": prompts[0] + [1]}, greedy)["again-oldest"]
     assert newest.num_cached_tokens == 384 and oldest.num_cached_tokens == 0
+
+
+# ---- over HTTP: `tessera serve`'s wiring (settings -> engine factory -> app -> /metrics) ----------------------
+
+
+@pytest.fixture(scope="module")
+def served_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("prefix-served"), "tiny", seed=5, with_tokenizer=True)
+
+
+@contextmanager
+def _served(model_dir, **settings):
+    from server.app import create_app
+    from server.serve import build_engine
+    from server.settings import Settings
+
+    app_settings = Settings(model=model_dir, prefill_chunk=96, indexer_tile=32, metrics_vllm_aliases=True, **settings)
+    served = build_engine(app_settings)
+    app = create_app(app_settings, served.engine, served.tokenizer, served.info, served.metrics)
+    served.engine.start()
+    try:
+        with serving(app) as base_url:
+            yield base_url, served.info.name
+    finally:
+        served.engine.shutdown(1.0)
+
+
+def _complete(base_url: str, model: str, prompt: list[int]) -> tuple[list[str], list[float]]:
+    body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 1}
+    choice = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120).json()["choices"][0]
+    return choice["logprobs"]["tokens"], choice["logprobs"]["token_logprobs"]
+
+
+def _metric(base_url: str, name: str, **labels: str) -> float:
+    text = httpx.get(f"{base_url}/metrics", timeout=5).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and labels.items() <= s.labels.items())
+
+
+def test_a_second_turn_over_http_hits_the_cache_and_answers_as_without_it(served_dir):
+    first = random_tokens(2048, 300, seed=21)
+    second = first + random_tokens(2048, 50, seed=22)
+    with _served(served_dir, prefix_cache=False) as (url, model):
+        expected = _complete(url, model, second)
+        assert _metric(url, "tessera_prefix_cache_queries_total") == 0
+    with _served(served_dir, prefix_cache_bytes="64MiB") as (url, model):
+        _complete(url, model, first)
+        got = _complete(url, model, second)
+        assert _metric(url, "tessera_prefix_cache_queries_total") == 350 + 300
+        assert _metric(url, "tessera_prefix_cache_hits_total") == 256  # turn 1 saved its last block boundary
+        assert _metric(url, "vllm:prefix_cache_hits_total") == 256
+        assert 0 < _metric(url, "tessera_memory_bytes", kind="prefix_cache") <= 64 * 2**20
+    assert got[0] == expected[0]
+    if "LD_PRELOAD" in os.environ:  # OpenBLAS: gemms of other heights round differently (see the CLI test)
+        assert got[1] == pytest.approx(expected[1], abs=1e-4)
+    else:
+        assert got[1] == expected[1]

@@ -150,6 +150,10 @@ class StepStats:
     stage_seconds: Mapping[str, float]  # the runner's breakdown (StepOutput.stage_seconds); {} if it failed
     step_seconds: Mapping[str, float]  # schedule, execute, postprocess
     failed: bool = False  # the runner raised: its requests got an Error and nothing was sampled
+    # With a prefix cache: prompt tokens of the requests this step started, and how many of them it restored
+    # from the cache instead of prefilling (vLLM's prefix_cache_queries / prefix_cache_hits, in tokens).
+    num_prefix_cache_queried_tokens: int = 0
+    num_prefix_cache_hit_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -85,6 +85,13 @@ class ModelRunner:
         self._weights_bytes = sum(w.nbytes for w in model.weights.values())
         self._planned_workspace = make_plan(model.cfg, self.max_context, prefill_chunk, indexer_tile, dtype_name(model.dtype)).workspace_bytes
 
+    def set_prefix_cache_bytes(self, capacity_bytes: int) -> None:
+        """Size (or turn off, 0) the prefix cache before the first request; the factory knows the budget only
+        after the model is loaded."""
+        if self._sequences:
+            raise RuntimeError("the prefix cache is sized before any request runs")
+        self.prefix_cache = PrefixCache(self.model.cfg, self.model.dtype, capacity_bytes) if capacity_bytes > 0 else None
+
     # ---- Runner protocol -----------------------------------------------------------------------
 
     def match_prefix(self, request_id: str, prompt_ids: Sequence[int]) -> int:
