@@ -11,6 +11,7 @@ row-invariant BLAS (not OpenBLAS: docs/BENCHMARKS.md) every difference is exactl
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ class Completion:
     token_ids: tuple[int, ...]
     logprobs: tuple[float | None, ...]
     num_cached_tokens: int
+    ttft_seconds: float  # submission to the first token event
 
 
 @dataclass(frozen=True)
@@ -49,11 +51,18 @@ class Engine:
         self.runner = ModelRunner(model, chunk, tile, prefix_cache_bytes=prefix_cache_bytes)
         config = SchedulerConfig(prefill_chunk=chunk, max_num_seqs=4, prefix_cache_bytes=prefix_cache_bytes)
         self._events: dict[str, list[Event]] = {}
-        self.loop = EngineLoop(self.runner, config, lambda rid, event: self._events.setdefault(rid, []).append(event))
+        self._first_token_at: dict[str, float] = {}
+        self.loop = EngineLoop(self.runner, config, self._on_event)
         self._requests: dict[str, Request] = {}
+
+    def _on_event(self, request_id: str, event: Event) -> None:
+        if isinstance(event, Token):
+            self._first_token_at.setdefault(request_id, time.perf_counter())
+        self._events.setdefault(request_id, []).append(event)
 
     def run(self, prompts: dict[str, list[int]], sampling: SamplingParams) -> dict[str, Completion]:
         """Submit all prompts at once (they run concurrently), step until done."""
+        submitted = time.perf_counter()
         for rid, prompt in prompts.items():
             self._requests[rid] = Request(rid, prompt, sampling)
             self.loop.submit(self._requests[rid])
@@ -62,7 +71,8 @@ class Engine:
         for rid in prompts:
             tokens = [e for e in self._events.pop(rid) if isinstance(e, Token)]
             cached = self._requests.pop(rid).num_cached_tokens or 0
-            out[rid] = Completion(tuple(t.token_id for t in tokens), tuple(t.logprob for t in tokens), cached)
+            ttft = self._first_token_at.pop(rid) - submitted
+            out[rid] = Completion(tuple(t.token_id for t in tokens), tuple(t.logprob for t in tokens), cached, ttft)
         return out
 
 
