@@ -198,3 +198,33 @@ def test_a_second_turn_over_http_hits_the_cache_and_answers_as_without_it(served
         assert got[1] == pytest.approx(expected[1], abs=1e-4)
     else:
         assert got[1] == expected[1]
+
+
+def test_bench_multiturn_reports_both_arms_in_alternating_order(model):
+    from engine.tools.bench_multiturn import bench_multiturn_with_model
+
+    result = bench_multiturn_with_model(model, ctx=700, new=100, reply=40, chunk=256, tile=64, rounds=2)
+    # Turn 1: 560 prompt tokens (saved at 512), a 40-token reply (its decode passes no block: 599 < 640).
+    assert result["cached_tokens"] == 512 and result["turn2_tokens"] == 700
+    assert [r["cached_tokens"] for r in result["runs"]["cached"]] == [512, 512]
+    assert [r["cached_tokens"] for r in result["runs"]["cold"]] == [0, 0]
+    assert result["same_first_token"] and result["ratio"] == result["cached_ttft_s"] / result["cold_ttft_s"]
+
+
+@pytest.mark.parametrize(
+    "enabled,requested,budget,expected",
+    [(False, None, None, 0), (True, None, None, 4 * 2**30), (True, None, 1000, 250), (True, 100, 1000, 100)],
+)
+def test_prefix_cache_bytes_come_out_of_the_budget(enabled, requested, budget, expected):
+    from engine.serving.factory import EngineOptions, prefix_cache_bytes
+
+    options = EngineOptions(None, 64, 64, None, 0, 4, 4, budget, prefix_cache=enabled, prefix_cache_bytes=requested)
+    assert prefix_cache_bytes(options, budget) == expected
+
+
+def test_a_prefix_cache_as_large_as_the_budget_is_refused_naming_the_setting():
+    from engine.serving.factory import EngineOptions, prefix_cache_bytes
+
+    options = EngineOptions(None, 64, 64, None, 0, 4, 4, 2000, prefix_cache=True, prefix_cache_bytes=1000)
+    with pytest.raises(ValueError, match="prefix_cache_bytes .* --prefix-cache-bytes"):
+        prefix_cache_bytes(options, 1000)
