@@ -5,7 +5,7 @@ without materializing per-head scores: each block owns 32 query rows × 256 key 
 its 32 keys' bf16 fragments in registers for the whole head loop, the block stages one head's query
 tile in shared memory at a time, and `mma.sync.m16n8k16` (bf16 × bf16 → fp32) produces the per-head
 dot products that are ReLU'd, weighted and summed in registers in a fixed head order. A row's score
-depends only on that row, so tiles stay bit-identical whatever T is (DESIGN.md §3).
+depends only on that row, so tiles stay bit-identical whatever T is (docs/ARCHITECTURE.md).
 
 The reference is `kernels.indexer.indexer_scores_reference`; `kernels.indexer.indexer_scores`
 dispatches here on a CUDA device when the shapes fit (index_head_dim a multiple of 16 and

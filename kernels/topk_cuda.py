@@ -9,7 +9,7 @@ returned in ascending order): one block of 1024 threads per query row
 3. walks the stretches again writing the selected row indices straight into their ascending slots
    (rows above the k-th score, and the first `need` ties in index order).
 Six coalesced reads of the row and a [T, k] int32 output: no [T, N] sort scratch, no full sort.
-A row's picks depend only on that row, so tiles stay bit-identical whatever T is (DESIGN.md §3).
+A row's picks depend only on that row, so tiles stay bit-identical whatever T is (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The narrow projections (q's low-rank residual, K = V, index head weights) run on every token of
 the step at once; the compressor, the indexer and the mixed attention run per segment, the last two
-in tiles of `tile` query rows (DESIGN.md §3): compress first, then per tile score → top-k → gather
+in tiles of `tile` query rows (docs/ARCHITECTURE.md, "Tiling invariants"): compress first, then per tile score → top-k → gather
 window ∪ selected rows → attend. The wide per-head queries and the output projection run in fixed
 blocks of PROJECTION_ROWS rows as the tiles reach them, so no [chunk, heads, head_dim] tensor exists.
 """
@@ -223,12 +223,13 @@ def _segment_attention(
     # Evaluating the cache's new state now lets the chunk-wide arrays it was cut from go before the
     # tile loop, instead of at the end of the forward pass.
     timer.boundary("other", keys, *cache.arrays())
+    context = _TileContext(seg, keys, num_prev, w, cfg, layer, timer)
     for r0 in range(0, seg.length, tile):
         r1 = min(r0 + tile, seg.length)
         q, index_q = queries.rows(lo + r0, lo + r1)
         timer.stage("other", q, *([] if index_q is None else [index_q]))
         index_w = None if chunk.index_w is None else chunk.index_w[lo + r0 : lo + r1]
-        out = _tile_attention(q, index_q, index_w, keys, num_prev, seg, r0, r1, w, cfg, layer, timer)
+        out = _tile_attention(context, q, index_q, index_w, r0, r1)
         timer.boundary("attention", out, *output.add(out))
 
 
@@ -241,44 +242,46 @@ def _emit_compressed(x: mx.array, seg: SegmentSlice, w: AttentionWeights, cfg: M
         cache.index_keys.append(keys)
 
 
+@dataclass(frozen=True)
+class _TileContext:
+    """What every tile of one segment at one layer shares."""
+
+    seg: SegmentSlice
+    keys: mx.array  # [Wp + L, hd]: the cached window rows, then this segment's K = V rows
+    num_prev: int  # how many of `keys` came from the cache (Wp)
+    w: AttentionWeights
+    cfg: ModelConfig
+    layer: int
+    timer: ForwardTrace
+
+
 def _tile_attention(
-    q: mx.array,
-    index_q: mx.array | None,
-    index_w: mx.array | None,
-    keys: mx.array,
-    num_prev: int,
-    seg: SegmentSlice,
-    r0: int,
-    r1: int,
-    w: AttentionWeights,
-    cfg: ModelConfig,
-    layer: int,
-    timer: ForwardTrace,
+    ctx: _TileContext, q: mx.array, index_q: mx.array | None, index_w: mx.array | None, r0: int, r1: int
 ) -> mx.array:
     """Query rows [r0, r1) of the segment (q: [t, H, hd]) -> [t, H, hd]."""
+    cfg, seg, keys = ctx.cfg, ctx.seg, ctx.keys
     window = cfg.sliding_window
     local = mx.arange(r0, r1)  # [t]
     # Query at local row r sees keys[num_prev + r - window + 1 .. num_prev + r]; earlier ones don't exist.
-    key_idx = num_prev + local[:, None] - (window - 1) + mx.arange(window)[None, :]  # [t, W]
+    key_idx = ctx.num_prev + local[:, None] - (window - 1) + mx.arange(window)[None, :]  # [t, W]
     groups = [(keys[mx.maximum(key_idx, 0)], key_idx >= 0)]  # window rows [t, W, hd]
-    kind = cfg.layer_types[layer]
+    kind = cfg.layer_types[ctx.layer]
     if kind != WINDOW:
-        visible = (seg.start + local + 1) // cfg.compress_ratio(layer)  # [t]: rows from tokens ≤ the query
+        visible = (seg.start + local + 1) // cfg.compress_ratio(ctx.layer)  # [t]: rows from tokens ≤ the query
         compressed = seg.cache.compressed.view()  # [N, hd]
         if kind == CSA:
-            selected, selected_valid = _select(index_q, index_w, r0, seg, visible, cfg, layer, timer)
+            selected, selected_valid = _select(ctx, index_q, index_w, r0, visible)
             groups.append((compressed[selected], selected_valid))  # [t, k, hd]
         else:
             groups.append((shared_rows(compressed, r1 - r0), mx.arange(compressed.shape[0])[None, :] < visible[:, None]))
-    out = mixed_attention(q, groups, w.sinks, cfg.head_dim**-0.5)
-    return out
+    return mixed_attention(q, groups, ctx.w.sinks, cfg.head_dim**-0.5)
 
 
 def _select(
-    index_q: mx.array, index_w: mx.array, r0: int, seg: SegmentSlice, visible: mx.array, cfg: ModelConfig, layer: int,
-    timer: ForwardTrace,
+    ctx: _TileContext, index_q: mx.array, index_w: mx.array, r0: int, visible: mx.array
 ) -> tuple[mx.array, mx.array]:
     """Indexer for one tile: [t, N] scores in one scratch, then top-k -> (rows, valid) [t, k]."""
+    cfg, seg, layer, timer = ctx.cfg, ctx.seg, ctx.layer, ctx.timer
     index_keys = seg.cache.index_keys.view()  # [N, ID]
     if index_keys.shape[0] == 0:
         empty = mx.zeros((index_q.shape[0], 0), dtype=mx.int32)

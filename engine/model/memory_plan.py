@@ -1,4 +1,4 @@
-"""Memory plan (DESIGN.md §4): bytes of every chunk- and tile-scaled buffer of a prefill, the cache of
+"""Memory plan (`tessera plan`; README.md): bytes of every chunk- and tile-scaled buffer of a prefill, the cache of
 one sequence at N tokens, and the weights — from the model config alone.
 
 The same numbers feed `tessera plan`, admission control (a sequence's cache at its max length) and

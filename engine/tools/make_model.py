@@ -2,7 +2,7 @@
 
 Every parameter and buffer is randomized at a scale that keeps activations O(1) — transformers'
 default init leaves norms at 1, sinks/biases/`ape` at 0 and `tid2eid` all zeros, which hides bugs
-(DESIGN.md §2). Same preset, overrides and seed -> byte-identical files.
+(docs/ARCHITECTURE.md). Same preset, overrides and seed -> byte-identical files.
 """
 
 from __future__ import annotations
