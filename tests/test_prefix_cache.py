@@ -11,6 +11,7 @@ import sys
 from contextlib import contextmanager
 
 import httpx
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -226,3 +227,30 @@ def test_a_prefix_cache_as_large_as_the_budget_is_refused_naming_the_setting():
     options = EngineOptions(None, 64, 64, None, 0, 4, 4, 2000, prefix_cache=True, prefix_cache_bytes=1000)
     with pytest.raises(ValueError, match="prefix_cache_bytes .* --prefix-cache-bytes"):
         prefix_cache_bytes(options, 1000)
+
+
+@row_invariant_blas
+def test_a_sequence_whose_saved_prefix_was_evicted_saves_from_the_start_and_restores_exactly(model):
+    from engine.model.deepseek_v4 import Segment
+    from engine.serving.prefix_cache import Lineage, PrefixCache
+    from engine.tools.replay import run_sequence
+
+    tokens = random_tokens(model.cfg.vocab_size, 520, seed=31)
+    cache_a, lineage = model.new_cache(), Lineage()
+    prefix_cache = PrefixCache(model.cfg, model.dtype, capacity_bytes=10**9)
+    model.forward([Segment(cache_a, tokens[:256])], tile=32)
+    prefix_cache.save(cache_a, lineage)
+    first = lineage.node
+    prefix_cache.capacity_bytes = 0
+    prefix_cache._evict_to(0)  # everything goes, as under pressure from other prefixes
+    assert not first.is_alive and prefix_cache.nbytes == 0 and first.rows == ()
+    prefix_cache.capacity_bytes = 10**9
+    model.forward([Segment(cache_a, tokens[256:384])], tile=32)
+    prefix_cache.save(cache_a, lineage)
+    assert lineage.node.parent is None and lineage.node.num_tokens == 384  # rows [0, 384) in one node
+
+    node = prefix_cache.longest_prefix(tokens[:500])
+    restored = prefix_cache.restore(node, tokens)
+    rest = model.forward([Segment(restored, tokens[384:500])], tile=16, all_logits=True)[0]
+    cold = run_sequence(model, tokens[:500], 500, 500, 16)
+    assert (np.array(rest) == cold.logits[384:]).all()

@@ -132,7 +132,9 @@ class PrefixCache:
         nbytes = sum(r.nbytes for r in rows) + state.nbytes
         if nbytes > self.capacity_bytes:
             return  # could never fit; the lineage keeps its older node
-        mx.eval(*[a for r in rows for a in r.arrays()])  # cut the copies loose from the live buffers now
+        # Cut the row copies loose from the live buffers now, and make sure the window and frontier are no
+        # lazy slices of the step's chunk-wide arrays (which they would keep alive).
+        mx.eval(*[a for r in rows for a in r.arrays()], *state.arrays())
         node = PrefixNode(key, parent, rows, state, nbytes)
         if parent is not None:
             parent.children.append(node)
@@ -166,6 +168,7 @@ class PrefixCache:
         for child in list(node.children):
             self._drop(child)
         node.is_alive = False
+        node.rows, node.state = (), ResumeState(node.state.num_tokens, ())  # a lineage may still point here
         del self._nodes[node.key]
         self._nbytes -= node.nbytes
         self._evicted += 1
