@@ -170,10 +170,12 @@ def _served(model_dir, **settings):
         served.engine.shutdown(1.0)
 
 
-def _complete(base_url: str, model: str, prompt: list[int]) -> tuple[list[str], list[float]]:
+def _complete(base_url: str, model: str, prompt: list[int]) -> tuple[list[str], list[float], int]:
+    """-> the tokens, their logprobs, and usage.prompt_tokens_details.cached_tokens."""
     body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 1}
-    choice = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120).json()["choices"][0]
-    return choice["logprobs"]["tokens"], choice["logprobs"]["token_logprobs"]
+    reply = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120).json()
+    logprobs = reply["choices"][0]["logprobs"]
+    return logprobs["tokens"], logprobs["token_logprobs"], reply["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
 def _metric(base_url: str, name: str, **labels: str) -> float:
@@ -196,7 +198,8 @@ def test_a_second_turn_over_http_hits_the_cache_and_answers_as_without_it(served
         assert _metric(url, "tessera_prefix_cache_hits_total") == 256  # turn 1 saved its last block boundary
         assert _metric(url, "vllm:prefix_cache_hits_total") == 256
         assert 0 < _metric(url, "tessera_memory_bytes", kind="prefix_cache") <= 64 * 2**20
-    assert got == expected  # same tokens, bit-identical logprobs
+    assert got[:2] == expected[:2]  # same tokens, bit-identical logprobs
+    assert (got[2], expected[2]) == (256, 0)  # usage tells the client what the cache saved
 
 
 def test_bench_multiturn_reports_both_arms_in_alternating_order(model):

@@ -194,6 +194,7 @@ class Progress:
 
     num_computed_tokens: int
     num_prompt_tokens: int
+    num_cached_tokens: int = 0  # of the prompt, restored from the prefix cache (usage.prompt_tokens_details)
 
 
 @dataclass(frozen=True)

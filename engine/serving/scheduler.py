@@ -311,7 +311,9 @@ class Scheduler:
         if request is None:
             return []
         request.num_computed_tokens += len(chunk.token_ids)
-        events: list[RequestEvent] = [(request, Progress(request.num_computed_tokens, request.num_prompt_tokens))]
+        events: list[RequestEvent] = [(request, Progress(
+            request.num_computed_tokens, request.num_prompt_tokens, request.num_cached_tokens or 0
+        ))]
         if chunk.is_last:
             events += self._accept_sample(request, sampled.get(chunk.request_id))
         return events
