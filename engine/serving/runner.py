@@ -7,6 +7,7 @@ Owns each request's cache, token history and random stream, keyed by request id.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -24,6 +25,8 @@ from engine.serving.protocol import SampledToken, SamplingParams, StepOutput, St
 from engine.serving.sampler import RequestRng, TokenHistory, sample
 from engine.model.trace import ForwardTrace
 
+
+logger = logging.getLogger(__name__)
 
 GPU_MAX_SORT_ROWS = 65535
 GPU_MAX_ARRAY_ELEMENTS = 2**31 - 1
@@ -178,8 +181,16 @@ class ModelRunner:
         seq = self._sequences.pop(request_id, None)
         if seq is not None:
             if self.prefix_cache is not None and seq.lineage.pending is not None:
-                self.prefix_cache.save(seq.cache, seq.lineage, seq.lineage.pending)
+                self._save_ended(request_id, seq)
             mx.clear_cache()  # give the freed cache back, so memory returns to idle within the step
+
+    def _save_ended(self, request_id: str, seq: _Sequence) -> None:
+        # Releases run at the start of another plan's step: a failed save (the ended request's last step may have
+        # failed while its state was still lazy) loses a cache entry, never that step's requests.
+        try:
+            self.prefix_cache.save(seq.cache, seq.lineage, seq.lineage.pending)
+        except Exception:
+            logger.exception("saving the prefix of ended request %r failed; it is not cached", request_id)
 
     def cache_bytes_at(self, num_tokens: int) -> int:
         return cache_bytes_at(self.model.cfg, num_tokens, self.model.dtype.size)
