@@ -257,3 +257,21 @@ def test_a_sequence_whose_saved_prefix_was_evicted_saves_from_the_start_and_rest
     rest = model.forward([Segment(restored, tokens[384:500])], tile=16, all_logits=True)[0]
     cold = run_sequence(model, tokens[:500], 500, 500, 16)
     assert (np.array(rest) == cold.logits[384:]).all()
+
+
+@row_invariant_blas
+def test_replay_through_the_cache_equals_the_cold_replay_row_for_row(model):
+    """Model level (engine/tools/replay.py): turn 1 (prompt + decode) fills the cache under chunk 96 / tile 32;
+    turn 2 (turn 1 + new tokens) restores 384 tokens, where turn 1's decode crossed a block, and its rows
+    equal a cold run's under chunk 64 / tile 7."""
+    from engine.serving.prefix_cache import PrefixCache
+    from engine.tools.replay import run_sequence, run_with_prefix_cache
+
+    tokens = random_tokens(model.cfg.vocab_size, 560, seed=41)
+    prefix_cache = PrefixCache(model.cfg, model.dtype, capacity_bytes=10**9)
+    turn1 = run_with_prefix_cache(model, prefix_cache, tokens[:400], 330, 96, 32)
+    assert turn1.num_cached == 0 and prefix_cache.stats().num_nodes == 3  # 128, 256 (prefill), 384 (decode)
+    turn2 = run_with_prefix_cache(model, prefix_cache, tokens, 520, 64, 7)
+    cold = run_sequence(model, tokens, 520, 64, 7)
+    assert turn2.num_cached == 384
+    assert (turn2.logits == cold.logits[384:]).all()
