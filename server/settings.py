@@ -157,9 +157,10 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _prefix_cache_fits_budget(self) -> Settings:
         # The whole check (against what weights and workspace leave) needs the model: engine/serving/factory.py.
-        if self.prefix_cache and self.memory_budget and self.prefix_cache_bytes and self.prefix_cache_bytes >= self.memory_budget:
+        requested, budget = self.prefix_cache_bytes, self.memory_budget
+        if self.prefix_cache and budget and requested and requested >= budget:
             raise ValueError(
-                f"prefix_cache_bytes ({self.prefix_cache_bytes}) must be less than memory_budget ({self.memory_budget}): "
+                f"prefix_cache_bytes ({requested}) must be less than memory_budget ({budget}): "
                 "the prefix cache is part of the budget; lower --prefix-cache-bytes or raise --memory-budget"
             )
         return self

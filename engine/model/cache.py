@@ -234,8 +234,11 @@ def rows_between(cache: SequenceCache, start: ResumeState | None, end: ResumeSta
     for i, layer in enumerate(cache.layers):
         lo = start.layers[i] if start is not None else None
         hi = end.layers[i]
-        compressed = layer.compressed.rows(lo.num_compressed if lo else 0, hi.num_compressed) if layer.compressed else None
-        keys = layer.index_keys.rows(lo.num_index_keys if lo else 0, hi.num_index_keys) if layer.index_keys else None
+        compressed = keys = None
+        if layer.compressed is not None:
+            compressed = layer.compressed.rows(lo.num_compressed if lo else 0, hi.num_compressed)
+        if layer.index_keys is not None:
+            keys = layer.index_keys.rows(lo.num_index_keys if lo else 0, hi.num_index_keys)
         out.append(LayerRows(compressed, keys))
     return tuple(out)
 

@@ -72,7 +72,9 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    def __init__(self, cfg: ModelConfig, dtype: mx.Dtype, capacity_bytes: int, block_tokens: int = BLOCK_TOKENS) -> None:
+    def __init__(
+        self, cfg: ModelConfig, dtype: mx.Dtype, capacity_bytes: int, block_tokens: int = BLOCK_TOKENS
+    ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.cfg, self.dtype, self.capacity_bytes, self.block_tokens = cfg, dtype, capacity_bytes, block_tokens
@@ -122,7 +124,8 @@ class PrefixCache:
         start = parent.num_tokens if parent else 0
         if start >= state.num_tokens:
             return
-        key = chained_keys(cache.token_ids, parent.key if parent else self._root, start, state.num_tokens, self.block_tokens)[-1]
+        parent_key = parent.key if parent else self._root
+        key = chained_keys(cache.token_ids, parent_key, start, state.num_tokens, self.block_tokens)[-1]
         existing = self._nodes.get(key)
         if existing is not None:
             lineage.node = existing

@@ -124,11 +124,15 @@ class ModelRunner:
         cached tokens, the cache `match_prefix` restored."""
         cache, node = self._restored.pop(request_id, (None, None))
         if num_cached_tokens and (cache is None or cache.num_tokens != num_cached_tokens):
-            raise RuntimeError(f"{request_id!r}: planned to start at token {num_cached_tokens}, no such prefix restored")
+            raise RuntimeError(
+                f"{request_id!r}: planned to start at token {num_cached_tokens}, no such prefix restored"
+            )
         if not num_cached_tokens:
             cache, node = self.model.new_cache(), None
         lineage = Lineage(node=node)
-        self._sequences[request_id] = _Sequence(cache, sampling, TokenHistory(prompt_ids), RequestRng(sampling.seed), lineage)
+        self._sequences[request_id] = _Sequence(
+            cache, sampling, TokenHistory(prompt_ids), RequestRng(sampling.seed), lineage
+        )
 
     def _run(self, plan: StepPlan) -> StepOutput:
         ids, segments = [], []
@@ -140,7 +144,9 @@ class ModelRunner:
             chunk = plan.prefill
             cache = self._sequences[chunk.request_id].cache
             if cache.num_tokens != chunk.start:  # a prefix restore and the scheduler disagree: never run on it
-                raise RuntimeError(f"{chunk.request_id!r}: the chunk starts at token {chunk.start}, its cache holds {cache.num_tokens}")
+                raise RuntimeError(
+                    f"{chunk.request_id!r}: the chunk starts at token {chunk.start}, its cache holds {cache.num_tokens}"
+                )
             segments.append(Segment(cache, list(chunk.token_ids)))
             if chunk.is_last:
                 sampled_ids.append(chunk.request_id)

@@ -9,6 +9,9 @@ head of the queue is never skipped, so a large request cannot starve behind a st
 Memory accounting is kept here (a number per request); the cache itself lives in the runner. A request
 reserves its cache at its longest possible length when it is admitted and frees it when it finishes.
 
+With a prefix cache (engine/serving/prefix_cache.py) the runner is asked, as a request's first chunk is planned,
+how many leading prompt tokens it can restore; the request starts there, and chunks end on the cache's blocks.
+
 The plan also tells the runner which requests it meets for the first time and which finished since the last
 plan (vLLM's SchedulerOutput), so the scheduler's `Request` objects are the one record of every request.
 """
@@ -279,7 +282,8 @@ class Scheduler:
         if request is None or token_budget < 1:
             return None
         if request.num_cached_tokens is None:
-            request.num_cached_tokens = self._prefix_match(request.request_id, request.prompt_ids) if self._prefix_match else 0
+            match = self._prefix_match
+            request.num_cached_tokens = match(request.request_id, request.prompt_ids) if match else 0
             request.num_computed_tokens = request.num_cached_tokens
         start = request.num_computed_tokens
         end = start + min(request.num_remaining_prompt_tokens, token_budget)

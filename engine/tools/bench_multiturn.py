@@ -50,7 +50,9 @@ def bench_multiturn_with_model(
     return _summary(measured, ctx, new, reply, chunk, tile, len(turn2))
 
 
-def _summary(measured: dict[str, list[dict]], ctx: int, new: int, reply: int, chunk: int, tile: int, turn2_tokens: int) -> dict:
+def _summary(
+    measured: dict[str, list[dict]], ctx: int, new: int, reply: int, chunk: int, tile: int, turn2_tokens: int
+) -> dict:
     cold = statistics.mean(m["ttft_s"] for m in measured["cold"])
     cached = statistics.mean(m["ttft_s"] for m in measured["cached"])
     first_tokens = {m["first_token"] for runs in measured.values() for m in runs}

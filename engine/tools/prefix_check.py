@@ -108,7 +108,9 @@ def check_model_prefix_cache(
     return results
 
 
-def check_prefix_cache(model_dir: Path, fill: tuple[int, int], reuse: tuple[int, int], prompt_tokens: int, seed: int) -> dict:
+def check_prefix_cache(
+    model_dir: Path, fill: tuple[int, int], reuse: tuple[int, int], prompt_tokens: int, seed: int
+) -> dict:
     model = load_model(Path(model_dir), dtype="float32")
     results = check_model_prefix_cache(model, fill, reuse, prompt_tokens, seed=seed)
     return {"fill": list(fill), "reuse": list(reuse), "all_identical": all(r.identical for r in results),
