@@ -56,6 +56,9 @@ VLLM_DASHBOARD_QUERIES = {
     "KV cache usage": 'vllm:kv_cache_usage_perc{model_name="$model_name"}',
     "finish reasons": 'sum by(finished_reason) (increase(vllm:request_success_total'
                       '{model_name="$model_name"}[$__rate_interval]))',
+    # vLLM v1's prefix-cache counters (this query is ours: hits / queries, in tokens).
+    "prefix cache hit rate": 'sum(rate(vllm:prefix_cache_hits_total{model_name="$model_name"}[$__rate_interval])) '
+                             '/ sum(rate(vllm:prefix_cache_queries_total{model_name="$model_name"}[$__rate_interval]))',
 }
 
 
