@@ -5,6 +5,13 @@ the step at once; the compressor, the indexer and the mixed attention run per se
 in tiles of `tile` query rows (docs/ARCHITECTURE.md, "Tiling invariants"): compress first, then per tile score → top-k → gather
 window ∪ selected rows → attend. The wide per-head queries and the output projection run in fixed
 blocks of PROJECTION_ROWS rows as the tiles reach them, so no [chunk, heads, head_dim] tensor exists.
+
+Every product whose per-row result could depend on how many rows it is computed with runs on a
+shape fixed by the row's position, never by the tile: projections in PROJECTION_ROWS blocks of the
+batch, attention in ATTENTION_ROWS blocks of the segment (`attention_blocks`). On a GPU, cuBLAS picks
+its algorithm (tile shape, split-K / stream-K reduction order) from the whole problem — batch count
+and rows included — so the same row computed in a 197-row and in a 3001-row batch can differ in the
+last bits (docs/BENCHMARKS.md, "Issue 12"). The indexer kernels are per row by construction.
 """
 
 from __future__ import annotations
@@ -56,6 +63,15 @@ class SegmentSlice:
 # output independent of the indexer tile — and keep the chunk-wide [C, heads, head_dim] queries and
 # attention output, the largest chunk-scaled activations, out of memory (one block at a time).
 PROJECTION_ROWS = 256
+
+# Mixed attention runs on blocks of this many query rows of a segment, counted from its first row and
+# cut at its end; a tile that covers only part of a block fills the rest with padding rows (zero
+# queries, no visible rows) so the batched products keep the block's shape. The row's position in
+# the block and the block's shape then depend only on the row and the segment length — not on the
+# tile — which is what makes the GPU's batched gemms give the same bits tiled and untiled. A tile
+# that is a multiple of ATTENTION_ROWS pads nothing (except at the segment's end, the same block
+# either way); other tiles pay for at most two padded blocks each.
+ATTENTION_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -260,21 +276,69 @@ def _tile_attention(
 ) -> mx.array:
     """Query rows [r0, r1) of the segment (q: [t, H, hd]) -> [t, H, hd]."""
     cfg, seg, keys = ctx.cfg, ctx.seg, ctx.keys
-    window = cfg.sliding_window
     local = mx.arange(r0, r1)  # [t]
-    # Query at local row r sees keys[num_prev + r - window + 1 .. num_prev + r]; earlier ones don't exist.
-    key_idx = ctx.num_prev + local[:, None] - (window - 1) + mx.arange(window)[None, :]  # [t, W]
-    groups = [(keys[mx.maximum(key_idx, 0)], key_idx >= 0)]  # window rows [t, W, hd]
+    key_idx = window_key_indices(ctx.num_prev, r0, r1, cfg.sliding_window)  # [t, W]
+    groups = [AttentionGroup(keys[mx.maximum(key_idx, 0)], key_idx >= 0)]  # window rows [t, W, hd]
     kind = cfg.layer_types[ctx.layer]
     if kind != WINDOW:
         visible = (seg.start + local + 1) // cfg.compress_ratio(ctx.layer)  # [t]: rows from tokens ≤ the query
         compressed = seg.cache.compressed.view()  # [N, hd]
         if kind == CSA:
             selected, selected_valid = _select(ctx, index_q, index_w, r0, visible)
-            groups.append((compressed[selected], selected_valid))  # [t, k, hd]
+            groups.append(AttentionGroup(compressed[selected], selected_valid))  # [t, k, hd]
         else:
-            groups.append((shared_rows(compressed, r1 - r0), mx.arange(compressed.shape[0])[None, :] < visible[:, None]))
-    return mixed_attention(q, groups, ctx.w.sinks, cfg.head_dim**-0.5)
+            groups.append(AttentionGroup(compressed, mx.arange(compressed.shape[0])[None, :] < visible[:, None], shared=True))
+    return blockwise_attention(q, groups, ctx.w.sinks, cfg.head_dim**-0.5, r0, r1, seg.length)
+
+
+def window_key_indices(num_prev: int, r0: int, r1: int, window: int) -> mx.array:
+    """Segment rows [r0, r1) -> [t, W] indices into keys = (cached window ‖ the segment's K): the
+    query at row r sees keys[num_prev + r - window + 1 .. num_prev + r]; negative ones don't exist."""
+    return num_prev + mx.arange(r0, r1)[:, None] - (window - 1) + mx.arange(window)[None, :]
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Rows a tile's queries attend to: per query row (rows [t, R, hd]) or, `shared`, the same
+    [R, hd] for every query (HCA, broadcast without a copy); valid: [t, R] bool."""
+
+    rows: mx.array
+    valid: mx.array
+    shared: bool = False
+
+
+def attention_blocks(r0: int, r1: int, length: int, block: int = ATTENTION_ROWS) -> list[tuple[int, int, int, int]]:
+    """One tile, segment rows [r0, r1) of `length` -> for every ATTENTION_ROWS block it touches
+    (b0, b1, lo, hi): the block [b0, b1) (b0 a multiple of `block`, b1 cut at the segment's end) and
+    the tile's rows in it, [lo, hi). The block depends on the row alone, never on the tile."""
+    return [(b0, min(b0 + block, length), max(b0, r0), min(b0 + block, length, r1))
+            for b0 in range(r0 // block * block, r1, block)]
+
+
+def blockwise_attention(
+    q: mx.array, groups: list[AttentionGroup], sinks: mx.array, scale: float, r0: int, r1: int, length: int
+) -> mx.array:
+    """q: [t, H, hd] of segment rows [r0, r1) -> [t, H, hd], one fixed-shape block at a time."""
+    outs = []
+    for b0, b1, lo, hi in attention_blocks(r0, r1, length):
+        before, after, part = lo - b0, b1 - hi, slice(lo - r0, hi - r0)
+        block_groups = [
+            (shared_rows(g.rows, b1 - b0) if g.shared else _padded(g.rows[part], before, after),
+             _padded(g.valid[part], before, after))
+            for g in groups
+        ]
+        out = mixed_attention(_padded(q[part], before, after), block_groups, sinks, scale)  # [b1 - b0, H, hd]
+        outs.append(out[before : before + hi - lo])
+    return _joined(outs)
+
+
+def _padded(x: mx.array, before: int, after: int) -> mx.array:
+    """x: [n, ...] -> [before + n + after, ...] with zero (False) rows around it: padding rows have
+    no visible rows and contribute nothing, they only keep the block's shape."""
+    if before == 0 and after == 0:
+        return x
+    zeros = lambda n: mx.zeros((n,) + tuple(x.shape[1:]), dtype=x.dtype)  # noqa: E731
+    return mx.concatenate([zeros(before), x, zeros(after)])
 
 
 def _select(

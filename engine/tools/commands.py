@@ -98,6 +98,16 @@ def _register_check(subparsers) -> None:
                           f"(default: {KERNEL_MAX_DIFFERING_ROWS})")
     ker.add_argument("--json", action="store_true")
     ker.set_defaults(func=_check_kernels)
+    gpu = sub.add_parser("gpu", help="on a CUDA machine: kernel checks + tiled-vs-untiled matrix over awkward shapes; "
+                                     "exits 1 on any difference")
+    gpu.add_argument("--model", type=Path, default=None, help="checkpoint (default: a flash-attn, 3-layer one in a temp dir)")
+    gpu.add_argument("--shape", action="append", default=None, metavar="CTX:CHUNK:TILE", help="replace the built-in matrix")
+    gpu.add_argument("--dtype", action="append", default=None, choices=list(DTYPES), help="default: bfloat16 and float32")
+    gpu.add_argument("--rows", type=int, default=3001, help="query rows of the row-invariance checks")
+    gpu.add_argument("--allow-cpu", action="store_true", help="run without CUDA (the reference path) instead of failing")
+    gpu.add_argument("--json", action="store_true")
+    gpu.add_argument("--out", type=Path, default=None, help="also write the report as JSON to this file")
+    gpu.set_defaults(func=_check_gpu)
 
 
 def _verdict(report: dict, failures: list[str], as_json: bool) -> int:
@@ -117,6 +127,12 @@ def _check_kernels(args) -> int:
         print("error: no CUDA device here: the kernels were not checked", file=sys.stderr)
         return 2
     return _verdict(report, device_checks.kernel_failures(report, args.max_rel_diff, args.max_differing_rows), args.json)
+
+
+def _check_gpu(args) -> int:
+    from engine.tools.gpu_check import check_gpu_command
+
+    return check_gpu_command(args.model, args.shape, args.dtype, args.allow_cpu, args.json, args.rows, args.out)
 
 
 def _check_reference(args) -> int:
