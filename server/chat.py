@@ -87,7 +87,7 @@ async def create_chat_completion(
     return ChatCompletion(
         id=meta.id, created=meta.created, model=meta.model,
         choices=[_choice(i, pieces, body, thinking, served.tokenizer) for i, pieces in enumerate(outputs)],
-        usage=Usage.of(len(prompt_ids), sum(run.num_generated_tokens for run in runs)),
+        usage=Usage.of(len(prompt_ids), sum(run.num_generated_tokens for run in runs), runs[0].num_cached_tokens),
     )
 
 
@@ -196,7 +196,8 @@ async def _chunks(runs: list[ChoiceRun], body: ChatCompletionRequest, thinking: 
         return ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=usage)
 
     def usage() -> Usage:
-        return Usage.of(runs[0].num_prompt_tokens, sum(run.num_generated_tokens for run in runs))
+        return Usage.of(runs[0].num_prompt_tokens, sum(run.num_generated_tokens for run in runs),
+                        runs[0].num_cached_tokens)
 
     def running_usage() -> Usage | None:  # vLLM's continuous_usage_stats: usage on every chunk as well
         return usage() if body.continuous_usage else None

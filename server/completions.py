@@ -79,8 +79,13 @@ async def create_completion(
         return sse_response(chunks, lambda: close_runs(runs), body.include_usage)
     outputs = await until_disconnected(request, _complete(runs))
     choices = [_choice(i, pieces, body, served, echoes, runs[i]) for i, pieces in enumerate(outputs)]
-    usage = Usage.of(num_prompt_tokens, sum(run.num_generated_tokens for run in runs))
+    usage = Usage.of(num_prompt_tokens, sum(run.num_generated_tokens for run in runs), _cached_tokens(runs, body.n))
     return head.model_copy(update={"choices": choices, "usage": usage})
+
+
+def _cached_tokens(runs: list[ChoiceRun], n: int) -> int:
+    """Each prompt's tokens count once in usage (its n choices share them): its first choice's cached tokens."""
+    return sum(run.num_cached_tokens for run in runs[::n])
 
 
 async def _complete(runs: list[ChoiceRun]) -> list[list[Piece]]:
@@ -119,7 +124,7 @@ def _concat(first: CompletionLogprobs, second: CompletionLogprobs) -> Completion
 async def _chunks(runs: list[ChoiceRun], body: CompletionRequest, served: ServedModel, head: Completion,
                   echoes: list[str] | None, num_prompt_tokens: int) -> AsyncIterator[Chunk]:
     def usage() -> Usage:
-        return Usage.of(num_prompt_tokens, sum(run.num_generated_tokens for run in runs))
+        return Usage.of(num_prompt_tokens, sum(run.num_generated_tokens for run in runs), _cached_tokens(runs, body.n))
 
     def chunk(choices: list[CompletionChoice], final_usage: Usage | None = None) -> Completion:
         # vLLM's continuous_usage_stats: every chunk carries the usage so far.

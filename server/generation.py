@@ -107,6 +107,7 @@ class ChoiceRun:
         self.prompt_ids = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
         self.num_generated_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache restored (every prefill chunk's Progress says)
         self._engine = engine
         self._tracker = metrics.track(len(prompt_ids))  # arrival: just before the engine sees the request
         self._events: AsyncIterator[Event] = engine.generate(request_id, list(prompt_ids), sampling)
@@ -169,6 +170,7 @@ class ChoiceRun:
         if isinstance(event, Token):
             return self._on_token(event)
         if isinstance(event, Progress):
+            self.num_cached_tokens = event.num_cached_tokens
             return Piece(is_keepalive=True)
         if isinstance(event, PromptLogprobs):
             self.prompt_logprobs.extend(event.entries)  # arrive in prompt order, before the first token

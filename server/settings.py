@@ -101,6 +101,18 @@ class Settings(BaseSettings):
         "workspace + the KV caches of admitted requests. A request is admitted only if its cache at its maximum "
         "length fits in what weights and workspace leave. None: no budget (admission by max_num_seqs only).",
     )
+    prefix_cache: bool = Field(
+        True,
+        description="Keep the state of recent sequences at 128-token block boundaries, so a prompt that starts "
+        "with one (a conversation's next turn, a shared system prompt) prefills only the rest. Outputs are "
+        "identical with and without it.",
+    )
+    prefix_cache_bytes: ByteSize | None = Field(
+        None,
+        description="Most bytes the prefix cache holds, least recently used state evicted first, e.g. '8GiB'. "
+        "They come out of memory_budget: requests are admitted against what is left. None: a quarter of what "
+        "the memory budget leaves for caches, or 4GiB without a budget.",
+    )
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Accepted bearer keys for inference routes; empty: no authentication. "
@@ -111,6 +123,14 @@ class Settings(BaseSettings):
         description="CORS: origins browsers may call from (vLLM's --allowed-origins, same default: any). A JSON "
         "list or comma-separated; empty: no CORS headers. Preflight OPTIONS requests are answered before the "
         "API-key check (browsers never send credentials on a preflight).",
+    )
+    world: int = Field(
+        1,
+        ge=1,
+        description="Processes the model's layers are split over (pipeline parallel, docs/PARALLEL.md): rank 0 serves "
+        "HTTP and runs the first layers, ranks 1…N-1 start on this machine and run the rest (one GPU each with "
+        "NCCL on CUDA, the ring backend on 127.0.0.1 otherwise); under `mlx.launch` every rank runs `tessera serve` "
+        "and rank 0 serves. 1: one process.",
     )
     max_num_seqs: int = Field(16, ge=1, description="Most requests decoding at once (the running batch).")
     max_queued_requests: int = Field(
@@ -145,6 +165,17 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"indexer_tile ({self.indexer_tile}) must be ≤ prefill_chunk ({self.prefill_chunk}): "
                 "lower --indexer-tile or raise --prefill-chunk"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _prefix_cache_fits_budget(self) -> Settings:
+        # The whole check (against what weights and workspace leave) needs the model: engine/serving/factory.py.
+        requested, budget = self.prefix_cache_bytes, self.memory_budget
+        if self.prefix_cache and budget and requested and requested >= budget:
+            raise ValueError(
+                f"prefix_cache_bytes ({requested}) must be less than memory_budget ({budget}): "
+                "the prefix cache is part of the budget; lower --prefix-cache-bytes or raise --memory-budget"
             )
         return self
 
