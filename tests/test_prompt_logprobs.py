@@ -76,3 +76,18 @@ def test_no_prompt_logprobs_unless_asked(model):
     runner.add_request("r", PROMPT, SamplingParams(temperature=0.0))
     out = runner.execute(StepPlan(prefill=PrefillChunk("r", tuple(PROMPT), 0, True)))
     assert out.prompt_logprobs == () and len(out.sampled) == 1
+
+
+def test_a_request_asking_for_prompt_logprobs_prefills_every_token_despite_a_cached_prefix():
+    """Prompt logprobs come out of the prefill: a prefix-cache hit would leave the cached positions without."""
+    from engine.serving.request import Request
+    from engine.serving.scheduler import Scheduler, SchedulerConfig
+
+    asked = []
+    config = SchedulerConfig(prefill_chunk=300, prefix_cache_bytes=1000)
+    scheduler = Scheduler(config, lambda n: n, prefix_match=lambda rid, ids: asked.append(rid) or 256)
+    scheduler.add(Request("plain", list(range(700)), SamplingParams(max_tokens=4)))
+    assert scheduler.schedule().prefill.start == 256
+    scheduler.abort("plain")
+    scheduler.add(Request("echo", list(range(700)), SamplingParams(max_tokens=4, prompt_logprobs=1)))
+    assert scheduler.schedule().prefill.start == 0 and asked == ["plain"]
