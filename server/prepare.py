@@ -47,6 +47,40 @@ class ServedModel:
     metrics: Metrics  # the app's (AppState.metrics): each ChoiceRun reports its request to it
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """Bounds on what one request may ask for, from the settings; checked before any work starts."""
+
+    default_max_tokens: int  # chat without max_tokens; 0: the rest of the context
+    max_stop_strings: int
+    max_stop_string_chars: int
+    max_choices: int  # engine requests one HTTP request may start (prompts x n)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RequestLimits:
+        # On an idle server max_num_seqs choices are admitted at once and max_queued_requests wait; one more
+        # is refused with queue_full however long the client retries, so it is a 400, not a 503.
+        return cls(settings.default_max_tokens, settings.max_stop_strings, settings.max_stop_string_chars,
+                   settings.max_num_seqs + settings.max_queued_requests)
+
+    def check_stops(self, stops: Sequence[str]) -> None:
+        """Every token is matched against every stop string: their number and length bound that work."""
+        if len(stops) > self.max_stop_strings:
+            raise invalid_request(f"Too many stop strings: {len(stops)}, at most {self.max_stop_strings} "
+                                  "(max_stop_strings)", param="stop")
+        longest = max((len(stop) for stop in stops), default=0)
+        if longest > self.max_stop_string_chars:
+            raise invalid_request(f"A stop string has {longest} characters, at most {self.max_stop_string_chars} "
+                                  "(max_stop_string_chars)", param="stop")
+
+    def check_num_choices(self, num_choices: int, param: str) -> None:
+        if num_choices > self.max_choices:
+            raise invalid_request(
+                f"This request needs {num_choices} generations (prompts x n) but the server runs and queues at "
+                f"most {self.max_choices} at once (max_num_seqs + max_queued_requests); split it into smaller "
+                "requests", param=param)
+
+
 def served_model_name(settings: Settings) -> str:
     """The model id clients send: known from the settings alone, so /metrics can carry it while loading."""
     if settings.served_model_name is not None:
@@ -92,8 +126,10 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
         raise invalid_request(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param=param)
 
 
-def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int, prompt_param: str) -> int:
-    """The completion budget: as requested if prompt + it fits the context, else a 400; unset: the rest."""
+def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int, prompt_param: str,
+                       default_cap: int = 0) -> int:
+    """The completion budget: as requested if prompt + it fits the context, else a 400; unset: the rest of the
+    context, capped at `default_cap` (0: no cap)."""
     if num_prompt_tokens == 0:
         raise invalid_request(f"The {prompt_param} is empty", param=prompt_param)
     if num_prompt_tokens >= max_model_len:
@@ -102,7 +138,8 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
             f"resulted in {num_prompt_tokens} tokens, which leaves no room for a completion. "
             f"Please shorten the {prompt_param}.", param=prompt_param)
     if requested is None:
-        return max_model_len - num_prompt_tokens
+        rest = max_model_len - num_prompt_tokens
+        return min(rest, default_cap) if default_cap else rest
     if num_prompt_tokens + requested > max_model_len:
         raise context_length_exceeded(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
