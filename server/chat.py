@@ -63,7 +63,7 @@ async def create_chat_completion(
     limits.check_stops(body.stop_strings)
     limits.check_num_choices(body.n, param="n")
     thinking = body.thinking()
-    prompt_ids = await workers.run(chat_prompt_ids, served.tokenizer, body, thinking)
+    prompt_ids = await workers.run(chat_prompt_ids, served.tokenizer, body, thinking, True, served.info.max_model_len)
     max_tokens = resolve_max_tokens(body.requested_max_tokens, len(prompt_ids), served.info.max_model_len, "messages",
                                     default_cap=limits.default_max_tokens)
     choices = [

@@ -37,7 +37,8 @@ def _prompt_ids(body: CompletionRequest, served: ServedModel) -> list[tuple[list
     prompts = []
     for prompt in body.prompts():
         if isinstance(prompt, str):
-            prompts.append((text_prompt_ids(tokenizer, prompt), prompt))
+            ids = text_prompt_ids(tokenizer, prompt, max_model_len=served.info.max_model_len)
+            prompts.append((ids, prompt))
         else:
             check_token_ids(prompt, tokenizer.vocab_size, param="prompt")
             prompts.append((list(prompt), tokenizer.decode(prompt, skip_special_tokens=True) if body.echo else ""))

@@ -14,9 +14,9 @@ from typing import Any, Awaitable, Sequence, TypeVar
 from starlette.requests import Request
 
 from engine.serving.protocol import SamplingParams
-from engine.model.tokenizer import Tokenizer
+from engine.model.tokenizer import Tokenizer, TooManyTokens
 from server.chat_format import render_prompt, render_with_template
-from server.errors import ClientDisconnected, context_length_exceeded, invalid_request, model_not_found
+from server.errors import APIError, ClientDisconnected, context_length_exceeded, invalid_request, model_not_found
 from server.generation import ChoiceRun
 from server.metrics import Metrics
 from server.schemas import ChatCompletionRequest, SamplingFields
@@ -101,8 +101,10 @@ def check_model(requested: str | None, info: ModelInfo) -> None:
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, body: ChatCompletionRequest, thinking: bool,
-                    add_generation_prompt: bool = True) -> list[int]:
-    """Render the messages in V4's format (or the model dir's Jinja template) and encode; BOS is in the text."""
+                    add_generation_prompt: bool = True, max_model_len: int | None = None) -> list[int]:
+    """Render the messages in V4's format (or the model dir's Jinja template) and encode; BOS is in the text.
+
+    With `max_model_len`, a prompt that leaves no room for a completion is a 400 (before its ids are built)."""
     messages = [message.to_prompt_dict() for message in body.messages]
     if tokenizer.chat_template:
         text = render_with_template(tokenizer.chat_template, messages, body.active_tools, thinking,
@@ -111,13 +113,31 @@ def chat_prompt_ids(tokenizer: Tokenizer, body: ChatCompletionRequest, thinking:
     else:
         text = render_prompt(messages, body.active_tools, thinking, add_generation_prompt=add_generation_prompt,
                              reasoning_effort=body.v4_reasoning_effort if thinking else None)
-    return tokenizer.encode(text)
+    return _encode_within(tokenizer, text, max_model_len, num_extra=0, prompt_param="messages")
 
 
-def text_prompt_ids(tokenizer: Tokenizer, text: str, add_bos: bool = True) -> list[int]:
+def text_prompt_ids(tokenizer: Tokenizer, text: str, add_bos: bool = True,
+                    max_model_len: int | None = None) -> list[int]:
     """A raw completion prompt: BOS (as the model was trained to start) + the text's tokens."""
     bos = [tokenizer.bos_token_id] if add_bos and tokenizer.bos_token_id is not None else []
-    return bos + tokenizer.encode(text)
+    return bos + _encode_within(tokenizer, text, max_model_len, num_extra=len(bos), prompt_param="prompt")
+
+
+def _encode_within(tokenizer: Tokenizer, text: str, max_model_len: int | None, num_extra: int,
+                   prompt_param: str) -> list[int]:
+    if max_model_len is None:
+        return tokenizer.encode(text)
+    try:
+        return tokenizer.encode(text, max_tokens=max(max_model_len - 1 - num_extra, 0))
+    except TooManyTokens as exc:
+        raise _no_room(max_model_len, exc.num_tokens + num_extra, prompt_param) from None
+
+
+def _no_room(max_model_len: int, num_prompt_tokens: int, prompt_param: str) -> APIError:
+    return context_length_exceeded(
+        f"This model's maximum context length is {max_model_len} tokens. However, your {prompt_param} "
+        f"resulted in {num_prompt_tokens} tokens, which leaves no room for a completion. "
+        f"Please shorten the {prompt_param}.", param=prompt_param)
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
@@ -133,10 +153,7 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
     if num_prompt_tokens == 0:
         raise invalid_request(f"The {prompt_param} is empty", param=prompt_param)
     if num_prompt_tokens >= max_model_len:
-        raise context_length_exceeded(
-            f"This model's maximum context length is {max_model_len} tokens. However, your {prompt_param} "
-            f"resulted in {num_prompt_tokens} tokens, which leaves no room for a completion. "
-            f"Please shorten the {prompt_param}.", param=prompt_param)
+        raise _no_room(max_model_len, num_prompt_tokens, prompt_param)
     if requested is None:
         rest = max_model_len - num_prompt_tokens
         return min(rest, default_cap) if default_cap else rest
