@@ -1,95 +1,36 @@
-"""The FastAPI application: state (loading / ready / draining), the edge guard, routes and error handlers.
+"""The FastAPI application: the edge guard, routes and error handlers around one `AppState` (server/state.py).
 
 `create_app(settings, engine, tokenizer, model_info)` serves an engine built elsewhere (tests pass one over
 ScriptedRunner); `create_app(settings)` starts in the loading state and `AppState.attach` makes it ready
 once serve.py has built the real engine. Either way GET /metrics answers from the start: the app owns one
-`Metrics`, which the served model's requests report to (its engine's runner should be wrapped in the same
-object's `MeteredRunner`, as serve.build_engine does, for the token and step series).
+`Metrics`, which the served model's requests report to and which `attach` subscribes to the engine's steps.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
-import logging
-import time
-from typing import Any, Literal
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.model.tokenizer import Tokenizer
+from engine.serving.protocol import EngineClient
 from server.errors import (
     APIError,
     install_error_handlers,
     payload_too_large,
     to_api_error,
     unauthorized,
-    unavailable,
 )
 from server.metrics import Metrics, metrics_router
 from server.openapi import install_openapi
-from server.prepare import ModelInfo, RequestLimits, ServedModel, served_model_name
+from server.prepare import ModelInfo, ServedModel, served_model_name
 from server.routes import router
 from server.settings import Settings
-from server.workers import WorkerPool
-
-logger = logging.getLogger("tessera.server")
-
-Phase = Literal["loading", "ready", "draining"]
+from server.state import AppState
 
 V4_MAX_CONTEXT = 1_048_576  # DeepSeek-V4's max_position_embeddings: token-count buckets before the model is read
-
-
-class AppState:
-    """What the routes share: the served model once loaded, the phase, the live engine request ids, metrics."""
-
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
-        self.settings = settings
-        self.metrics = metrics
-        self.served: ServedModel | None = None
-        self.is_draining = False
-        self.inflight: set[str] = set()  # engine request ids of unfinished choices (generation.ChoiceRun)
-        self.workers = WorkerPool(settings.edge_workers)  # parsing and tokenizing, off the event loop
-        self.limits = RequestLimits.from_settings(settings)
-
-    @property
-    def phase(self) -> Phase:
-        if self.is_draining:
-            return "draining"
-        return "ready" if self.served is not None else "loading"
-
-    def attach(self, served: ServedModel) -> None:
-        if served.metrics is not self.metrics:  # its requests would be counted where /metrics never looks
-            raise ValueError("the served model must report to the app's Metrics (create_app(..., metrics=))")
-        self.served = served
-
-    def engine_stats(self) -> Any | None:
-        """The engine's current stats for a scrape (engine.serving.engine_loop.EngineStats); None while loading."""
-        return self.served.engine.stats() if self.served is not None else None
-
-    def require_model(self) -> ServedModel:
-        """The served model, or 503 while loading or draining (readiness says the same)."""
-        if self.is_draining:
-            raise unavailable("The server is shutting down and takes no new requests")
-        if self.served is None:
-            raise unavailable("The model is still loading; retry when /ready returns 200")
-        return self.served
-
-    async def drain(self, timeout_s: float) -> None:
-        """Graceful shutdown: refuse new requests, let in-flight ones finish for `timeout_s`, abort the rest.
-
-        Aborted requests end with a 503 (or an in-stream error); we wait briefly for those responses too."""
-        self.is_draining = True
-        logger.info("draining: %d engine requests in flight, %.1f s to finish", len(self.inflight), timeout_s)
-        if self.served is not None:
-            # Blocking: waits for the scheduler to empty, then aborts what is left and stops the engine thread.
-            await asyncio.to_thread(self.served.engine.shutdown, timeout_s)
-        deadline = time.monotonic() + 2.0
-        while self.inflight and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        logger.info("drained; %d responses still being written", len(self.inflight))
 
 
 class EdgeGuard:
@@ -201,15 +142,14 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
 
 def create_app(
     settings: Settings,
-    engine: Any | None = None,
+    engine: EngineClient | None = None,
     tokenizer: Tokenizer | None = None,
     model_info: ModelInfo | None = None,
     metrics: Metrics | None = None,
 ) -> FastAPI:
     """The app; with an engine (+ tokenizer, model_info) it is ready at once, else it waits for `attach`.
 
-    `metrics`: the Metrics the engine's MeteredRunner reports to; None builds one from the settings (then only
-    the request-side series move unless the engine was built over it)."""
+    `metrics`: the Metrics to serve and feed; None builds one from the settings."""
     if metrics is None:
         metrics = default_metrics(settings, model_info)
     state = AppState(settings, metrics)

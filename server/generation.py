@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Sequence
+from typing import AsyncIterator, Sequence
 
-from engine.serving.protocol import AdmissionError, Done, Error, Event, Progress, SamplingParams, Token
+from engine.serving.protocol import AdmissionError, Done, EngineClient, Error, Event, Progress, SamplingParams, Token
 from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from server.errors import APIError, internal_error, invalid_request, overloaded, unavailable
 from server.metrics import Metrics
@@ -82,7 +82,7 @@ class ChoiceRun:
 
     def __init__(
         self,
-        engine: Any,
+        engine: EngineClient,
         tokenizer: Tokenizer,
         request_id: str,
         prompt_ids: Sequence[int],

@@ -9,11 +9,11 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import dataclass
-from typing import Any, Awaitable, Sequence, TypeVar
+from typing import Awaitable, Sequence, TypeVar
 
 from starlette.requests import Request
 
-from engine.serving.protocol import SamplingParams
+from engine.serving.protocol import EngineClient, SamplingParams
 from engine.model.tokenizer import Tokenizer, TooManyTokens
 from server.chat_format import render_prompt, render_with_template
 from server.errors import APIError, ClientDisconnected, context_length_exceeded, invalid_request, model_not_found
@@ -41,7 +41,7 @@ class ModelInfo:
 class ServedModel:
     """The loaded model as the routes see it: the engine handle, its tokenizer, facts and metrics."""
 
-    engine: Any  # engine.serving.engine_loop.AsyncEngine (duck-typed so tests may pass any engine)
+    engine: EngineClient
     tokenizer: Tokenizer
     info: ModelInfo
     metrics: Metrics  # the app's (AppState.metrics): each ChoiceRun reports its request to it

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.metadata
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
@@ -32,10 +31,8 @@ from server.schemas import (
     TokenizeResponse,
     VersionInfo,
 )
+from server.state import AppState
 from server.workers import json_body
-
-if TYPE_CHECKING:
-    from server.app import AppState
 
 router = APIRouter()
 
@@ -57,15 +54,15 @@ def _json(result: BaseModel | Response) -> Response:
 async def chat_completions(request: Request,
                            body: ChatCompletionRequest = Depends(json_body(ChatCompletionRequest))) -> Response:
     state = _state(request)
-    return _json(await create_chat_completion(body, state.require_model(), state.inflight, request, state.workers,
-                                         state.limits))
+    served = state.require_model()
+    return _json(await create_chat_completion(body, served, state.inflight, request, state.workers, state.limits))
 
 
 @router.post("/v1/completions", response_model=None, openapi_extra=body_doc("/v1/completions"))
 async def completions(request: Request, body: CompletionRequest = Depends(json_body(CompletionRequest))) -> Response:
     state = _state(request)
-    return _json(await create_completion(body, state.require_model(), state.inflight, request, state.workers,
-                                    state.limits))
+    served = state.require_model()
+    return _json(await create_completion(body, served, state.inflight, request, state.workers, state.limits))
 
 
 # ---- models ---------------------------------------------------------------------------------------

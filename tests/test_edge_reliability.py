@@ -3,6 +3,7 @@ normal answer, never a 500, a stall or a dropped connection (issue 18)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import threading
@@ -226,6 +227,10 @@ def test_health_stays_fast_while_a_10mb_prompt_is_tokenized(tokenizer):
 
         sender = threading.Thread(target=send_big)
         latencies = []
+        # As `tessera serve` does once loaded: without it a full collection over everything this pytest process
+        # holds (other tests' modules, torch) pauses client and server alike for up to ~1.3 s.
+        gc.collect()
+        gc.freeze()
         with httpx.Client(base_url=live.base_url, timeout=10) as client:
             client.get("/health")  # connect first: the probe times only the answer
             sender.start()
@@ -235,14 +240,17 @@ def test_health_stays_fast_while_a_10mb_prompt_is_tokenized(tokenizer):
                 latencies.append(time.perf_counter() - started)
                 time.sleep(0.02)
         sender.join()
+        gc.unfreeze()
         # The whole prompt was read and tokenized (then refused: millions of tokens over a 4096 context).
         error = assert_400(big["response"], "prompt")
         assert error["code"] == "context_length_exceeded"
-        assert big["seconds"] > 0.5 and len(latencies) >= 10, (big["seconds"], len(latencies))
-        # Under 100 ms each; one probe may miss it by CPU scheduling on a loaded 2-core runner, none by 0.5 s
-        # (on the event loop, this prompt stalled every probe for ~10 s).
-        slow = [seconds for seconds in latencies if seconds >= 0.1]
-        assert len(slow) <= 1 and max(latencies) < 0.5, sorted(latencies)[-5:]
+        assert big["seconds"] > 1.0 and len(latencies) >= 20, (big["seconds"], len(latencies))
+        # On the event loop (or in a GIL-holding encode) this prompt blocked every probe for its whole 4-10 s.
+        # Off it, probes answer within 100 ms; a few may miss that by CPU starvation on a shared 2-core machine
+        # (seen at load average 12: 5 of ~700 between 0.1 and 0.45 s), never by a second.
+        latencies.sort()
+        assert latencies[len(latencies) // 2] < 0.05 and latencies[int(len(latencies) * 0.95)] < 0.1, latencies[-10:]
+        assert latencies[-1] < 1.0, latencies[-10:]
 
 
 def test_the_default_body_limit_fits_a_1m_token_prompt_and_no_more():

@@ -32,19 +32,13 @@ class Driver:
 
     def schedule(self) -> StepPlan:
         plan = self.scheduler.schedule()
-        for request_id in plan.request_ids:
-            if request_id not in self.runner.live_ids:
-                request = self.scheduler.get(request_id)
-                self.runner.add_request(request_id, request.prompt_ids, request.sampling)
         self.plans.append(plan)
         return plan
 
     def finish_step(self, plan: StepPlan) -> list[RequestEvent]:
-        events = self.scheduler.postprocess(plan, self.runner.execute(plan))
-        for request, _ in events:
-            if request.is_finished:
-                self.runner.release(request.request_id)
-        return events
+        # The runner sets up and releases requests as the plan says; ScriptedRunner refuses a request that
+        # runs before it was added or after it was released, and a release of one it does not hold.
+        return self.scheduler.postprocess(plan, self.runner.execute(plan))
 
     def step(self) -> list[RequestEvent]:
         return self.finish_step(self.schedule())

@@ -1,15 +1,16 @@
 """The small plain-data interface between the server (asyncio side) and the engine thread.
 
-DESIGN.md §1: `server/` never touches MLX arrays and `engine/` never imports FastAPI. Everything that
-crosses that line is defined here: sampling parameters, the per-step plan the scheduler hands the
-runner, what the runner hands back, and the one tagged event type a request's stream carries.
-No mlx import here, so the scheduler and the server can be tested without a model.
+`server/` never touches MLX arrays and `engine/` never imports FastAPI (docs/ARCHITECTURE.md). Everything
+that crosses that line is defined here: sampling parameters, the per-step plan the scheduler hands the runner
+(with the requests it starts and ends), what the runner hands back, the one tagged event type a request's
+stream carries, the per-step statistics the engine publishes, and `EngineClient`, the one handle the server
+holds. No mlx import here, so the scheduler and the server can be tested without a model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, Sequence, Union
+from typing import AsyncIterator, Callable, Literal, Mapping, Protocol, Sequence, Union
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -31,10 +32,6 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token's logprob + top-k alternatives
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 # ---- the step plan (scheduler -> runner) -------------------------------------------------------
@@ -60,18 +57,41 @@ class DecodeSlot:
 
 
 @dataclass(frozen=True)
+class NewRequest:
+    """A request the runner meets for the first time in this step (it was admitted since the last one)."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
 class StepPlan:
+    """One step, as vLLM's SchedulerOutput: the tokens to run, plus the requests the runner must set up first
+    (`new_requests`) and the ones whose state it must drop (`finished_request_ids`, finished since the last
+    plan). The runner learns about every request only through plans, so nothing else keeps a registry."""
+
     decodes: tuple[DecodeSlot, ...] = ()
     prefill: PrefillChunk | None = None
+    new_requests: tuple[NewRequest, ...] = ()
+    finished_request_ids: tuple[str, ...] = ()
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return len(self.decodes)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return len(self.prefill.token_ids) if self.prefill else 0
 
     @property
     def num_tokens(self) -> int:
-        prefill_tokens = len(self.prefill.token_ids) if self.prefill else 0
-        return len(self.decodes) + prefill_tokens
+        return self.num_decode_tokens + self.num_prefill_tokens
 
     @property
     def is_empty(self) -> bool:
-        return self.num_tokens == 0
+        """Nothing to run and nothing to release."""
+        return self.num_tokens == 0 and not self.finished_request_ids
 
     @property
     def request_ids(self) -> tuple[str, ...]:
@@ -95,21 +115,56 @@ class StepOutput:
 
 
 class Runner(Protocol):
-    """Executes a StepPlan on a model. Owns each request's cache, keyed by request id."""
-
-    def add_request(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None: ...
+    """Executes a StepPlan on a model. Owns each request's cache, keyed by request id: `execute` first drops
+    the plan's finished requests, then sets up its new ones, then runs its tokens."""
 
     def execute(self, plan: StepPlan) -> StepOutput: ...
 
-    def release(self, request_id: str) -> None: ...
-
     def cache_bytes_at(self, num_tokens: int) -> int:
-        """Bytes one sequence's cache holds at `num_tokens` tokens (admission control, DESIGN.md §4)."""
+        """Bytes one sequence's cache holds at `num_tokens` tokens (admission control, docs/ARCHITECTURE.md)."""
         ...
 
     def memory_snapshot(self) -> dict[str, int]:
         """Bytes by kind: weights, kv_cache, planned_workspace, mlx_active, mlx_peak, mlx_cache."""
         ...
+
+
+# ---- statistics (engine thread -> subscribers; engine -> scrapes) ---------------------------------------
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One step that ran tokens, published to every subscriber (`EngineClient.subscribe`) on the engine thread
+    right after it. The only per-step record the engine keeps: counters are the subscriber's business."""
+
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_sampled_tokens: int  # tokens sampled this step, stop tokens included
+    stage_seconds: Mapping[str, float]  # the runner's breakdown (StepOutput.stage_seconds); {} if it failed
+    step_seconds: Mapping[str, float]  # schedule, execute, postprocess
+    failed: bool = False  # the runner raised: its requests got an Error and nothing was sampled
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+StepSink = Callable[[StepStats], None]
+"""Receives every StepStats on the engine thread: it must be quick and must not block."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's state now (queues, reservations, memory), read by scrapes and health checks."""
+
+    num_running: int
+    num_waiting: int
+    num_unprefilled_tokens: int  # prompt tokens of admitted requests that no prefill chunk has run yet
+    reserved_cache_bytes: int  # admitted requests' caches at max length (KV usage = this / memory_budget_bytes)
+    memory_budget_bytes: int | None
+    memory: Mapping[str, int]  # runner.memory_snapshot(), taken on the engine thread after the last step
+    is_alive: bool  # the engine thread is running
+    is_accepting: bool  # False once shutdown began
 
 
 # ---- events (engine thread -> one request's async stream) --------------------------------------
@@ -184,3 +239,30 @@ class AdmissionError(Exception):
     @property
     def is_overload(self) -> bool:
         return self.reason in ("queue_full", "shutting_down")
+
+
+# ---- the server's handle on the engine ---------------------------------------------------------------
+
+
+class EngineClient(Protocol):
+    """What the server holds (engine.serving.engine_loop.AsyncEngine implements it). Call from the event loop,
+    except `shutdown`, which blocks (run it in a thread)."""
+
+    def generate(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> AsyncIterator[Event]:
+        """The request's events until Done or Error; AdmissionError (before any event) if it is refused.
+        Leaving the iteration early aborts the request."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """End a request now (Done 'abort'); unknown ids are a no-op."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    def subscribe(self, sink: StepSink) -> None:
+        """Call `sink` with every step's StepStats from now on."""
+        ...
+
+    def start(self) -> None: ...
+
+    def shutdown(self, timeout: float) -> None: ...

@@ -1,4 +1,5 @@
-"""One request's whole state, as the scheduler sees it (STYLE.md: one object, derived numbers are properties).
+"""One request's whole state, as the scheduler sees it: one object, derived numbers are properties. The engine
+keeps no other per-request record; the runner's cache and the server's stream are keyed by its id.
 
 Token accounting follows vLLM v1: `num_computed_tokens` counts tokens whose keys/values the runner has
 written into the request's cache. A prefill catches it up to the prompt; the chunk that completes the prompt
@@ -34,6 +35,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     finish_reason: FinishReason | None = None
+    reserved_bytes: int = 0  # cache bytes reserved at admission (at its longest), freed when it finishes
+    is_started: bool = False  # a plan has handed it to the runner, so a later plan must release it
 
     def __post_init__(self) -> None:
         self.prompt_ids = tuple(self.prompt_ids)  # any sequence in; immutable inside

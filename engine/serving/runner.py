@@ -80,10 +80,19 @@ class ModelRunner:
 
     # ---- Runner protocol -----------------------------------------------------------------------
 
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Drop the plan's finished requests, set up its new ones, then run its tokens as one batch."""
+        for request_id in plan.finished_request_ids:
+            self.release(request_id)
+        for new in plan.new_requests:
+            self.add_request(new.request_id, new.prompt_ids, new.sampling)
+        return self._run(plan)
+
     def add_request(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
+        """Set up one request's cache, history and random stream (a plan's `new_requests` come here)."""
         self._sequences[request_id] = _Sequence(self.model.new_cache(), sampling, TokenHistory(prompt_ids), RequestRng(sampling.seed))
 
-    def execute(self, plan: StepPlan) -> StepOutput:
+    def _run(self, plan: StepPlan) -> StepOutput:
         ids, segments = [], []
         for slot in plan.decodes:
             ids.append(slot.request_id)
@@ -109,6 +118,7 @@ class ModelRunner:
         return (self._prefill_steps - 1) % self.stage_timing_interval == 0  # the first one is timed
 
     def release(self, request_id: str) -> None:
+        """Drop one request's state; unknown ids are a no-op (a plan's `finished_request_ids` come here)."""
         if self._sequences.pop(request_id, None) is not None:
             mx.clear_cache()  # give the freed cache back, so memory returns to idle within the step
 

@@ -1,21 +1,23 @@
 """Which tokens run next: admission, one step's plan, and the bookkeeping after it. No mlx import.
 
-Schedule tokens, not phases (vLLM v1, STYLE.md §2): each step runs every running request that is decoding
+Schedule tokens, not phases (vLLM v1): each step runs every running request that is decoding
 (one token each) and fills the rest of the token budget with at most one prefill chunk, taken from the oldest
 request still prefilling. So a 1M-token prompt delays the others' decoding by at most one chunk per step
-(DESIGN.md §1). Waiting requests are admitted FIFO while `max_num_seqs` and the memory budget allow; the
+(docs/ARCHITECTURE.md). Waiting requests are admitted FIFO while `max_num_seqs` and the memory budget allow; the
 head of the queue is never skipped, so a large request cannot starve behind a stream of small ones.
 
 Memory accounting is kept here (a number per request); the cache itself lives in the runner. A request
-reserves its cache at its longest possible length when it is admitted and frees it when it finishes
-(DESIGN.md §4).
+reserves its cache at its longest possible length when it is admitted and frees it when it finishes.
+
+The plan also tells the runner which requests it meets for the first time and which finished since the last
+plan (vLLM's SchedulerOutput), so the scheduler's `Request` objects are the one record of every request.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
 from engine.serving.protocol import (
@@ -25,6 +27,7 @@ from engine.serving.protocol import (
     Error,
     Event,
     FinishReason,
+    NewRequest,
     PrefillChunk,
     Progress,
     SampledToken,
@@ -43,7 +46,7 @@ RequestEvent = tuple[Request, Event]
 class SchedulerConfig:
     prefill_chunk: int = 4096
     """Token budget of one step: all decoding requests (one token each) plus at most one prefill chunk of
-    `prefill_chunk - num_decodes` tokens. It bounds the prefill workspace (DESIGN.md §4) and how long a decode
+    `prefill_chunk - num_decodes` tokens. It bounds the prefill workspace (engine/model/memory_plan.py) and how long a decode
     waits behind a prefill. Raise it for prefill throughput, lower it for smoother decoding."""
 
     max_num_seqs: int = 16
@@ -102,7 +105,7 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # admission order: the oldest prefill goes first
         self._requests: dict[str, Request] = {}  # every unfinished request, waiting or running
-        self._reserved_bytes: dict[str, int] = {}  # running request -> cache bytes reserved at admission
+        self._finished_ids: list[str] = []  # started requests finished since the last plan: the runner drops them
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -119,8 +122,18 @@ class Scheduler:
         return bool(self._requests)
 
     @property
+    def has_finished_to_release(self) -> bool:
+        """Requests the runner still holds state for although they finished (the next plan releases them)."""
+        return bool(self._finished_ids)
+
+    @property
     def num_reserved_bytes(self) -> int:
-        return sum(self._reserved_bytes.values())
+        return sum(request.reserved_bytes for request in self._running)
+
+    @property
+    def num_unprefilled_tokens(self) -> int:
+        """Prompt tokens of admitted requests that no prefill chunk has run yet."""
+        return sum(request.num_remaining_prompt_tokens for request in self._running)
 
     @property
     def request_ids(self) -> tuple[str, ...]:
@@ -198,18 +211,36 @@ class Scheduler:
         """FIFO: admit from the head of the queue while it fits; never skip the head."""
         while self._waiting and self._can_admit(self._waiting[0]):
             request = self._waiting.popleft()
-            self._reserved_bytes[request.request_id] = self._reservation_bytes(request)
+            request.reserved_bytes = self._reservation_bytes(request)
             request.admit(self._clock())
             self._running.append(request)
 
     # ---- one step's plan -----------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        """The next step: every decoding request, then at most one prefill chunk in the remaining budget."""
+        """The next step: every decoding request, then at most one prefill chunk in the remaining budget; the
+        requests it starts and the ones that finished since the last plan."""
         self._admit_waiting()
         decodes = self._schedule_decodes()
         prefill = self._schedule_prefill(self.config.prefill_chunk - len(decodes))
-        return StepPlan(decodes=decodes, prefill=prefill)
+        plan = StepPlan(decodes=decodes, prefill=prefill)
+        return replace(self.take_finished(), decodes=decodes, prefill=prefill, new_requests=self._start(plan.request_ids))
+
+    def take_finished(self) -> StepPlan:
+        """A plan that only releases what finished since the last plan (alone: the engine's last act)."""
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return StepPlan(finished_request_ids=finished)
+
+    def _start(self, request_ids: Iterable[str]) -> tuple[NewRequest, ...]:
+        # A request meets the runner on its first scheduled step, after admission: waiting requests hold no
+        # runner state, matching the memory accounting above.
+        new = []
+        for request_id in request_ids:
+            request = self._requests[request_id]
+            if not request.is_started:
+                request.is_started = True
+                new.append(NewRequest(request_id, request.prompt_ids, request.sampling))
+        return tuple(new)
 
     def _schedule_decodes(self) -> tuple[DecodeSlot, ...]:
         # A request decodes from the step after its prompt completes; it feeds its last sampled token.
@@ -304,7 +335,9 @@ class Scheduler:
         elif request.is_waiting:
             self._waiting.remove(request)
         del self._requests[request.request_id]
-        self._reserved_bytes.pop(request.request_id, None)
+        request.reserved_bytes = 0
+        if request.is_started:
+            self._finished_ids.append(request.request_id)
         request.finish(reason, self._clock())
         if event is None:
             event = Done(reason, request.num_prompt_tokens, request.num_output_tokens, request.timings)

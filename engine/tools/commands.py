@@ -10,6 +10,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.model.dtypes import DTYPES
+from engine.tools.check_limits import (
+    KERNEL_MAX_DIFFERING_ROWS, KERNEL_MAX_REL_DIFF, REFERENCE_MAX_ABS_DIFF, REFERENCE_MIN_TOP1_AGREEMENT,
+    ConsistencyLimits,
+)
 
 if TYPE_CHECKING:  # the handlers import the bench (and the model loader) only when a bench runs
     from engine.tools.bench import RunOptions, Setting
@@ -53,6 +57,10 @@ def _register_check(subparsers) -> None:
     ref.add_argument("--tile", type=int, default=None)
     ref.add_argument("--decode", type=int, default=0)
     ref.add_argument("--seed", type=int, default=0)
+    ref.add_argument("--max-abs-diff", type=float, default=REFERENCE_MAX_ABS_DIFF,
+                     help=f"fail (exit 1) if any logit differs by more (default: {REFERENCE_MAX_ABS_DIFF})")
+    ref.add_argument("--min-top1-agreement", type=float, default=REFERENCE_MIN_TOP1_AGREEMENT,
+                     help=f"fail (exit 1) if fewer positions agree on the top token (default: {REFERENCE_MIN_TOP1_AGREEMENT})")
     ref.add_argument("--json", action="store_true")
     ref.set_defaults(func=_check_reference)
     con = sub.add_parser("consistency", help="tiled/chunked prefill + decode vs untiled and whole-sequence runs")
@@ -63,39 +71,64 @@ def _register_check(subparsers) -> None:
     con.add_argument("--tile", type=int, required=True)
     con.add_argument("--seed", type=int, default=0)
     con.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    limits = ConsistencyLimits()
+    con.add_argument("--max-untiled-diff", type=float, default=limits.untiled_diff,
+                     help=f"fail if tiled and untiled logits differ by more (default: {limits.untiled_diff})")
+    con.add_argument("--max-whole-sequence-diff", type=float, default=limits.whole_sequence_diff,
+                     help="fail if a decoded position's logits differ from a fresh whole-sequence prefill by more "
+                          f"(default: {limits.whole_sequence_diff}; bf16 needs about 0.1)")
+    con.add_argument("--max-differing-selections", type=int, default=limits.differing_selections,
+                     help=f"fail if more indexer selections differ (default: {limits.differing_selections})")
     con.add_argument("--json", action="store_true")
     con.set_defaults(func=_check_consistency)
-    ker = sub.add_parser("kernels", help="device kernels vs their references (selections, scores, tile invariance)")
+    ker = sub.add_parser("kernels", help="device kernels vs their references (selections, scores, tile invariance); "
+                                         "exit 2 where there is no CUDA device")
+    ker.add_argument("--max-rel-diff", type=float, default=KERNEL_MAX_REL_DIFF,
+                     help=f"fail if kernel scores differ from the reference by more, relative (default: {KERNEL_MAX_REL_DIFF})")
+    ker.add_argument("--max-differing-rows", type=int, default=KERNEL_MAX_DIFFERING_ROWS,
+                     help="fail if more query rows select other rows than the reference "
+                          f"(default: {KERNEL_MAX_DIFFERING_ROWS})")
     ker.add_argument("--json", action="store_true")
     ker.set_defaults(func=_check_kernels)
 
 
-def _check_kernels(args) -> int:
-    from kernels.device_checks import check_indexer_kernel
+def _verdict(report: dict, failures: list[str], as_json: bool) -> int:
+    """Print the report with its verdict; exit status 1 if any threshold was exceeded."""
+    _print_report({**report, "passed": not failures, "failures": failures}, as_json)
+    for failure in failures:
+        print(f"FAIL: {failure}", file=sys.stderr)
+    return 1 if failures else 0
 
-    report = check_indexer_kernel()
-    _print_report(report, args.json)
-    return 0
+
+def _check_kernels(args) -> int:
+    from kernels import device_checks
+
+    report = device_checks.check_indexer_kernel()
+    if report.get("kernel") == device_checks.UNAVAILABLE:
+        _print_report(report, args.json)
+        print("error: no CUDA device here: the kernels were not checked", file=sys.stderr)
+        return 2
+    return _verdict(report, device_checks.kernel_failures(report, args.max_rel_diff, args.max_differing_rows), args.json)
 
 
 def _check_reference(args) -> int:
-    from engine.tools.reference_check import ReferenceUnavailable, check_reference
+    from engine.tools import reference_check
 
     try:
-        report = check_reference(args.model, args.tokens, args.chunk, args.tile, args.decode, args.seed)
-    except ReferenceUnavailable as exc:
+        report = reference_check.check_reference(args.model, args.tokens, args.chunk, args.tile, args.decode, args.seed)
+    except reference_check.ReferenceUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    _print_report(report.as_dict(), args.json)
-    return 0
+    return _verdict(report.as_dict(), report.failures(args.max_abs_diff, args.min_top1_agreement), args.json)
 
 
 def _check_consistency(args) -> int:
-    from engine.tools.consistency import check_consistency
+    from engine.tools import consistency
 
-    report = check_consistency(args.model, args.ctx, args.decode, args.chunk, args.tile, args.seed, args.dtype)
-    _print_report(report.as_dict(), args.json)
-    return 0 if report.differing_selections == 0 else 1
+    report = consistency.check_consistency(args.model, args.ctx, args.decode, args.chunk, args.tile, args.seed,
+                                           args.dtype)
+    limits = ConsistencyLimits(args.max_untiled_diff, args.max_whole_sequence_diff, args.max_differing_selections)
+    return _verdict(report.as_dict(), consistency.consistency_failures(report, limits), args.json)
 
 
 def _register_plan(subparsers) -> None:

@@ -1,6 +1,6 @@
 """`tessera check reference`: Tessera's logits against transformers' full forward of the same
-checkpoint (DESIGN.md §2: the reference is the cache-free forward; transformers' cached CSA decode
-is known to deviate, so it is never used here).
+checkpoint (the reference is the cache-free forward; transformers' cached CSA decode is known to deviate,
+so it is never used here — docs/ARCHITECTURE.md).
 
 Tessera runs the tokens as a user's server would: prefill in chunks of C (indexer tiles of T), then
 M single-token decode steps; every logit row is compared with the full forward at that position.
@@ -16,6 +16,7 @@ import numpy as np
 
 from engine.model.loader import load_model
 from engine.model.deepseek_v4 import DeepseekV4
+from engine.tools.check_limits import REFERENCE_MAX_ABS_DIFF, REFERENCE_MIN_TOP1_AGREEMENT
 from engine.tools.replay import random_tokens, run_sequence
 
 
@@ -37,6 +38,17 @@ class ReferenceReport:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def failures(self, max_abs_diff: float = REFERENCE_MAX_ABS_DIFF,
+                 min_top1_agreement: float = REFERENCE_MIN_TOP1_AGREEMENT) -> list[str]:
+        """One line per exceeded threshold (empty: the check passed)."""
+        out = []
+        if self.max_abs_diff > max_abs_diff:
+            out.append(f"max_abs_diff = {self.max_abs_diff} (at position {self.worst_position}) exceeds "
+                       f"--max-abs-diff {max_abs_diff}")
+        if self.top1_agreement < min_top1_agreement:
+            out.append(f"top1_agreement = {self.top1_agreement} is below --min-top1-agreement {min_top1_agreement}")
+        return out
 
 
 def tessera_logits(model: DeepseekV4, tokens: list[int], num_prefill: int, chunk: int, tile: int | None) -> np.ndarray:

@@ -57,6 +57,17 @@ class ScriptedRunner:
             self.added_ids.append(request_id)
 
     def execute(self, plan: StepPlan) -> StepOutput:
+        """As a real runner: release the plan's finished requests, add its new ones, run its tokens. Plans that
+        only release are not recorded in `executed_plans` (they run no step a metric would count)."""
+        for request_id in plan.finished_request_ids:
+            self.release(request_id)
+        for new in plan.new_requests:
+            self.add_request(new.request_id, new.prompt_ids, new.sampling)
+        if plan.num_tokens == 0:
+            return StepOutput()
+        return self._run(plan)
+
+    def _run(self, plan: StepPlan) -> StepOutput:
         started = time.perf_counter()
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
@@ -71,7 +82,8 @@ class ScriptedRunner:
 
     def release(self, request_id: str) -> None:
         with self._lock:
-            self._sequences.pop(request_id, None)
+            if self._sequences.pop(request_id, None) is None:
+                raise RuntimeError(f"request {request_id!r} released but never added, or released twice")
             self.released_ids.append(request_id)
 
     def cache_bytes_at(self, num_tokens: int) -> int:

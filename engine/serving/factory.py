@@ -1,0 +1,72 @@
+"""Build a ready-to-start engine from plain options: load the model, size the KV budget, wire the scheduler.
+
+`tessera serve` calls this through server/serve.py with values taken from its Settings; keeping it here means
+no server module imports MLX code (docs/ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.model.loader import load_config
+from engine.model.tokenizer import Tokenizer
+from engine.serving.engine_loop import AsyncEngine
+from engine.serving.runner import build_runner
+from engine.serving.scheduler import SchedulerConfig
+from engine.tools.default_model import ensure_default_model
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    model_dir: Path | None  # None: the embedded default model
+    prefill_chunk: int
+    indexer_tile: int
+    max_context: int | None  # None: the model's max_position_embeddings
+    stage_timing_interval: int
+    max_num_seqs: int
+    max_queued_requests: int
+    memory_budget: int | None  # bytes for weights + workspace + KV caches; None: no limit
+
+
+@dataclass(frozen=True)
+class BuiltEngine:
+    engine: AsyncEngine  # not started
+    tokenizer: Tokenizer
+    model_dir: Path
+    max_model_len: int
+
+
+def build_engine(options: EngineOptions) -> BuiltEngine:
+    model_dir = Path(options.model_dir) if options.model_dir is not None else ensure_default_model()
+    tokenizer = Tokenizer.from_dir(model_dir)
+    max_model_len = options.max_context or load_config(model_dir).max_position_embeddings
+    runner = build_runner(
+        model_dir,
+        options.prefill_chunk,
+        options.indexer_tile,
+        max_context=max_model_len,
+        stage_timing_interval=options.stage_timing_interval,
+    )
+    config = SchedulerConfig(
+        prefill_chunk=options.prefill_chunk,
+        max_num_seqs=options.max_num_seqs,
+        max_queued_requests=options.max_queued_requests,
+        max_model_len=max_model_len,
+        memory_budget_bytes=kv_cache_budget(options.memory_budget, runner.memory_snapshot()),
+    )
+    eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return BuiltEngine(AsyncEngine(runner, config, eos_token_ids=eos_ids), tokenizer, model_dir, max_model_len)
+
+
+def kv_cache_budget(memory_budget: int | None, memory: dict[str, int]) -> int | None:
+    """The scheduler admits against KV caches only: the budget less weights and the planned workspace."""
+    if memory_budget is None:
+        return None
+    fixed = memory.get("weights", 0) + memory.get("planned_workspace", 0)
+    if fixed >= memory_budget:
+        raise ValueError(
+            f"memory_budget ({memory_budget} bytes) does not cover weights + planned prefill workspace "
+            f"({fixed} bytes), leaving nothing for KV caches: raise --memory-budget or lower --prefill-chunk"
+        )
+    return memory_budget - fixed
