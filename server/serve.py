@@ -128,11 +128,37 @@ async def _serve(settings: Settings) -> int:
     # would otherwise pause the event loop for a walk over the whole heap (vLLM does the same after start-up).
     gc.collect()
     gc.freeze()
+    engine_died = _watch_engine(served, server)
     served.engine.start()
     state.attach(served)
     logger.info("serving %s (max_model_len %d) on http://%s:%d", served.info.name, served.info.max_model_len,
                 settings.host, settings.port)
     await serving
+    if engine_died.is_set():
+        return 1
     if not state.is_draining:  # uvicorn stopped on its own (second signal): still stop the engine thread
         await state.drain(0.0)
     return 0
+
+
+_DEATH_GRACE_S = 0.5  # after the engine died: time for the failed requests' error responses to go out
+
+
+def _watch_engine(served: ServedModel, server: uvicorn.Server) -> asyncio.Event:
+    """If the engine thread dies, exit non-zero (every client already got an error; /ready and /health say 503
+    meanwhile) so the supervisor — systemd, Kubernetes, Docker's restart policy — starts a fresh process."""
+    loop = asyncio.get_running_loop()
+    died = asyncio.Event()
+
+    async def exit_when_dead() -> None:
+        await died.wait()
+        logger.critical("the engine thread died (see the traceback above); exiting with status 1 to be restarted")
+        await asyncio.sleep(_DEATH_GRACE_S)
+        server.should_exit = True
+
+    served.engine.on_death(lambda: loop.call_soon_threadsafe(died.set))
+    _watchers.add(asyncio.ensure_future(exit_when_dead()))
+    return died
+
+
+_watchers: set[asyncio.Future] = set()  # a reference keeps the watcher task alive

@@ -1,0 +1,139 @@
+"""Faults injected into the engine (tests/support/fake_runner.py): a request whose step raises fails alone,
+its neighbours finish exactly as without it; a dead engine thread is terminal and visible at once (issue 18)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from engine.serving.engine_loop import AsyncEngine
+from engine.serving.protocol import AdmissionError, Done, Error, SamplingParams, StepPlan, Token
+from engine.serving.scheduler import SchedulerConfig
+from server_harness import live_server, make_tokenizer
+from tests.support.fake_runner import ScriptedRunner
+
+TIMEOUT_S = 10.0
+
+
+def make_engine(runner: ScriptedRunner, **config: Any) -> AsyncEngine:
+    engine = AsyncEngine(runner, SchedulerConfig(**{"prefill_chunk": 64, "max_num_seqs": 8, **config}))
+    engine.start()
+    return engine
+
+
+async def events_of(engine: AsyncEngine, request_id: str, prompt: list[int], max_tokens: int) -> list:
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+    async def run() -> list:
+        return [event async for event in engine.generate(request_id, prompt, sampling)]
+
+    return await asyncio.wait_for(run(), TIMEOUT_S)
+
+
+def decodes(request_id: str, after: int):
+    """fail_when / crash_when: the plan decodes `request_id` at a position past its prompt + `after` tokens."""
+    def when(plan: StepPlan) -> bool:
+        return any(slot.request_id == request_id and slot.position >= after for slot in plan.decodes)
+    return when
+
+
+@pytest.mark.parametrize("bad_index", [0, 3, 6])
+def test_a_request_that_fails_its_step_fails_alone(bad_index: int):
+    ids = [f"r{i}" for i in range(7)]
+    bad = ids[bad_index]
+    prompts = {rid: [10 + i, 20 + i, 30 + i] for i, rid in enumerate(ids)}
+    runner = ScriptedRunner(fail_when=decodes(bad, after=3 + 2))  # mid-answer, in a batch with all the others
+    engine = make_engine(runner)
+
+    async def main() -> list[list]:
+        return await asyncio.gather(*(events_of(engine, rid, prompts[rid], 12) for rid in ids))
+
+    results = dict(zip(ids, asyncio.run(main())))
+    failed = results.pop(bad)
+    assert isinstance(failed[-1], Error) and failed[-1].kind == "internal"
+    assert bad in failed[-1].message and "Injected" not in failed[-1].message  # generic, with its id
+    assert [e.token_id for e in failed if isinstance(e, Token)] == runner.expected_tokens(bad, prompts[bad], 3)
+    for rid, events in results.items():  # every neighbour mid-answer finished, with exactly its own tokens
+        assert events[-1] == Done("length", 3, 12), (rid, events[-1])
+        assert [e.token_id for e in events if isinstance(e, Token)] == runner.expected_tokens(rid, prompts[rid], 12)
+    deadline = time.monotonic() + TIMEOUT_S
+    while runner.live_ids and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not runner.live_ids and engine.stats().is_alive
+    engine.shutdown(1.0)
+
+
+def test_a_dead_engine_fails_every_request_at_once_and_refuses_new_ones():
+    runner = ScriptedRunner(crash_when=decodes("a", after=2 + 3), step_delay_s=0.002)
+    engine = make_engine(runner)
+    deaths: list[float] = []
+    engine.on_death(lambda: deaths.append(time.monotonic()))
+
+    async def main() -> list:
+        waiting = [events_of(engine, f"w{i}", [5, 6], 1000) for i in range(3)]
+        return await asyncio.gather(events_of(engine, "a", [1, 2], 1000), *waiting)
+
+    started = time.monotonic()
+    results = asyncio.run(main())
+    assert all(isinstance(events[-1], Error) for events in results), [events[-1] for events in results]
+    assert time.monotonic() - started < 5.0 and len(deaths) == 1
+    assert not engine.stats().is_alive
+    with pytest.raises(AdmissionError):
+        asyncio.run(events_of(engine, "late", [1, 2], 2))
+    engine.shutdown(1.0)  # still returns
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    return make_tokenizer(tmp_path_factory.mktemp("faults"))
+
+
+def test_over_http_one_poisoned_request_fails_alone_with_a_generic_500(tokenizer):
+    with live_server(tokenizer, step_delay_s=0.002) as live:
+        live.runner.fail_marker, live.runner.fail_after_tokens = "poison", 2
+        body = {"model": "tessera-test", "max_tokens": 8, "ignore_eos": True}
+        responses: dict[str, httpx.Response] = {}
+
+        def send(name: str) -> None:
+            responses[name] = httpx.post(live.base_url + "/v1/completions", json={**body, "prompt": name}, timeout=30)
+
+        threads = [threading.Thread(target=send, args=(name,)) for name in ("poison", "fine 1", "fine 2", "fine 3")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert responses["poison"].status_code == 500
+        message = responses["poison"].json()["error"]["message"]
+        assert "Injected" not in message and "request" in message
+        for name in ("fine 1", "fine 2", "fine 3"):
+            assert responses[name].status_code == 200, responses[name].text
+            assert responses[name].json()["usage"]["completion_tokens"] == 8
+
+
+def test_over_http_a_dead_engine_turns_ready_503_and_ends_streams_at_once(tokenizer):
+    with live_server(tokenizer, step_delay_s=0.002) as live:
+        assert httpx.get(live.base_url + "/ready").status_code == 200
+        live.runner.crash_when = lambda plan: len(live.runner.executed_plans) > 20
+        body = {"model": "tessera-test", "prompt": "go", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        streamed: list[str] = []
+
+        def read_stream() -> None:  # SSE pings would keep a forgotten stream open forever: bound it from outside
+            with httpx.stream("POST", live.base_url + "/v1/completions", json=body, timeout=30) as response:
+                streamed.append("".join(response.iter_text()))
+
+        reader = threading.Thread(target=read_stream, daemon=True)
+        reader.start()
+        reader.join(5.0)
+        assert streamed, "the stream did not end within 5 s of the engine's death"
+        text = streamed[0]
+        assert '"error"' in text and text.rstrip().endswith("data: [DONE]")
+        ready = httpx.get(live.base_url + "/ready")
+        assert ready.status_code == 503 and ready.json()["status"] == "engine_dead" and ready.headers["retry-after"]
+        assert httpx.get(live.base_url + "/health").status_code == 503
+        late = httpx.post(live.base_url + "/v1/completions", json={**body, "stream": False}, timeout=10)
+        assert late.status_code == 503 and late.headers["retry-after"]
