@@ -137,3 +137,50 @@ def test_over_http_a_dead_engine_turns_ready_503_and_ends_streams_at_once(tokeni
         assert httpx.get(live.base_url + "/health").status_code == 503
         late = httpx.post(live.base_url + "/v1/completions", json={**body, "stream": False}, timeout=10)
         assert late.status_code == 503 and late.headers["retry-after"]
+
+
+# ---- the real runner leaves a failed step's requests as they were ------------------------------------------
+
+
+def test_model_runner_rolls_back_a_step_that_raised_after_writing_its_caches(tmp_path):
+    from engine.serving.protocol import DecodeSlot, NewRequest, PrefillChunk
+    from engine.serving.runner import build_runner
+    from engine.tools.make_model import make_model
+
+    runner = build_runner(make_model(tmp_path, "tiny", seed=3, with_tokenizer=False), prefill_chunk=64,
+                          indexer_tile=16)
+    greedy = SamplingParams(temperature=0.0, max_tokens=100)
+    prompts = {"a": tuple(range(1, 40)), "b": tuple(range(50, 75))}
+
+    def start(suffix: str) -> dict[str, int]:
+        last = {}
+        for name, prompt in prompts.items():
+            rid = name + suffix
+            plan = StepPlan(prefill=PrefillChunk(rid, prompt, 0, True), new_requests=(NewRequest(rid, prompt, greedy),))
+            last[rid] = runner.execute(plan).sampled[0].token_id
+        return last
+
+    def decode_steps(suffix: str, last: dict[str, int], num_steps: int) -> list[tuple[int, ...]]:
+        out = []
+        for step in range(num_steps):
+            plan = StepPlan(decodes=tuple(DecodeSlot(name + suffix, last[name + suffix], len(prompts[name]) + step)
+                                          for name in prompts))
+            sampled = runner.execute(plan).sampled
+            last.update({s.request_id: s.token_id for s in sampled})
+            out.append(tuple(s.token_id for s in sampled))
+        return out
+
+    clean = decode_steps("1", start("1"), 3)
+
+    last = start("2")
+    real_forward = runner.model.forward
+
+    def forward_then_fail(*args: Any, **kwargs: Any):
+        real_forward(*args, **kwargs)  # every cache of the batch is written...
+        raise RuntimeError("injected after the forward")  # ...and then the step fails
+
+    runner.model.forward = forward_then_fail
+    with pytest.raises(RuntimeError):
+        decode_steps("2", dict(last), 1)
+    runner.model.forward = real_forward
+    assert decode_steps("2", last, 3) == clean  # re-run as if the failed step never happened
