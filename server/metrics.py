@@ -178,6 +178,7 @@ class Metrics:
         ).labels(m)
         self._running.labels(m).set(0)
         self._waiting.labels(m).set(0)
+        self._kv_usage.labels(m).set(0)  # exists from the start: the dashboard's panel has data while loading
 
     def _define_request_series(self, max_model_len: int) -> None:
         m = self.model_name

@@ -49,11 +49,13 @@ def build_engine(settings: Settings, metrics: Metrics | None = None) -> ServedMo
         max_num_seqs=settings.max_num_seqs,
         max_queued_requests=settings.max_queued_requests,
         memory_budget=settings.memory_budget,
+        memory_fraction=settings.memory_fraction,
     ))
     if metrics is None:
         metrics = Metrics.from_settings(settings, name, built.max_model_len)
     elif metrics.model_name != name:
         raise ValueError(f"metrics are labelled {metrics.model_name!r}, the model is served as {name!r}")
+    metrics.memory_budget_bytes = built.memory_budget  # memory_bytes{kind="budget"}: the one admission uses
     info = ModelInfo(name=name, root=str(built.model_dir), max_model_len=built.max_model_len,
                      created=int(time.time()))
     return ServedModel(built.engine, built.tokenizer, info, metrics)

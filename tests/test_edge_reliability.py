@@ -333,3 +333,23 @@ def test_a_disconnect_storm_frees_everything(tokenizer):
         assert httpx.get(live.base_url + "/health").status_code == 200
         response = httpx.post(live.base_url + COMPLETIONS, json=completion(max_tokens=3), timeout=10)
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+
+
+# ---- memory is always guarded ----------------------------------------------------------------------------
+
+
+def test_without_a_budget_admission_uses_a_fraction_of_the_device_memory():
+    from engine.serving.factory import device_memory_bytes, memory_budget_of
+
+    total, where = device_memory_bytes()
+    assert total > 2**28 and where  # this CPU machine's RAM
+    assert memory_budget_of(None, 0.5) == int(total * 0.5)
+    assert memory_budget_of(12345, 0.5) == 12345  # an explicit budget wins
+    assert Settings().memory_fraction == 0.9
+
+
+def test_the_kv_usage_gauge_exists_from_the_start():
+    metrics = Metrics(MODEL_NAME, vllm_aliases=True)
+    text = metrics.render()[0].decode()
+    assert f'tessera_kv_cache_usage_perc{{model_name="{MODEL_NAME}"}} 0.0' in text
+    assert f'vllm:kv_cache_usage_perc{{model_name="{MODEL_NAME}"}} 0.0' in text

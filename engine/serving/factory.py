@@ -6,8 +6,12 @@ no server module imports MLX code (docs/ARCHITECTURE.md).
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+import mlx.core as mx
 
 from engine.model.loader import load_config
 from engine.model.tokenizer import Tokenizer
@@ -15,6 +19,8 @@ from engine.serving.engine_loop import AsyncEngine
 from engine.serving.runner import build_runner
 from engine.serving.scheduler import SchedulerConfig
 from engine.tools.default_model import ensure_default_model
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -26,7 +32,8 @@ class EngineOptions:
     stage_timing_interval: int
     max_num_seqs: int
     max_queued_requests: int
-    memory_budget: int | None  # bytes for weights + workspace + KV caches; None: no limit
+    memory_budget: int | None  # bytes for weights + workspace + KV caches; None: memory_fraction of the device
+    memory_fraction: float = 0.9
 
 
 @dataclass(frozen=True)
@@ -35,12 +42,14 @@ class BuiltEngine:
     tokenizer: Tokenizer
     model_dir: Path
     max_model_len: int
+    memory_budget: int  # the whole budget in bytes (weights + workspace + KV caches)
 
 
 def build_engine(options: EngineOptions) -> BuiltEngine:
     model_dir = Path(options.model_dir) if options.model_dir is not None else ensure_default_model()
     tokenizer = Tokenizer.from_dir(model_dir)
     max_model_len = options.max_context or load_config(model_dir).max_position_embeddings
+    budget = memory_budget_of(options.memory_budget, options.memory_fraction)
     runner = build_runner(
         model_dir,
         options.prefill_chunk,
@@ -53,16 +62,36 @@ def build_engine(options: EngineOptions) -> BuiltEngine:
         max_num_seqs=options.max_num_seqs,
         max_queued_requests=options.max_queued_requests,
         max_model_len=max_model_len,
-        memory_budget_bytes=kv_cache_budget(options.memory_budget, runner.memory_snapshot()),
+        memory_budget_bytes=kv_cache_budget(budget, runner.memory_snapshot()),
     )
     eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    return BuiltEngine(AsyncEngine(runner, config, eos_token_ids=eos_ids), tokenizer, model_dir, max_model_len)
+    engine = AsyncEngine(runner, config, eos_token_ids=eos_ids)
+    return BuiltEngine(engine, tokenizer, model_dir, max_model_len, budget)
 
 
-def kv_cache_budget(memory_budget: int | None, memory: dict[str, int]) -> int | None:
+def memory_budget_of(memory_budget: int | None, memory_fraction: float) -> int:
+    """The explicit budget, else `memory_fraction` of the device's memory (as vLLM's gpu_memory_utilization)."""
+    if memory_budget is not None:
+        return memory_budget
+    total, where = device_memory_bytes()
+    budget = int(total * memory_fraction)
+    logger.info("memory budget: %.1f GiB = %.0f %% of %s (%.1f GiB); set --memory-budget or --memory-fraction "
+                "to change it", budget / 2**30, memory_fraction * 100, where, total / 2**30)
+    return budget
+
+
+def device_memory_bytes() -> tuple[int, str]:
+    """(bytes, what they are): the memory MLX reports for its GPU (unified memory on Apple silicon), else this
+    machine's physical RAM (the CPU backend keeps everything there)."""
+    info = mx.device_info() if mx.default_device() == mx.gpu else {}
+    for key in ("memory_size", "total_memory"):
+        if isinstance(info.get(key), int) and info[key] > 0:
+            return info[key], f"the GPU's memory ({key})"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the machine's RAM"
+
+
+def kv_cache_budget(memory_budget: int, memory: dict[str, int]) -> int:
     """The scheduler admits against KV caches only: the budget less weights and the planned workspace."""
-    if memory_budget is None:
-        return None
     fixed = memory.get("weights", 0) + memory.get("planned_workspace", 0)
     if fixed >= memory_budget:
         raise ValueError(
