@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from engine.model.loader import load_config
 from engine.model.tokenizer import Tokenizer
+from engine.serving.blas import blas_in_use
 from engine.serving.engine_loop import AsyncEngine
 from engine.serving.runner import build_runner
 from engine.serving.scheduler import SchedulerConfig
@@ -49,6 +50,9 @@ def build_engine(options: EngineOptions) -> BuiltEngine:
     model_dir = Path(options.model_dir) if options.model_dir is not None else ensure_default_model()
     tokenizer = Tokenizer.from_dir(model_dir)
     max_model_len = options.max_context or load_config(model_dir).max_position_embeddings
+    if mx.default_device() == mx.cpu:
+        blas = blas_in_use()
+        (logger.warning if blas.is_slow else logger.info)(blas.describe())
     budget = memory_budget_of(options.memory_budget, options.memory_fraction)
     runner = build_runner(
         model_dir,
