@@ -75,7 +75,8 @@ async def create_chat_completion(
     runs = start_runs(served, inflight, meta.id, choices, body.stop_strings)
     if body.stream:
         await until_disconnected(request, open_runs(runs))
-        return sse_response(_chunks(runs, body, thinking, served.tokenizer, meta), lambda: close_runs(runs))
+        return sse_response(_chunks(runs, body, thinking, served.tokenizer, meta), lambda: close_runs(runs),
+                            served.metrics.http_error)
     outputs = await until_disconnected(request, _complete(runs))
     return ChatCompletion(
         id=meta.id, created=meta.created, model=meta.model,

@@ -74,7 +74,7 @@ async def create_completion(
     if body.stream:
         await until_disconnected(request, open_runs(runs))
         chunks = _chunks(runs, body, served, head, echoes, num_prompt_tokens)
-        return sse_response(chunks, lambda: close_runs(runs))
+        return sse_response(chunks, lambda: close_runs(runs), served.metrics.http_error)
     outputs = await until_disconnected(request, _complete(runs))
     choices = [_choice(i, pieces, body, served, echoes) for i, pieces in enumerate(outputs)]
     usage = Usage.of(num_prompt_tokens, sum(run.num_generated_tokens for run in runs))

@@ -132,6 +132,9 @@ def test_over_http_a_dead_engine_turns_ready_503_and_ends_streams_at_once(tokeni
         assert streamed, "the stream did not end within 5 s of the engine's death"
         text = streamed[0]
         assert '"error"' in text and text.rstrip().endswith("data: [DONE]")
+        errors_500 = live.scrape()[("tessera_http_errors_total",
+                                    frozenset({("model_name", "tessera-test"), ("status", "500")}))]
+        assert errors_500 == 1  # the in-stream error counts as the 500 it would have been
         ready = httpx.get(live.base_url + "/ready")
         assert ready.status_code == 503 and ready.json()["status"] == "engine_dead" and ready.headers["retry-after"]
         assert httpx.get(live.base_url + "/health").status_code == 503
