@@ -1,4 +1,4 @@
-"""Pydantic models at the HTTP edge, in OpenAI's shapes (STYLE.md 8).
+"""Pydantic models at the HTTP edge, in OpenAI's shapes (pydantic stays here: docs/ARCHITECTURE.md).
 
 Requests forbid unknown fields: a parameter Tessera does not implement is a 400 that names it
 (errors.py turns `extra_forbidden` into `unsupported_parameter`), never silently ignored. A field sent as

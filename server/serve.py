@@ -40,6 +40,8 @@ def build_engine(settings: Settings, metrics: Metrics | None = None) -> ServedMo
     from engine.serving.factory import build_engine as build_engine_core
 
     name = served_model_name(settings)
+    if metrics is not None and metrics.model_name != name:
+        raise ValueError(f"metrics are labelled {metrics.model_name!r}, the model is served as {name!r}")
     built = build_engine_core(EngineOptions(
         model_dir=Path(settings.model) if settings.model is not None else None,
         prefill_chunk=settings.prefill_chunk,
@@ -53,8 +55,6 @@ def build_engine(settings: Settings, metrics: Metrics | None = None) -> ServedMo
     ))
     if metrics is None:
         metrics = Metrics.from_settings(settings, name, built.max_model_len)
-    elif metrics.model_name != name:
-        raise ValueError(f"metrics are labelled {metrics.model_name!r}, the model is served as {name!r}")
     metrics.memory_budget_bytes = built.memory_budget  # memory_bytes{kind="budget"}: the one admission uses
     info = ModelInfo(name=name, root=str(built.model_dir), max_model_len=built.max_model_len,
                      created=int(time.time()))

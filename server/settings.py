@@ -1,4 +1,4 @@
-"""The one settings schema of `tessera serve` (DESIGN.md §5).
+"""The one settings schema of `tessera serve` (README.md lists every setting).
 
 Sources, lowest precedence first: `config/default.toml` (or the file given by `--config` / `TESSERA_CONFIG`),
 `TESSERA_*` environment variables, CLI flags. The CLI is parsed at the edge (server/cli.py) into keyword
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, field_validator, model_validator
+import pydantic
+from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -30,39 +30,16 @@ CONFIG_ENV_VAR = "TESSERA_CONFIG"
 # sources in a classmethod, so the chosen file has to reach it from outside the constructor).
 _config_file: ContextVar[Path | None] = ContextVar("tessera_config_file", default=None)
 
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_byte_size(value: Any) -> int:
-    """`"100GiB"`, `"512MiB"`, `"2GB"`, `"1.5GiB"`, `"4096"` or an int -> bytes.
-
-    Binary units (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (KB, MB, GB, TB) powers of 1000.
-    """
-    if isinstance(value, bool):
+def _not_a_boolean(value: Any) -> Any:
+    if isinstance(value, bool):  # pydantic.ByteSize would read True as 1 byte
         raise ValueError("a byte size must be a number or a string like '100GiB', not a boolean")
-    if isinstance(value, int):
-        num_bytes = value
-    elif isinstance(value, float) and value.is_integer():
-        num_bytes = int(value)
-    elif isinstance(value, str):
-        match = _SIZE_RE.match(value)
-        unit = match.group(2).lower() if match else None
-        if unit not in _UNITS:
-            raise ValueError(
-                f"cannot read {value!r} as a byte size: write a number with an optional unit "
-                "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '100GiB' or '512MiB'"
-            )
-        num_bytes = int(float(match.group(1)) * _UNITS[unit])
-    else:
-        raise ValueError(f"cannot read {value!r} as a byte size")
-    if num_bytes <= 0:
-        raise ValueError(f"a byte size must be positive, got {value!r}")
-    return num_bytes
+    return value
+
+
+def _positive_bytes(value: int) -> int:
+    if value <= 0:
+        raise ValueError(f"a byte size must be positive, got {value}")
+    return int(value)
 
 
 def _parse_api_keys(value: Any) -> Any:
@@ -75,7 +52,9 @@ def _parse_api_keys(value: Any) -> Any:
     return value
 
 
-ByteSize = Annotated[int, BeforeValidator(parse_byte_size)]
+# `"100GiB"`, `"512MiB"`, `"2GB"`, `"1.5GiB"`, `"4096"` or an int -> bytes, by pydantic's own ByteSize: binary
+# units (KiB … TiB) are powers of 1024, decimal ones (KB … TB) of 1000.
+ByteSize = Annotated[pydantic.ByteSize, BeforeValidator(_not_a_boolean), AfterValidator(_positive_bytes)]
 
 
 class Settings(BaseSettings):

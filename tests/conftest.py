@@ -13,7 +13,7 @@ _skipped: list[tuple[str, str]] = []
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if report.skipped:
+    if report.skipped and not hasattr(report, "wasxfail"):  # an expected failure is not a skip
         reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         _skipped.append((report.nodeid, reason))
 

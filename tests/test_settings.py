@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from server.cli import build_parser, main, settings_from_args
-from server.settings import DEFAULT_CONFIG_FILE, Settings, load_settings, parse_byte_size
+from server.settings import DEFAULT_CONFIG_FILE, Settings, load_settings
 
 
 @pytest.fixture(autouse=True)
@@ -88,8 +88,8 @@ def test_env_api_keys_comma_or_json(monkeypatch: pytest.MonkeyPatch) -> None:
     ],
 )
 def test_memory_sizes(text: str | int, expected: int) -> None:
-    assert parse_byte_size(text) == expected
     assert Settings(memory_budget=text).memory_budget == expected
+    assert Settings(max_body_bytes=text).max_body_bytes == expected
 
 
 @pytest.mark.parametrize("text", ["lots", "10XB", "-1GiB", "0", "GiB", True])

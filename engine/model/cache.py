@@ -1,4 +1,4 @@
-"""Per-sequence, per-layer cache (DESIGN.md §2): window rows, compressed rows, index keys and the
+"""Per-sequence, per-layer cache: window rows, compressed rows, index keys and the
 compressor frontier. The model declares the layout (`SequenceCache.for_model`); accounting of bytes
 lives here too, so the memory plan and the scheduler read one source of truth.
 """
@@ -68,7 +68,7 @@ class RowBuffer:
 class CompressorFrontier:
     """What a compressor carries between calls: the open group's projected rows (fewer than `ratio`,
     gate without the positional bias) and, for the overlapping ratio-4 compressor, the previous
-    window's Ca half (kv and biased gate) — DESIGN.md §2, "the classic bug"."""
+    window's Ca half (kv and biased gate) (docs/ARCHITECTURE.md: transformers' own cached decode gets this wrong)."""
 
     pending_kv: mx.array | None = None  # [n_open, width]
     pending_gate: mx.array | None = None  # [n_open, width]

@@ -1,4 +1,4 @@
-"""DeepSeek V4 forward pass in MLX over a batch of segments (DESIGN.md §2).
+"""DeepSeek V4 forward pass in MLX over a batch of segments (docs/ARCHITECTURE.md).
 
 A step's tokens are one flat batch: embeddings, hyper-connections, projections and MoE run on all
 of them at once; attention splits them back into segments (a prefill chunk, or one decode token of

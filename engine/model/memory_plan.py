@@ -1,4 +1,4 @@
-"""Memory plan (DESIGN.md §4): bytes of every chunk- and tile-scaled buffer of a prefill, the cache of
+"""Memory plan (`tessera plan`; README.md): bytes of every chunk- and tile-scaled buffer of a prefill, the cache of
 one sequence at N tokens, and the weights — from the model config alone.
 
 The same numbers feed `tessera plan`, admission control (a sequence's cache at its max length) and
@@ -10,7 +10,7 @@ there that adds a [T, N] temporary belongs here too.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from math import prod
 from pathlib import Path
 
@@ -42,6 +42,12 @@ class MemoryPlan:
     cache_by_part: dict[str, int]
     weights_bytes: int
     notes: list[str] = field(default_factory=list)
+    weights_format: str = ""  # engine/model/weight_formats.py; "" = every tensor in `dtype`
+    memory_budget: int | None = None  # bytes the machine gives this process (`--memory-budget`)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.memory_budget is None else self.peak_bytes <= self.memory_budget
 
     @property
     def indexer_bytes(self) -> int:
@@ -77,6 +83,7 @@ class MemoryPlan:
             cache_bytes=self.cache_bytes,
             workspace_bytes=self.workspace_bytes,
             peak_bytes=self.peak_bytes,
+            fits=self.fits,
         )
         return out
 
@@ -224,7 +231,30 @@ V4_FLASH = {
 }
 
 
-def plan_for(model_dir: Path | None, preset: str | None, ctx: int, chunk: int, tile: int, dtype: str | None) -> MemoryPlan:
+def plan_for(model_dir: Path | None, preset: str | None, ctx: int, chunk: int, tile: int, dtype: str | None,
+             weights_format: str | None = None, memory_budget: int | None = None) -> MemoryPlan:
+    """weights_format: count the weights as engine/model/weight_formats.py holds them (None: all in dtype)."""
+    plan = _plan_for(model_dir, preset, ctx, chunk, tile, dtype)
+    if weights_format:
+        from engine.model.weight_formats import format_weights_bytes
+
+        cfg = _config_for(model_dir, preset)
+        plan = replace(plan, weights_format=weights_format,
+                       weights_bytes=format_weights_bytes(cfg, weights_format, DTYPES[plan.dtype].size))
+    return replace(plan, memory_budget=memory_budget)
+
+
+def _config_for(model_dir: Path | None, preset: str | None) -> ModelConfig:
+    if model_dir is not None:
+        return config_from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+    if preset == "v4-flash" or preset is None:
+        return config_from_dict(V4_FLASH)
+    from engine.tools.make_model import preset_config
+
+    return preset_config(preset)
+
+
+def _plan_for(model_dir: Path | None, preset: str | None, ctx: int, chunk: int, tile: int, dtype: str | None) -> MemoryPlan:
     if model_dir is not None:
         raw = json.loads((Path(model_dir) / "config.json").read_text())
         cfg = config_from_dict(raw)
@@ -254,7 +284,19 @@ def format_plan(plan: MemoryPlan) -> str:
         f"weights {_gib(plan.weights_bytes)}  cache {_gib(plan.cache_bytes)}  workspace {_gib(plan.workspace_bytes)}",
         f"planned peak: {_gib(plan.peak_bytes)}",
     ]
+    if plan.weights_format:
+        lines.insert(-2, f"weights format: {plan.weights_format} (quantized values + scales as MLX holds them)")
+    if plan.memory_budget is not None:
+        lines.append(fit_line(plan))
     return "\n".join(lines)
+
+
+def fit_line(plan: MemoryPlan) -> str:
+    margin = plan.memory_budget - plan.peak_bytes
+    verdict = "fits" if margin >= 0 else "does NOT fit"
+    word = "headroom" if margin >= 0 else "over by"
+    return (f"{verdict} in {_gib(plan.memory_budget)}: weights {_gib(plan.weights_bytes)} + cache at {plan.ctx:,} "
+            f"{_gib(plan.cache_bytes)} + workspace {_gib(plan.workspace_bytes)} = {_gib(plan.peak_bytes)} ({word} {_gib(abs(margin))})")
 
 
 def _gib(n: int) -> str:

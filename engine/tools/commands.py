@@ -25,6 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _register_check(subparsers)
     _register_plan(subparsers)
     _register_bench(subparsers)
+    _register_convert(subparsers)
 
 
 def _register_make_model(subparsers) -> None:
@@ -35,15 +36,34 @@ def _register_make_model(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--no-tokenizer", action="store_true", help="skip training the byte-level BPE tokenizer")
+    _add_checkpoint_format_args(p)
     p.set_defaults(func=_make_model)
 
 
+def _add_checkpoint_format_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", default="plain", choices=["plain", "official"],
+                   help="plain: every tensor in --dtype; official: DeepSeek's FP8 dense + FP4 experts with E8M0 scales")
+    p.add_argument("--config", type=Path, default=None, metavar="FILE.json",
+                   help="a DeepSeek V4 config.json (transformers' field names) instead of --preset")
+
+
 def _make_model(args) -> int:
+    from engine.model.config import ConfigError
+    from engine.model.official_format import FormatError
     from engine.tools.make_model import make_model
 
     overrides = {} if args.layers is None else {"layers": args.layers}
-    out = make_model(args.dir, args.preset, seed=args.seed, with_tokenizer=not args.no_tokenizer, dtype=args.dtype, **overrides)
-    print(f"wrote {args.preset} checkpoint to {out}")
+    if args.config is not None and not args.config.is_file():
+        print(f"error: --config: no such file {args.config}", file=sys.stderr)
+        return 2
+    try:
+        out = make_model(args.dir, args.preset, seed=args.seed, with_tokenizer=not args.no_tokenizer, dtype=args.dtype,
+                         fmt=args.format, config_file=args.config, **overrides)
+    except (ConfigError, FormatError) as exc:  # a config or shape the chosen format cannot hold
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    source = args.config or f"{args.preset} preset"
+    print(f"wrote {args.format} checkpoint ({source}) to {out}")
     return 0
 
 
@@ -62,6 +82,7 @@ def _register_check(subparsers) -> None:
     ref.add_argument("--min-top1-agreement", type=float, default=REFERENCE_MIN_TOP1_AGREEMENT,
                      help=f"fail (exit 1) if fewer positions agree on the top token (default: {REFERENCE_MIN_TOP1_AGREEMENT})")
     ref.add_argument("--json", action="store_true")
+    _add_reference_weight_args(ref)
     ref.set_defaults(func=_check_reference)
     con = sub.add_parser("consistency", help="tiled/chunked prefill + decode vs untiled and whole-sequence runs")
     con.add_argument("--model", type=Path, required=True)
@@ -90,6 +111,16 @@ def _register_check(subparsers) -> None:
                           f"(default: {KERNEL_MAX_DIFFERING_ROWS})")
     ker.add_argument("--json", action="store_true")
     ker.set_defaults(func=_check_kernels)
+    gpu = sub.add_parser("gpu", help="on a CUDA machine: kernel checks + tiled-vs-untiled matrix over awkward shapes; "
+                                     "exits 1 on any difference")
+    gpu.add_argument("--model", type=Path, default=None, help="checkpoint (default: a flash-attn, 3-layer one in a temp dir)")
+    gpu.add_argument("--shape", action="append", default=None, metavar="CTX:CHUNK:TILE", help="replace the built-in matrix")
+    gpu.add_argument("--dtype", action="append", default=None, choices=list(DTYPES), help="default: bfloat16 and float32")
+    gpu.add_argument("--rows", type=int, default=3001, help="query rows of the row-invariance checks")
+    gpu.add_argument("--allow-cpu", action="store_true", help="run without CUDA (the reference path) instead of failing")
+    gpu.add_argument("--json", action="store_true")
+    gpu.add_argument("--out", type=Path, default=None, help="also write the report as JSON to this file")
+    gpu.set_defaults(func=_check_gpu)
 
 
 def _verdict(report: dict, failures: list[str], as_json: bool) -> int:
@@ -111,11 +142,20 @@ def _check_kernels(args) -> int:
     return _verdict(report, device_checks.kernel_failures(report, args.max_rel_diff, args.max_differing_rows), args.json)
 
 
+def _check_gpu(args) -> int:
+    from engine.tools.gpu_check import check_gpu_command
+
+    return check_gpu_command(args.model, args.shape, args.dtype, args.allow_cpu, args.json, args.rows, args.out)
+
+
 def _check_reference(args) -> int:
     from engine.tools import reference_check
 
+    if args.against is not None:
+        return _check_against(args)
     try:
-        report = reference_check.check_reference(args.model, args.tokens, args.chunk, args.tile, args.decode, args.seed)
+        report = reference_check.check_reference(args.model, args.tokens, args.chunk, args.tile, args.decode, args.seed,
+                                                 args.weights_dtype)
     except reference_check.ReferenceUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -131,6 +171,53 @@ def _check_consistency(args) -> int:
     return _verdict(report.as_dict(), consistency.consistency_failures(report, limits), args.json)
 
 
+def _add_reference_weight_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights-dtype", default=None, choices=["bfloat16", "float32"],
+                   help="dequantize FP8/FP4/affine weights to this dtype at load (debugging) instead of quantized compute")
+    p.add_argument("--against", type=Path, default=None, metavar="SRC",
+                   help="compare with Tessera on checkpoint SRC (e.g. the source of a `tessera convert`): "
+                        "logit KL, top-1 agreement, max |Δlogit| — no transformers needed")
+
+
+def _check_against(args) -> int:
+    from engine.tools.reference_check import check_against
+
+    report = check_against(args.model, args.against, args.tokens, args.chunk, args.tile, args.decode, args.seed)
+    _print_report(report.as_dict(), args.json)
+    return 0
+
+
+def _register_convert(subparsers) -> None:
+    p = subparsers.add_parser("convert", help="rewrite a checkpoint as an MLX-native quantized one (smaller)")
+    p.add_argument("src", type=Path)
+    p.add_argument("dst", type=Path)
+    p.add_argument("--quant", required=True, choices=["affine4", "affine8", "mxfp4"])
+    p.add_argument("--group-size", type=int, default=None, help="values per scale (affine: 32/64/128, default 64; mxfp4: 32)")
+    p.add_argument("--dense", action="store_true", help="also requantize the dense projections (default: experts only)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_convert)
+
+
+def _convert(args) -> int:
+    from engine.model.loader import CheckpointError
+    from engine.tools.convert import ConvertError, convert
+
+    try:
+        report = convert(args.src, args.dst, args.quant, args.group_size, args.dense)
+    except (ConvertError, CheckpointError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not args.json:
+        print(f"{_human_bytes(report.bytes_before)} -> {_human_bytes(report.bytes_after)} "
+              f"({report.bytes_after / report.bytes_before:.1%}) written to {report.destination}")
+    _print_report(report.as_dict(), args.json)
+    return 0
+
+
+def _human_bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
 def _register_plan(subparsers) -> None:
     p = subparsers.add_parser("plan", help="memory plan: chunk-scaled buffers, cache at N, weights")
     p.add_argument("--model", type=Path, default=None, help="model directory (or --preset)")
@@ -140,15 +227,42 @@ def _register_plan(subparsers) -> None:
     p.add_argument("--tile", type=int, default=None, help="indexer tile (default: = chunk, the untiled path)")
     p.add_argument("--dtype", default=None, choices=list(DTYPES))
     p.add_argument("--json", action="store_true")
+    _add_plan_weight_args(p)
     p.set_defaults(func=_plan)
+
+
+def _add_plan_weight_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", default=None, metavar="FORMAT",
+                   choices=["official", "affine4", "affine8", "mxfp4", "bfloat16", "float32", "float16"],
+                   help="count the weights in this format (official FP8/FP4, a `tessera convert` format, or plain); "
+                        "default: every tensor in --dtype")
+    p.add_argument("--memory-budget", type=_bytes_arg, default=None, metavar="SIZE",
+                   help="memory for this process, e.g. 141GiB, 192GB: says whether weights + cache + workspace fit "
+                        "(exit status 1 when they do not)")
+
+
+def _bytes_arg(text: str) -> int:
+    """'141GiB' / '192GB' / '80G' / '1.5TiB' / '1000000' -> bytes (argparse turns errors into usage)."""
+    units = {"": 1, "B": 1, "K": 2**10, "KIB": 2**10, "KB": 10**3, "M": 2**20, "MIB": 2**20, "MB": 10**6,
+             "G": 2**30, "GIB": 2**30, "GB": 10**9, "T": 2**40, "TIB": 2**40, "TB": 10**12}
+    number = text.strip().rstrip("bBiIkKmMgGtT")
+    unit = text.strip()[len(number):].upper()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value <= 0:
+        raise argparse.ArgumentTypeError(f"--memory-budget {text!r}: expected a size like 141GiB, 192GB or 80G")
+    return int(value * units[unit])
 
 
 def _plan(args) -> int:
     from engine.model.memory_plan import format_plan, plan_for
 
-    plan = plan_for(args.model, args.preset, args.ctx, args.chunk, args.tile or args.chunk, args.dtype)
+    plan = plan_for(args.model, args.preset, args.ctx, args.chunk, args.tile or args.chunk, args.dtype,
+                    args.weights, args.memory_budget)
     print(json.dumps(plan.as_dict(), indent=2) if args.json else format_plan(plan))
-    return 0
+    return 1 if plan.fits is False else 0
 
 
 def _register_bench(subparsers) -> None:

@@ -9,7 +9,6 @@ scheduler's plans, the runner's batching and the sampler are all on the path.
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
 import pytest
 

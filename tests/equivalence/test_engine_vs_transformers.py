@@ -1,4 +1,4 @@
-"""Tessera's logits equal transformers' full forward (DESIGN.md §2) for three random configs that
+"""Tessera's logits equal transformers' full forward (docs/ARCHITECTURE.md) for three random configs that
 together cover window/CSA/HCA layers, hash and learned routing, contexts below and above
 `index_topk`, and many ratio-4 and ratio-128 boundaries: whole forward, chunked prefill (sizes not
 aligned to 4 or 128) and ≥ 40 single-token decode steps, each against the full forward."""

@@ -7,8 +7,6 @@ driven with the openai client. Bit-exact batching needs a row-invariant BLAS (`r
 
 from __future__ import annotations
 
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
