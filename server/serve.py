@@ -40,8 +40,6 @@ def build_engine(settings: Settings, metrics: Metrics | None = None) -> ServedMo
     from engine.serving.factory import build_engine as build_engine_core
 
     name = served_model_name(settings)
-    if metrics is not None and metrics.model_name != name:
-        raise ValueError(f"metrics are labelled {metrics.model_name!r}, the model is served as {name!r}")
     built = build_engine_core(EngineOptions(
         model_dir=Path(settings.model) if settings.model is not None else None,
         prefill_chunk=settings.prefill_chunk,
@@ -52,9 +50,14 @@ def build_engine(settings: Settings, metrics: Metrics | None = None) -> ServedMo
         max_queued_requests=settings.max_queued_requests,
         memory_budget=settings.memory_budget,
         memory_fraction=settings.memory_fraction,
+        world=settings.world,
+        prefix_cache=settings.prefix_cache,
+        prefix_cache_bytes=settings.prefix_cache_bytes,
     ))
     if metrics is None:
         metrics = Metrics.from_settings(settings, name, built.max_model_len)
+    elif metrics.model_name != name:
+        raise ValueError(f"metrics are labelled {metrics.model_name!r}, the model is served as {name!r}")
     metrics.memory_budget_bytes = built.memory_budget  # memory_bytes{kind="budget"}: the one admission uses
     info = ModelInfo(name=name, root=str(built.model_dir), max_model_len=built.max_model_len,
                      created=int(time.time()))
@@ -102,6 +105,12 @@ def serve(settings: Settings) -> int:
     """Run the server until it is shut down; the process exit code."""
     configure_logging(settings.log_level)
     logger.info("effective settings: %s", json.dumps(settings.public_dict(), sort_keys=True))
+    if settings.world > 1:  # under `mlx.launch` every rank runs this; ranks other than 0 serve no HTTP
+        from engine.parallel.follower import follow_if_launched_follower
+
+        code = follow_if_launched_follower(settings.model, settings.indexer_tile, settings.world)
+        if code is not None:
+            return code
     return asyncio.run(_serve(settings))
 
 

@@ -108,10 +108,30 @@ class Settings(BaseSettings):
         description="Without memory_budget, the budget is this fraction of the device's memory: what MLX reports "
         "as the GPU's (unified) memory, or the machine's RAM on the CPU. Like vLLM's gpu_memory_utilization.",
     )
+    prefix_cache: bool = Field(
+        True,
+        description="Keep the state of recent sequences at 128-token block boundaries, so a prompt that starts "
+        "with one (a conversation's next turn, a shared system prompt) prefills only the rest. Outputs are "
+        "identical with and without it.",
+    )
+    prefix_cache_bytes: ByteSize | None = Field(
+        None,
+        description="Most bytes the prefix cache holds, least recently used state evicted first, e.g. '8GiB'. "
+        "They come out of memory_budget: requests are admitted against what is left. None: a quarter of what "
+        "the memory budget leaves for caches, or 4GiB without a budget.",
+    )
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Accepted bearer keys for inference routes; empty: no authentication. "
         "CLI: --api-key repeated; env: TESSERA_API_KEYS='k1,k2'.",
+    )
+    world: int = Field(
+        1,
+        ge=1,
+        description="Processes the model's layers are split over (pipeline parallel, docs/PARALLEL.md): rank 0 serves "
+        "HTTP and runs the first layers, ranks 1…N-1 start on this machine and run the rest (one GPU each with "
+        "NCCL on CUDA, the ring backend on 127.0.0.1 otherwise); under `mlx.launch` every rank runs `tessera serve` "
+        "and rank 0 serves. 1: one process.",
     )
     max_num_seqs: int = Field(16, ge=1, description="Most requests decoding at once (the running batch).")
     max_queued_requests: int = Field(
@@ -162,6 +182,17 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"indexer_tile ({self.indexer_tile}) must be ≤ prefill_chunk ({self.prefill_chunk}): "
                 "lower --indexer-tile or raise --prefill-chunk"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _prefix_cache_fits_budget(self) -> Settings:
+        # The whole check (against what weights and workspace leave) needs the model: engine/serving/factory.py.
+        requested, budget = self.prefix_cache_bytes, self.memory_budget
+        if self.prefix_cache and budget and requested and requested >= budget:
+            raise ValueError(
+                f"prefix_cache_bytes ({requested}) must be less than memory_budget ({budget}): "
+                "the prefix cache is part of the budget; lower --prefix-cache-bytes or raise --memory-budget"
             )
         return self
 

@@ -18,7 +18,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -31,7 +31,7 @@ from engine.model.official_format import (
 )
 from engine.model.quantized import QuantizedWeight, Weight
 from engine.model.safetensors_file import RawTensor, SafetensorsError, open_tensors
-from engine.model.weights import canonical_name, expected_shapes, expert_key, stacked_expert_names
+from engine.model.weights import canonical_name, expected_shapes, expert_key, layer_of, stacked_expert_names
 
 PROGRESS_MIN_BYTES = 256 * 2**20  # a progress bar only where loading takes noticeable time
 _FLOAT_TAGS = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
@@ -59,14 +59,29 @@ def load_config(model_dir: Path) -> ModelConfig:
     return config_from_dict(json.loads(config_path.read_text()))
 
 
-def load_model(model_dir: Path, dtype: str | None = None, progress: bool = True, weights_dtype: str | None = None) -> DeepseekV4:
+def load_model(model_dir: Path, dtype: str | None = None, progress: bool = True, weights_dtype: str | None = None,
+               layers: range | None = None, vocab: bool = True) -> DeepseekV4:
     """dtype: compute dtype ("float32" on CPU); None keeps the checkpoint's. weights_dtype: dequantize
-    FP8/FP4/affine weights to this float dtype at load instead of computing on them quantized."""
+    FP8/FP4/affine weights to this float dtype at load instead of computing on them quantized.
+
+    A pipeline stage (engine/parallel/) loads only `layers` (None: all) and, with `vocab`, the model-wide
+    tensors (embedding, head, final norms). Every name is still checked; shapes only where loaded. The
+    shards are memory-mapped, so what is left out is never read into memory."""
     cfg = load_config(model_dir)
+    layers = range(cfg.num_hidden_layers) if layers is None else layers
+    if not (0 <= layers.start < layers.stop <= cfg.num_hidden_layers and layers.step == 1):
+        raise ValueError(f"layer range {layers.start}..{layers.stop} is not a non-empty part of the model's "
+                         f"{cfg.num_hidden_layers} layers")
     raw = _open_all(_weight_files(Path(model_dir)))
-    weights = _convert_all(raw, cfg, LoadOptions(dtype, weights_dtype, progress))
-    mx.eval([a for w in weights.values() for a in (w.arrays() if isinstance(w, QuantizedWeight) else [w])])
-    return DeepseekV4(cfg, weights)
+    wanted = lambda name: _wanted(name, layers, vocab)  # noqa: E731
+    weights = dict(_converted(raw, cfg, LoadOptions(dtype, weights_dtype, progress), wanted))
+    mx.eval([a for w in weights.values() for a in _arrays(w)])
+    return DeepseekV4(cfg, weights, layers)
+
+
+def _wanted(name: str, layers: range, vocab: bool) -> bool:
+    layer = layer_of(name)
+    return vocab if layer is None else layer in layers
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -149,12 +164,9 @@ def iter_weights(model_dir: Path, dtype: str | None = None, progress: bool = Tru
     yield from _converted(raw, cfg, LoadOptions(dtype, weights_dtype, progress))
 
 
-def _convert_all(raw: dict[str, RawTensor], cfg: ModelConfig, opts: LoadOptions) -> dict[str, Weight]:
-    return dict(_converted(raw, cfg, opts))
-
-
-def _converted(raw: dict[str, RawTensor], cfg: ModelConfig, opts: LoadOptions) -> Iterator[tuple[str, Weight]]:
-    expected = _check_names(raw, cfg)
+def _converted(raw: dict[str, RawTensor], cfg: ModelConfig, opts: LoadOptions,
+               wanted: Callable[[str], bool] = lambda name: True) -> Iterator[tuple[str, Weight]]:
+    expected = {name: shape for name, shape in _check_names(raw, cfg).items() if wanted(name)}
     total = sum(raw[n].data.nbytes for n in expected)
     show = opts.progress and total > PROGRESS_MIN_BYTES
     experts: dict[str, dict[int, Weight]] = {}

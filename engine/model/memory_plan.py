@@ -167,11 +167,15 @@ def chunk_buffers(cfg: ModelConfig, chunk: int, b: int) -> list[Buffer]:
     ]
 
 
-def cache_bytes_by_part(cfg: ModelConfig, ctx: int, chunk: int | None, b: int) -> dict[str, int]:
+def cache_bytes_by_part(cfg: ModelConfig, ctx: int, chunk: int | None, b: int,
+                        layers: range | None = None) -> dict[str, int]:
     """One sequence's cache after `ctx` tokens prefilled in chunks of `chunk` (row buffers keep spare
-    capacity; `chunk=None` counts rows only, the floor a sequence needs)."""
+    capacity; `chunk=None` counts rows only, the floor a sequence needs). `layers`: only those (a pipeline
+    stage's, engine/parallel/); None: all."""
     parts = {"window": 0, "compressed": 0, "index_keys": 0, "frontier": 0}
     for i, kind in enumerate(cfg.layer_types):
+        if layers is not None and i not in layers:
+            continue
         parts["window"] += min(ctx, cfg.sliding_window - 1) * cfg.head_dim * b
         if kind == WINDOW:
             continue
@@ -212,10 +216,12 @@ def weights_bytes(cfg: ModelConfig, b: int) -> int:
     return total
 
 
-def cache_bytes_at(cfg: ModelConfig, num_tokens: int, b: int) -> int:
-    """Admission control: what one sequence's cache holds at `num_tokens` (rows + one step of slack)."""
-    parts = cache_bytes_by_part(cfg, num_tokens, None, b)
-    slack = sum(RowBuffer.STEP * cfg.head_dim * b for kind in cfg.layer_types if kind != WINDOW)
+def cache_bytes_at(cfg: ModelConfig, num_tokens: int, b: int, layers: range | None = None) -> int:
+    """Admission control: what one sequence's cache holds at `num_tokens` (rows + one step of slack), in
+    `layers` only (None: all)."""
+    parts = cache_bytes_by_part(cfg, num_tokens, None, b, layers)
+    slack = sum(RowBuffer.STEP * cfg.head_dim * b for i, kind in enumerate(cfg.layer_types)
+                if kind != WINDOW and (layers is None or i in layers))
     return sum(parts.values()) + slack
 
 

@@ -35,6 +35,9 @@ class EngineOptions:
     max_queued_requests: int
     memory_budget: int | None  # bytes for weights + workspace + KV caches; None: memory_fraction of the device
     memory_fraction: float = 0.9
+    world: int = 1  # processes the layers are split over (engine/parallel/, docs/PARALLEL.md); this one is rank 0
+    prefix_cache: bool = True
+    prefix_cache_bytes: int | None = None  # None: DEFAULT_PREFIX_CACHE_SHARE of the cache budget, or ..._BYTES
 
 
 @dataclass(frozen=True)
@@ -54,19 +57,26 @@ def build_engine(options: EngineOptions) -> BuiltEngine:
         blas = blas_in_use()
         (logger.warning if blas.is_slow else logger.info)(blas.describe())
     budget = memory_budget_of(options.memory_budget, options.memory_fraction)
-    runner = build_runner(
-        model_dir,
-        options.prefill_chunk,
-        options.indexer_tile,
-        max_context=max_model_len,
-        stage_timing_interval=options.stage_timing_interval,
-    )
+    shape = dict(prefill_chunk=options.prefill_chunk, indexer_tile=options.indexer_tile, max_context=max_model_len,
+                 stage_timing_interval=options.stage_timing_interval)
+    if options.world > 1:  # pipeline parallel: this process is rank 0 (and starts the other ranks)
+        from engine.parallel.serving import build_pipeline_runner
+
+        runner = build_pipeline_runner(model_dir, options.world, **shape)
+    else:
+        runner = build_runner(model_dir, **shape)
+    cache_budget = kv_cache_budget(budget, runner.memory_snapshot())
+    # Pipeline ranks would each have to restore the same state: no prefix cache there yet (docs/PARALLEL.md).
+    prefix_bytes = prefix_cache_bytes(options, cache_budget) if options.world == 1 else 0
+    if prefix_bytes:
+        runner.set_prefix_cache_bytes(prefix_bytes)
     config = SchedulerConfig(
         prefill_chunk=options.prefill_chunk,
         max_num_seqs=options.max_num_seqs,
         max_queued_requests=options.max_queued_requests,
         max_model_len=max_model_len,
-        memory_budget_bytes=kv_cache_budget(budget, runner.memory_snapshot()),
+        memory_budget_bytes=cache_budget,
+        prefix_cache_bytes=prefix_bytes,
     )
     eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     engine = AsyncEngine(runner, config, eos_token_ids=eos_ids)
@@ -94,8 +104,29 @@ def device_memory_bytes() -> tuple[int, str]:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the machine's RAM"
 
 
-def kv_cache_budget(memory_budget: int, memory: dict[str, int]) -> int:
+DEFAULT_PREFIX_CACHE_SHARE = 4  # 1/4 of the caches' budget
+DEFAULT_PREFIX_CACHE_BYTES = 4 * 2**30  # without a budget
+
+
+def prefix_cache_bytes(options: EngineOptions, cache_budget: int | None) -> int:
+    """The prefix cache's bytes (0: off), checked against the caches' budget it is taken from."""
+    if not options.prefix_cache:
+        return 0
+    if options.prefix_cache_bytes is None:
+        return DEFAULT_PREFIX_CACHE_BYTES if cache_budget is None else cache_budget // DEFAULT_PREFIX_CACHE_SHARE
+    if cache_budget is not None and options.prefix_cache_bytes >= cache_budget:
+        raise ValueError(
+            f"prefix_cache_bytes ({options.prefix_cache_bytes} bytes) must be less than what memory_budget leaves "
+            f"for caches after weights and workspace ({cache_budget} bytes): lower --prefix-cache-bytes or raise "
+            "--memory-budget"
+        )
+    return options.prefix_cache_bytes
+
+
+def kv_cache_budget(memory_budget: int | None, memory: dict[str, int]) -> int | None:
     """The scheduler admits against KV caches only: the budget less weights and the planned workspace."""
+    if memory_budget is None:
+        return None
     fixed = memory.get("weights", 0) + memory.get("planned_workspace", 0)
     if fixed >= memory_budget:
         raise ValueError(
