@@ -187,3 +187,23 @@ def test_model_runner_rolls_back_a_step_that_raised_after_writing_its_caches(tmp
         decode_steps("2", dict(last), 1)
     runner.model.forward = real_forward
     assert decode_steps("2", last, 3) == clean  # re-run as if the failed step never happened
+
+
+def test_tessera_serve_exits_non_zero_when_the_engine_dies():
+    from types import SimpleNamespace
+
+    from server.serve import _watch_engine
+
+    callbacks: list = []
+    served = SimpleNamespace(engine=SimpleNamespace(on_death=callbacks.append))
+    server = SimpleNamespace(should_exit=False)
+
+    async def main() -> bool:
+        died = _watch_engine(served, server)  # type: ignore[arg-type]
+        await asyncio.sleep(0.1)
+        assert not server.should_exit
+        threading.Thread(target=callbacks[0]).start()  # the engine thread reports its death
+        await asyncio.sleep(1.0)
+        return died.is_set()
+
+    assert asyncio.run(main()) and server.should_exit  # _serve then returns 1: the process exit status
