@@ -118,7 +118,7 @@ class Settings(BaseSettings):
         None,
         description="Most bytes the prefix cache holds, least recently used state evicted first, e.g. '8GiB'. "
         "They come out of memory_budget: requests are admitted against what is left. None: a quarter of what "
-        "the memory budget leaves for caches, or 4GiB without a budget.",
+        "the memory budget (memory_budget, or memory_fraction of the device) leaves for caches.",
     )
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
