@@ -5,15 +5,27 @@ multi-byte character) is spelled `bytes:\\xe2\\x80` as OpenAI does, so distinct 
 completions' `top_logprobs` dicts. `bytes` are its exact raw bytes, so a client can reassemble the text byte for byte.
 Completions' `top_logprobs` hold the requested alternatives plus the sampled token (up to logprobs + 1 entries,
 as OpenAI's). With `echo`, the prompt's tokens come first; the first prompt token has no logprob (null).
+
+A truncating sampler (top_k, top_p, min_p) gives the tokens it cut a logprob of -inf, which JSON cannot carry;
+like OpenAI and vLLM we send the finite floor -9999.0 instead (NaN too), streamed or not.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from engine.serving.protocol import PromptLogprob, Token
 from engine.model.tokenizer import Tokenizer
 from server.schemas import CompletionLogprobs, TokenLogprob, TopLogprob
+
+
+LOGPROB_FLOOR = -9999.0  # vLLM's value for -inf
+
+
+def finite_logprob(logprob: float) -> float:
+    """-inf and NaN -> the floor; every logprob the API sends passes through here."""
+    return logprob if math.isfinite(logprob) and logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:
@@ -27,7 +39,7 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> str:
 
 
 def _top(tokenizer: Tokenizer, token_id: int, logprob: float) -> TopLogprob:
-    return TopLogprob(token=token_text(tokenizer, token_id), logprob=logprob,
+    return TopLogprob(token=token_text(tokenizer, token_id), logprob=finite_logprob(logprob),
                       bytes=list(tokenizer.token_bytes(token_id)))
 
 
@@ -66,12 +78,13 @@ class CompletionLogprobsBuilder:
     def _add(self, out: CompletionLogprobs, token_id: int, logprob: float | None,
              top: Sequence[tuple[int, float]] | None) -> None:
         name = token_text(self._tokenizer, token_id)
+        logprob = None if logprob is None else finite_logprob(logprob)
         out.tokens.append(name)
         out.token_logprobs.append(logprob)
         if top is None:
             out.top_logprobs.append(None)
         else:
-            alternatives = {token_text(self._tokenizer, t): lp for t, lp in top}
+            alternatives = {token_text(self._tokenizer, t): finite_logprob(lp) for t, lp in top}
             if logprob is not None:
                 alternatives.setdefault(name, logprob)  # the sampled token is always listed, as OpenAI does
             out.top_logprobs.append(alternatives)
