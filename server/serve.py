@@ -49,6 +49,7 @@ def build_engine(settings: Settings, metrics: Metrics | None = None) -> ServedMo
         max_queued_requests=settings.max_queued_requests,
         memory_budget=settings.memory_budget,
         world=settings.world,
+        weights_dtype=settings.weights_dtype,
     ))
     if metrics is None:
         metrics = Metrics.from_settings(settings, name, built.max_model_len)

@@ -28,6 +28,7 @@ class EngineOptions:
     max_queued_requests: int
     memory_budget: int | None  # bytes for weights + workspace + KV caches; None: no limit
     world: int = 1  # processes the layers are split over (engine/parallel/, docs/PARALLEL.md); this one is rank 0
+    weights_dtype: str | None = None  # dequantize quantized weights to this dtype at load (debugging); None: quantized compute
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,12 @@ def build_engine(options: EngineOptions) -> BuiltEngine:
     if options.world > 1:  # pipeline parallel: this process is rank 0 (and starts the other ranks)
         from engine.parallel.serving import build_pipeline_runner
 
+        if options.weights_dtype is not None:
+            raise ValueError("weights_dtype is not supported with world > 1 yet: the pipeline ranks load quantized")
+
         runner = build_pipeline_runner(model_dir, options.world, **shape)
     else:
-        runner = build_runner(model_dir, **shape)
+        runner = build_runner(model_dir, **shape, weights_dtype=options.weights_dtype)
     config = SchedulerConfig(
         prefill_chunk=options.prefill_chunk,
         max_num_seqs=options.max_num_seqs,

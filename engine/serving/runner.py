@@ -160,6 +160,9 @@ def build_runner(
     indexer_tile: int,
     max_context: int | None = None,
     stage_timing_interval: int = 1,
+    weights_dtype: str | None = None,
 ) -> ModelRunner:
-    model = load_model(Path(model_dir), dtype=default_compute_dtype())
+    """weights_dtype: dequantize a quantized checkpoint's weights to this dtype at load (debugging,
+    `tessera serve --weights-dtype`); None computes on them quantized."""
+    model = load_model(Path(model_dir), dtype=default_compute_dtype(), weights_dtype=weights_dtype)
     return ModelRunner(model, prefill_chunk, indexer_tile, max_context, stage_timing_interval)
