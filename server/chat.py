@@ -74,7 +74,7 @@ async def create_chat_completion(
     return ChatCompletion(
         id=meta.id, created=meta.created, model=meta.model,
         choices=[_choice(i, pieces, body, thinking, served.tokenizer) for i, pieces in enumerate(outputs)],
-        usage=Usage.of(len(prompt_ids), sum(run.num_generated_tokens for run in runs)),
+        usage=Usage.of(len(prompt_ids), sum(run.num_generated_tokens for run in runs), runs[0].num_cached_tokens),
     )
 
 
@@ -168,4 +168,5 @@ async def _chunks(runs: list[ChoiceRun], body: ChatCompletionRequest, thinking: 
         for choice in states[index].on_piece(piece):
             yield chunk([choice])
     if body.include_usage:
-        yield chunk([], Usage.of(runs[0].num_prompt_tokens, sum(run.num_generated_tokens for run in runs)))
+        yield chunk([], Usage.of(runs[0].num_prompt_tokens, sum(run.num_generated_tokens for run in runs),
+                                 runs[0].num_cached_tokens))

@@ -71,8 +71,13 @@ async def create_completion(
         return sse_response(chunks, lambda: close_runs(runs))
     outputs = await until_disconnected(request, _complete(runs))
     choices = [_choice(i, pieces, body, served, echoes) for i, pieces in enumerate(outputs)]
-    usage = Usage.of(num_prompt_tokens, sum(run.num_generated_tokens for run in runs))
+    usage = Usage.of(num_prompt_tokens, sum(run.num_generated_tokens for run in runs), _cached_tokens(runs, body.n))
     return head.model_copy(update={"choices": choices, "usage": usage})
+
+
+def _cached_tokens(runs: list[ChoiceRun], n: int) -> int:
+    """Each prompt's tokens count once in usage (its n choices share them): its first choice's cached tokens."""
+    return sum(run.num_cached_tokens for run in runs[::n])
 
 
 async def _complete(runs: list[ChoiceRun]) -> list[list[Piece]]:
@@ -108,4 +113,5 @@ async def _chunks(runs: list[ChoiceRun], body: CompletionRequest, served: Served
             yield chunk([CompletionChoice(index=index, text=piece.text, logprobs=logprobs,
                                           finish_reason=piece.finish_reason)])
     if body.include_usage:
-        yield chunk([], Usage.of(num_prompt_tokens, sum(run.num_generated_tokens for run in runs)))
+        yield chunk([], Usage.of(num_prompt_tokens, sum(run.num_generated_tokens for run in runs),
+                                 _cached_tokens(runs, body.n)))

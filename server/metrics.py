@@ -72,6 +72,8 @@ VLLM_ALIASES: Mapping[str, tuple[str, ...]] = {
     "tessera_kv_cache_usage_perc": ("vllm:kv_cache_usage_perc",),
     "tessera_prompt_tokens": ("vllm:prompt_tokens",),
     "tessera_generation_tokens": ("vllm:generation_tokens",),
+    "tessera_prefix_cache_queries": ("vllm:prefix_cache_queries",),
+    "tessera_prefix_cache_hits": ("vllm:prefix_cache_hits",),
     "tessera_request_success": ("vllm:request_success",),
     "tessera_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
     "tessera_inter_token_latency_seconds": (
@@ -170,6 +172,12 @@ class Metrics:
         self._prompt_tokens = self._counter("tessera_prompt_tokens_total", "Prompt tokens prefilled.").labels(m)
         self._generation_tokens = self._counter(
             "tessera_generation_tokens_total", "Tokens sampled (stop tokens included)."
+        ).labels(m)
+        self._prefix_queries = self._counter(
+            "tessera_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache (requests started)."
+        ).labels(m)
+        self._prefix_hits = self._counter(
+            "tessera_prefix_cache_hits_total", "Prompt tokens restored from the prefix cache instead of prefilled."
         ).labels(m)
         self._iteration_tokens = self._histogram(
             "tessera_iteration_tokens", "Tokens run per engine step (decodes + prefill chunk).",
@@ -288,6 +296,8 @@ class Metrics:
             return
         self._prompt_tokens.inc(step.num_prefill_tokens)
         self._generation_tokens.inc(step.num_sampled_tokens)
+        self._prefix_queries.inc(step.num_prefix_cache_queried_tokens)
+        self._prefix_hits.inc(step.num_prefix_cache_hit_tokens)
         self._iteration_tokens.observe(step.num_tokens)
         if step.num_prefill_tokens == 0:
             return  # decode-only steps would drown the prefill stage times in tiny ones

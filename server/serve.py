@@ -50,6 +50,8 @@ def build_engine(settings: Settings, metrics: Metrics | None = None) -> ServedMo
         memory_budget=settings.memory_budget,
         world=settings.world,
         weights_dtype=settings.weights_dtype,
+        prefix_cache=settings.prefix_cache,
+        prefix_cache_bytes=settings.prefix_cache_bytes,
     ))
     if metrics is None:
         metrics = Metrics.from_settings(settings, name, built.max_model_len)

@@ -108,6 +108,18 @@ class Settings(BaseSettings):
         "workspace + the KV caches of admitted requests. A request is admitted only if its cache at its maximum "
         "length fits in what weights and workspace leave. None: no budget (admission by max_num_seqs only).",
     )
+    prefix_cache: bool = Field(
+        True,
+        description="Keep the state of recent sequences at 128-token block boundaries, so a prompt that starts "
+        "with one (a conversation's next turn, a shared system prompt) prefills only the rest. Outputs are "
+        "identical with and without it.",
+    )
+    prefix_cache_bytes: ByteSize | None = Field(
+        None,
+        description="Most bytes the prefix cache holds, least recently used state evicted first, e.g. '8GiB'. "
+        "They come out of memory_budget: requests are admitted against what is left. None: a quarter of what "
+        "the memory budget leaves for caches, or 4GiB without a budget.",
+    )
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Accepted bearer keys for inference routes; empty: no authentication. "
@@ -163,6 +175,17 @@ class Settings(BaseSettings):
             raise ValueError(
                 "weights_dtype is not supported with world > 1 yet (the pipeline ranks load quantized): "
                 "drop --weights-dtype or use --world 1"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _prefix_cache_fits_budget(self) -> Settings:
+        # The whole check (against what weights and workspace leave) needs the model: engine/serving/factory.py.
+        requested, budget = self.prefix_cache_bytes, self.memory_budget
+        if self.prefix_cache and budget and requested and requested >= budget:
+            raise ValueError(
+                f"prefix_cache_bytes ({requested}) must be less than memory_budget ({budget}): "
+                "the prefix cache is part of the budget; lower --prefix-cache-bytes or raise --memory-budget"
             )
         return self
 

@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -69,6 +70,10 @@ class PipelineRunner:
             self._follower_memory = {f"rank{r}_{kind}": int(v) for r in range(1, len(rows))
                                      for kind, v in zip(MEMORY_KINDS, rows[r])}
         return output
+
+    def match_prefix(self, request_id: str, prompt_ids: Sequence[int]) -> int:
+        """No prefix cache across ranks yet: every rank would have to restore the same state."""
+        return 0
 
     def cache_bytes_at(self, num_tokens: int) -> int:
         """One sequence's cache on the rank that holds the most of it: admission is per GPU (memory_budget)."""

@@ -48,7 +48,9 @@ class EngineLoop:
         eos_token_ids: Iterable[int] = (),
     ):
         self._runner = runner
-        self._scheduler = Scheduler(config, runner.cache_bytes_at, eos_token_ids=eos_token_ids)
+        self._scheduler = Scheduler(
+            config, runner.cache_bytes_at, eos_token_ids=eos_token_ids, prefix_match=runner.match_prefix
+        )
         self._emit = emit
         self._cv = threading.Condition()  # guards the scheduler and everything below
         self._sinks: tuple[StepSink, ...] = ()
@@ -188,6 +190,14 @@ class EngineLoop:
         self._publish(plan, None, seconds)
         self._snapshot_memory()
 
+    def _prefix_cache_counts(self, plan: StepPlan) -> dict[str, int]:
+        if not self._scheduler.config.prefix_cache_bytes:
+            return {}
+        return {
+            "num_prefix_cache_queried_tokens": sum(len(new.prompt_ids) for new in plan.new_requests),
+            "num_prefix_cache_hit_tokens": sum(new.num_cached_tokens for new in plan.new_requests),
+        }
+
     def _publish(self, plan: StepPlan, output: StepOutput | None, seconds: dict[str, float]) -> None:
         """Hand the step's statistics to every subscriber (a step that only released requests has none)."""
         if plan.num_tokens == 0:
@@ -199,6 +209,7 @@ class EngineLoop:
             stage_seconds=dict(output.stage_seconds) if output is not None else {},
             step_seconds=seconds,
             failed=output is None,
+            **self._prefix_cache_counts(plan),
         )
         for sink in self._sinks:
             try:

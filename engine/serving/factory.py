@@ -29,6 +29,8 @@ class EngineOptions:
     memory_budget: int | None  # bytes for weights + workspace + KV caches; None: no limit
     world: int = 1  # processes the layers are split over (engine/parallel/, docs/PARALLEL.md); this one is rank 0
     weights_dtype: str | None = None  # dequantize quantized weights to this dtype at load (debugging); None: quantized compute
+    prefix_cache: bool = True
+    prefix_cache_bytes: int | None = None  # None: DEFAULT_PREFIX_CACHE_SHARE of the cache budget, or ..._BYTES
 
 
 @dataclass(frozen=True)
@@ -54,15 +56,40 @@ def build_engine(options: EngineOptions) -> BuiltEngine:
         runner = build_pipeline_runner(model_dir, options.world, **shape)
     else:
         runner = build_runner(model_dir, **shape, weights_dtype=options.weights_dtype)
+    cache_budget = kv_cache_budget(options.memory_budget, runner.memory_snapshot())
+    # Pipeline ranks would each have to restore the same state: no prefix cache there yet (docs/PARALLEL.md).
+    prefix_bytes = prefix_cache_bytes(options, cache_budget) if options.world == 1 else 0
+    if prefix_bytes:
+        runner.set_prefix_cache_bytes(prefix_bytes)
     config = SchedulerConfig(
         prefill_chunk=options.prefill_chunk,
         max_num_seqs=options.max_num_seqs,
         max_queued_requests=options.max_queued_requests,
         max_model_len=max_model_len,
-        memory_budget_bytes=kv_cache_budget(options.memory_budget, runner.memory_snapshot()),
+        memory_budget_bytes=cache_budget,
+        prefix_cache_bytes=prefix_bytes,
     )
     eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     return BuiltEngine(AsyncEngine(runner, config, eos_token_ids=eos_ids), tokenizer, model_dir, max_model_len)
+
+
+DEFAULT_PREFIX_CACHE_SHARE = 4  # 1/4 of the caches' budget
+DEFAULT_PREFIX_CACHE_BYTES = 4 * 2**30  # without a budget
+
+
+def prefix_cache_bytes(options: EngineOptions, cache_budget: int | None) -> int:
+    """The prefix cache's bytes (0: off), checked against the caches' budget it is taken from."""
+    if not options.prefix_cache:
+        return 0
+    if options.prefix_cache_bytes is None:
+        return DEFAULT_PREFIX_CACHE_BYTES if cache_budget is None else cache_budget // DEFAULT_PREFIX_CACHE_SHARE
+    if cache_budget is not None and options.prefix_cache_bytes >= cache_budget:
+        raise ValueError(
+            f"prefix_cache_bytes ({options.prefix_cache_bytes} bytes) must be less than what memory_budget leaves "
+            f"for caches after weights and workspace ({cache_budget} bytes): lower --prefix-cache-bytes or raise "
+            "--memory-budget"
+        )
+    return options.prefix_cache_bytes
 
 
 def kv_cache_budget(memory_budget: int | None, memory: dict[str, int]) -> int | None:

@@ -116,6 +116,14 @@ def _register_check(subparsers) -> None:
                      help=f"fail if any logit differs from one process's by more (default: {PARALLEL_MAX_ABS_DIFF})")
     par.add_argument("--json", action="store_true")
     par.set_defaults(func=_check_parallel)
+    pc = sub.add_parser("prefix-cache", help="a turn restored from the prefix cache vs the same request without it")
+    pc.add_argument("--model", type=Path, required=True)
+    pc.add_argument("--fill", type=_setting, default="96:32", metavar="C:T", help="chunk:tile of the turn that fills the cache")
+    pc.add_argument("--reuse", type=_setting, default="64:7", metavar="C:T", help="chunk:tile of the turns that reuse it")
+    pc.add_argument("--prompt-tokens", type=int, default=300)
+    pc.add_argument("--seed", type=int, default=0)
+    pc.add_argument("--json", action="store_true")
+    pc.set_defaults(func=_check_prefix_cache)
     ker = sub.add_parser("kernels", help="device kernels vs their references (selections, scores, tile invariance); "
                                          "exit 2 where there is no CUDA device")
     ker.add_argument("--max-rel-diff", type=float, default=KERNEL_MAX_REL_DIFF,
@@ -183,6 +191,17 @@ def _check_consistency(args) -> int:
                                            args.dtype)
     limits = ConsistencyLimits(args.max_untiled_diff, args.max_whole_sequence_diff, args.max_differing_selections)
     return _verdict(report.as_dict(), consistency.consistency_failures(report, limits), args.json)
+
+
+def _check_prefix_cache(args) -> int:
+    from engine.tools.prefix_check import check_prefix_cache
+
+    report = check_prefix_cache(
+        args.model, (args.fill.chunk, args.fill.tile), (args.reuse.chunk, args.reuse.tile), args.prompt_tokens, args.seed
+    )
+    differing = [f"{case['name']}: tokens or logprobs differ from the engine without the cache"
+                 for case in report["cases"] if not case["identical"]]
+    return _verdict(report, differing, args.json)
 
 
 def _add_reference_weight_args(p: argparse.ArgumentParser) -> None:
@@ -309,6 +328,17 @@ def _register_bench(subparsers) -> None:
     cmp.add_argument("--settings", nargs="+", required=True, type=_setting, metavar="C:T", help="chunk:tile pairs")
     cmp.add_argument("--json", action="store_true")
     cmp.set_defaults(func=_bench_compare)
+    mt = sub.add_parser("multiturn", help="turn 2 of a conversation: time to first token with and without the prefix cache")
+    mt.add_argument("--model", type=Path, required=True)
+    mt.add_argument("--ctx", type=int, required=True, help="turn 2's prompt length in tokens")
+    mt.add_argument("--new", type=int, default=256, help="tokens turn 2 adds after turn 1's prompt and reply")
+    mt.add_argument("--reply", type=int, default=32, help="tokens of turn 1's reply")
+    mt.add_argument("--chunk", type=int, default=4096)
+    mt.add_argument("--tile", type=int, default=1024)
+    mt.add_argument("--rounds", type=int, default=2, help="rounds of (cold, cached) in alternating order")
+    mt.add_argument("--dtype", default=None, choices=list(DTYPES))
+    mt.add_argument("--json", action="store_true")
+    mt.set_defaults(func=_bench_multiturn)
     idx = sub.add_parser("indexer", help="indexer scoring throughput vs the device's bf16 matmul rate")
     idx.add_argument("--tile", type=int, default=1024)
     idx.add_argument("--rows", type=int, default=262144, help="compressed rows N (ctx / 4)")
@@ -354,6 +384,20 @@ def _bench_compare(args) -> int:
 
     rows = bench_compare(args.model, args.ctx, args.settings, args.dtype, _run_options(args))
     print("\n".join(json.dumps(r) for r in rows) if args.json else compare_table(rows))
+    return 0
+
+
+def _bench_multiturn(args) -> int:
+    from engine.tools.bench_multiturn import bench_multiturn
+
+    if not 0 < args.new and 0 < args.reply and args.new + args.reply < args.ctx:
+        print("error: --new and --reply must be positive and leave turn 1 a prompt (new + reply < ctx)", file=sys.stderr)
+        return 2
+    result = bench_multiturn(args.model, args.ctx, args.new, args.reply, args.chunk, args.tile, args.rounds, args.dtype)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print_report({k: v for k, v in result.items() if k != "runs"}, False)
     return 0
 
 

@@ -49,6 +49,9 @@ class ScriptedRunner:
 
     # ---- Runner protocol ---------------------------------------------------------------------------
 
+    def match_prefix(self, request_id: str, prompt_ids: Sequence[int]) -> int:
+        return 0  # no prefix cache
+
     def add_request(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
         with self._lock:
             if request_id in self._sequences:
