@@ -18,7 +18,9 @@ from engine.model.attention import PROJECTION_ROWS
 from engine.model.cache import RowBuffer
 from engine.model.config import CSA, HCA, WINDOW, ModelConfig, config_from_dict
 from engine.model.dtypes import DTYPES
-from engine.model.weights import expected_shapes
+from engine.model.official_format import storage
+from engine.model.quantized import DENSE_MIN_ROWS
+from engine.model.weights import expected_shapes, layer_of
 
 GiB = 2**30
 
@@ -91,10 +93,14 @@ class MemoryPlan:
 # ---- the plan ----------------------------------------------------------------------------------
 
 
-def make_plan(cfg: ModelConfig, ctx: int, chunk: int, tile: int, dtype: str = "float32") -> MemoryPlan:
+def make_plan(cfg: ModelConfig, ctx: int, chunk: int, tile: int, dtype: str = "float32",
+              quantized_dense: bool = False) -> MemoryPlan:
+    """quantized_dense: the dense projections are held quantized (an official or converted checkpoint),
+    so a large step computes on a transient dequantized copy of one layer's (`dequantized_buffers`)."""
     if not 1 <= tile <= chunk:
         raise ValueError(f"indexer tile ({tile}) must be between 1 and the prefill chunk ({chunk})")
     b = DTYPES[dtype].size
+    chunk_activations = chunk_buffers(cfg, chunk, b) + (dequantized_buffers(cfg, chunk, b) if quantized_dense else [])
     return MemoryPlan(
         ctx=ctx,
         chunk=chunk,
@@ -102,7 +108,7 @@ def make_plan(cfg: ModelConfig, ctx: int, chunk: int, tile: int, dtype: str = "f
         dtype=dtype,
         indexer=indexer_buffers(cfg, ctx, tile),
         attention=attention_buffers(cfg, ctx, tile, b),
-        chunk_activations=chunk_buffers(cfg, chunk, b),
+        chunk_activations=chunk_activations,
         cache_by_part=cache_bytes_by_part(cfg, ctx, chunk, b),
         weights_bytes=weights_bytes(cfg, b),
     )
@@ -165,6 +171,22 @@ def chunk_buffers(cfg: ModelConfig, chunk: int, b: int) -> list[Buffer]:
         Buffer("moe_intermediate", 3 * c * routed * b, "3 × C × top_k × moe_intermediate (gate, up, product)"),
         Buffer("router", 2 * c * cfg.n_routed_experts * 4, "2 × C × experts × 4"),
     ]
+
+
+def dequantized_buffers(cfg: ModelConfig, chunk: int, b: int) -> list[Buffer]:
+    """A step of >= DENSE_MIN_ROWS rows runs a layer's FP8-class projections (attention and shared
+    expert) on a dequantized copy made for that step (engine/model/quantized.py); counted as the
+    largest layer's, all live at once (an upper bound: attention's copies die before the MoE's)."""
+    if chunk < DENSE_MIN_ROWS:
+        return []
+    per_layer: dict[int, int] = {}
+    for name, shape in expected_shapes(cfg).items():
+        layer = layer_of(name)
+        if layer is not None and storage(name) == "fp8":
+            per_layer[layer] = per_layer.get(layer, 0) + prod(shape)
+    largest = max(per_layer.values(), default=0)
+    return [Buffer("dequantized_weights", largest * b,
+                   f"one layer's FP8-class projections × dtype (steps of ≥ {DENSE_MIN_ROWS} rows)")]
 
 
 def cache_bytes_by_part(cfg: ModelConfig, ctx: int, chunk: int | None, b: int,
@@ -242,9 +264,12 @@ def plan_for(model_dir: Path | None, preset: str | None, ctx: int, chunk: int, t
     """weights_format: count the weights as engine/model/weight_formats.py holds them (None: all in dtype)."""
     plan = _plan_for(model_dir, preset, ctx, chunk, tile, dtype)
     if weights_format:
-        from engine.model.weight_formats import format_weights_bytes
+        from engine.model.weight_formats import QUANTIZED_FORMATS, format_weights_bytes
 
         cfg = _config_for(model_dir, preset)
+        if weights_format in QUANTIZED_FORMATS:  # every quantized format keeps the dense projections mxfp8
+            plan = replace(plan, chunk_activations=plan.chunk_activations
+                           + dequantized_buffers(cfg, chunk, DTYPES[plan.dtype].size))
         plan = replace(plan, weights_format=weights_format,
                        weights_bytes=format_weights_bytes(cfg, weights_format, DTYPES[plan.dtype].size))
     return replace(plan, memory_budget=memory_budget)

@@ -19,6 +19,7 @@ from engine.model.config import ModelConfig
 from engine.model.dtypes import dtype_name
 from engine.model.loader import load_model
 from engine.model.memory_plan import cache_bytes_at, make_plan
+from engine.model.quantized import QuantizedWeight
 from engine.model.deepseek_v4 import DeepseekV4, Segment
 from engine.serving.prefix_cache import Lineage, PrefixCache, PrefixNode
 from engine.serving.protocol import SampledToken, SamplingParams, StepOutput, StepPlan
@@ -86,7 +87,8 @@ class ModelRunner:
         # request -> the cache match_prefix restored for it and the node it came from, until a plan adds it
         self._restored: dict[str, tuple[SequenceCache, PrefixNode]] = {}
         self._weights_bytes = sum(w.nbytes for w in model.weights.values())
-        self._planned_workspace = make_plan(model.cfg, self.max_context, prefill_chunk, indexer_tile, dtype_name(model.dtype)).workspace_bytes
+        self._planned_workspace = make_plan(model.cfg, self.max_context, prefill_chunk, indexer_tile,
+                                            dtype_name(model.dtype), _quantized_dense(model)).workspace_bytes
 
     def set_prefix_cache_bytes(self, capacity_bytes: int) -> None:
         """Size (or turn off, 0) the prefix cache before the first request; the factory knows the budget only
@@ -229,6 +231,11 @@ class ModelRunner:
 def default_compute_dtype() -> str:
     """float32 on CPU (bf16 matmul there runs at a few GFLOP/s), the checkpoint's dtype on a GPU."""
     return "float32" if mx.default_device() == mx.cpu else None
+
+
+def _quantized_dense(model: DeepseekV4) -> bool:
+    """Whether any non-expert projection is held quantized (its prefill steps dequantize it: memory_plan)."""
+    return any(isinstance(w, QuantizedWeight) and ".experts." not in name for name, w in model.weights.items())
 
 
 def build_runner(
