@@ -59,7 +59,10 @@ Weight = mx.array | QuantizedWeight
 # (the H200 prefilled 0.61x as fast as bf16 with quantized_matmul at 4096 rows, docs/BENCHMARKS.md
 # "Issue 13"); the dequantization, one pass over the weight, is then small next to the gemm. Callers that
 # split a batch into blocks decide once by the batch's rows (`for_rows`), so a row's result never depends
-# on how the batch is tiled.
+# on how the batch is tiled. It can depend on the batch's size, in the last bits: the two paths sum in a
+# different order, so a quantized model's row computed in a step below and in one above the threshold
+# (a short last chunk, a resumed prefix, decode beside a large prefill) differs by ~1e-7 relative —
+# bit-identity across batch compositions holds for plain weights only (a GPU gemm's never does anyway).
 DENSE_MIN_ROWS = 256
 
 
