@@ -21,6 +21,7 @@ import os
 import resource
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 from fastapi import APIRouter
@@ -185,6 +186,7 @@ class Metrics:
         ).labels(m)
         self._running.labels(m).set(0)
         self._waiting.labels(m).set(0)
+        self._kv_usage.labels(m).set(0)  # exists from the start: the dashboard's panel has data while loading
 
     def _define_request_series(self, max_model_len: int) -> None:
         m = self.model_name
@@ -244,6 +246,12 @@ class Metrics:
         )
         for reason in REJECTION_REASONS:
             self._rejections.labels(m, reason)
+        self._http_errors = self._counter(
+            "tessera_http_errors_total",
+            "Error responses by HTTP status (500: a server failure); an error sent inside an SSE stream after "
+            "its 200 counts with the status it would have had.", "status",
+        )
+        self._http_errors.labels(m, "500")  # at 0 from the start: alert on rate() > 0
 
     # ---- asyncio side: one engine request (RequestTracker calls these) -------------------------------
 
@@ -282,6 +290,9 @@ class Metrics:
             self._latency["request_inference_time"].observe(prefill_s + decode_s)
         if decode_s is not None and num_generation_tokens > 1:
             self._tpot.observe(decode_s / (num_generation_tokens - 1))
+
+    def http_error(self, status: int) -> None:
+        self._http_errors.labels(self.model_name, str(status)).inc()
 
     def rejected(self, reason: str) -> None:
         """A request refused before it was queued (AdmissionError.reason)."""
@@ -451,6 +462,9 @@ def _info_labels(settings_info: Mapping[str, object]) -> dict[str, str]:
     for key, value in settings_info.items():
         if key == "model_name":
             continue  # every series carries it already
+        if key == "model" and isinstance(value, str):
+            labels[key] = Path(value).name  # the directory's name only: a scrape must not reveal the filesystem
+            continue
         if value is None:
             labels[key] = ""
         elif isinstance(value, bool):

@@ -106,7 +106,14 @@ class Settings(BaseSettings):
         None,
         description="Memory Tessera may use, e.g. '100GiB', '512MiB' or a byte count: weights + planned prefill "
         "workspace + the KV caches of admitted requests. A request is admitted only if its cache at its maximum "
-        "length fits in what weights and workspace leave. None: no budget (admission by max_num_seqs only).",
+        "length fits in what weights and workspace leave. None: memory_fraction of the device's memory.",
+    )
+    memory_fraction: float = Field(
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description="Without memory_budget, the budget is this fraction of the device's memory: what MLX reports "
+        "as the GPU's (unified) memory, or the machine's RAM on the CPU. Like vLLM's gpu_memory_utilization.",
     )
     prefix_cache: bool = Field(
         True,
@@ -118,7 +125,7 @@ class Settings(BaseSettings):
         None,
         description="Most bytes the prefix cache holds, least recently used state evicted first, e.g. '8GiB'. "
         "They come out of memory_budget: requests are admitted against what is left. None: a quarter of what "
-        "the memory budget leaves for caches, or 4GiB without a budget.",
+        "the memory budget (memory_budget, or memory_fraction of the device) leaves for caches.",
     )
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
@@ -138,7 +145,23 @@ class Settings(BaseSettings):
         256, ge=0, description="Most requests waiting for admission; beyond it a request gets 503 + Retry-After."
     )
     max_body_bytes: ByteSize = Field(
-        64 * 2**20, description="Largest request body; larger gets 413. A 1M-token prompt as JSON ids is ~8 MB."
+        16 * 2**20,
+        description="Largest request body; larger gets 413. Fits a 1M-token prompt and no more: 2^20 token ids "
+        "as JSON are at most ~9.5 MB, 2^20 tokens of text ~4-8 MB.",
+    )
+    default_max_tokens: int = Field(
+        8192,
+        ge=0,
+        description="Completion cap for chat requests that send no max_tokens / max_completion_tokens (still "
+        "limited by the context). 0: the rest of the context (can mean minutes of output).",
+    )
+    max_stop_strings: int = Field(16, ge=1, description="Most `stop` strings one request may send (400 beyond).")
+    max_stop_string_chars: int = Field(1024, ge=1, description="Longest `stop` string in characters (400 beyond).")
+    edge_workers: int = Field(
+        4,
+        ge=1,
+        description="Threads that parse request bodies and tokenize prompts off the event loop, so one huge "
+        "request never stalls /health or the streams of others; more requests wait for a free one.",
     )
     metrics_vllm_aliases: bool = Field(
         False, description="Also export `vllm:`-named metric aliases so vLLM Grafana dashboards work unchanged."

@@ -117,7 +117,9 @@ class StepOutput:
 
 class Runner(Protocol):
     """Executes a StepPlan on a model. Owns each request's cache, keyed by request id: `execute` first drops
-    the plan's finished requests, then sets up its new ones, then runs its tokens."""
+    the plan's finished requests, then sets up its new ones, then runs its tokens. If running the tokens raises,
+    the requests must be left as they were before them: the engine re-runs the step without the request that
+    fails it (engine_loop.EngineLoop._isolate_failure)."""
 
     def match_prefix(self, request_id: str, prompt_ids: Sequence[int]) -> int:
         """Leading prompt tokens the runner holds in its prefix cache and will start this request with when a
@@ -276,5 +278,10 @@ class EngineClient(Protocol):
         ...
 
     def start(self) -> None: ...
+
+    def on_death(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (from the engine thread) if the engine dies of an error; by then every open stream
+        has ended with an Error, /health reports it (stats().is_alive is False) and new requests are refused."""
+        ...
 
     def shutdown(self, timeout: float) -> None: ...

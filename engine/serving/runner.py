@@ -8,9 +8,9 @@ Owns each request's cache, token history and random stream, keyed by request id.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 
@@ -55,6 +55,35 @@ class _Sequence:
     history: TokenHistory
     rng: RequestRng
     lineage: Lineage
+
+
+def _restorer(seq: _Sequence) -> Callable[[], None]:
+    """A function that puts a sequence's cache (and its pending prefix state) back to how they are now. The
+    forward pass only appends rows past each buffer's `num_rows` and rebinds windows and compressor frontiers
+    (it never writes into kept arrays), so the counts and references are the whole state."""
+    cache, pending = seq.cache, seq.lineage.pending
+    num_tokens, num_ids = cache.num_tokens, len(cache.token_ids)
+    layers = [
+        (layer, layer.window, layer.compressed.num_rows if layer.compressed else 0,
+         layer.index_keys.num_rows if layer.index_keys else 0,
+         replace(layer.compressor) if layer.compressor else None,
+         replace(layer.indexer_compressor) if layer.indexer_compressor else None)
+        for layer in cache.layers
+    ]
+
+    def restore() -> None:
+        cache.num_tokens = num_tokens
+        del cache.token_ids[num_ids:]
+        seq.lineage.pending = pending
+        for layer, window, num_compressed, num_index_keys, compressor, indexer_compressor in layers:
+            layer.window = window
+            if layer.compressed is not None:
+                layer.compressed.num_rows = num_compressed
+            if layer.index_keys is not None:
+                layer.index_keys.num_rows = num_index_keys
+            layer.compressor, layer.indexer_compressor = compressor, indexer_compressor
+
+    return restore
 
 
 class ModelRunner:
@@ -117,7 +146,16 @@ class ModelRunner:
             self.release(request_id)
         for new in plan.new_requests:
             self.add_request(new.request_id, new.prompt_ids, new.sampling, new.num_cached_tokens)
-        return self._run(plan)
+        restores = [_restorer(self._sequences[r]) for r in plan.request_ids if r in self._sequences]
+        try:
+            return self._run(plan)
+        except Exception:
+            # The Runner contract: a failed step leaves its requests as they were, so the engine can re-run
+            # them without the one that fails (engine_loop.EngineLoop._isolate_failure). Sampling state
+            # (history, random stream) only moves after a successful forward.
+            for restore in restores:
+                restore()
+            raise
 
     def add_request(
         self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, num_cached_tokens: int = 0
