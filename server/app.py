@@ -16,8 +16,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.model.tokenizer import Tokenizer
 from engine.serving.protocol import EngineClient
-from server.errors import APIError, install_error_handlers, payload_too_large, unauthorized
+from server.errors import (
+    APIError,
+    install_error_handlers,
+    payload_too_large,
+    to_api_error,
+    unauthorized,
+)
 from server.metrics import Metrics, metrics_router
+from server.openapi import install_openapi
 from server.prepare import ModelInfo, ServedModel, served_model_name
 from server.routes import router
 from server.settings import Settings
@@ -80,6 +87,41 @@ class EdgeGuard:
         return _replay([{"type": "http.request", "body": b"".join(chunks), "more_body": False}], receive)
 
 
+class ServerErrorGuard:
+    """Outermost ASGI middleware: every response's error status is counted, and an unexpected exception becomes
+    an OpenAI-shaped 500 that keeps the connection usable.
+
+    Starlette's own last-resort handler sends the 500 and then re-raises, and uvicorn answers a raise by closing
+    the connection — without `Connection: close`, so a keep-alive client's next request on it fails. Here the
+    exception ends with the response (logged with its traceback by errors.to_api_error). Only when the response
+    had already started is there nothing to send: then it is re-raised and the connection closes."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        has_started = False
+
+        async def counted_send(message: Message) -> None:
+            nonlocal has_started
+            if message["type"] == "http.response.start":
+                has_started = True
+                if message["status"] >= 400:
+                    self._metrics.http_error(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted_send)
+        except Exception as exc:
+            if has_started:
+                raise
+            await to_api_error(exc).response()(scope, receive, counted_send)
+
+
 def _digest(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()
 
@@ -121,6 +163,8 @@ def create_app(
     app.include_router(router)
     app.include_router(metrics_router(metrics, state.engine_stats))
     app.add_middleware(EdgeGuard, api_keys=list(settings.api_keys), max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(ServerErrorGuard, metrics=metrics)  # added last: the outermost
+    install_openapi(app)
     return app
 
 

@@ -19,6 +19,7 @@ from server.dsml import Delta, StreamingOutputParser, ToolCall, parse_completion
 from server.generation import ChoiceRun, Piece, close_runs, collect_all, merge_pieces, open_runs
 from server.logprobs import chat_logprobs
 from server.prepare import (
+    RequestLimits,
     ServedModel,
     chat_prompt_ids,
     check_model,
@@ -43,6 +44,7 @@ from server.schemas import (
     Usage,
 )
 from server.sse import Chunk, Keepalive, sse_response
+from server.workers import WorkerPool
 
 
 @dataclass(frozen=True)
@@ -53,13 +55,17 @@ class _Meta:
 
 
 async def create_chat_completion(
-    body: ChatCompletionRequest, served: ServedModel, inflight: set[str], request: Request
+    body: ChatCompletionRequest, served: ServedModel, inflight: set[str], request: Request, workers: WorkerPool,
+    limits: RequestLimits,
 ) -> ChatCompletion | Response:
     body.unsupported_values()
     check_model(body.model, served.info)
+    limits.check_stops(body.stop_strings)
+    limits.check_num_choices(body.n, param="n")
     thinking = body.thinking()
-    prompt_ids = chat_prompt_ids(served.tokenizer, body, thinking)
-    max_tokens = resolve_max_tokens(body.requested_max_tokens, len(prompt_ids), served.info.max_model_len, "messages")
+    prompt_ids = await workers.run(chat_prompt_ids, served.tokenizer, body, thinking, True, served.info.max_model_len)
+    max_tokens = resolve_max_tokens(body.requested_max_tokens, len(prompt_ids), served.info.max_model_len, "messages",
+                                    default_cap=limits.default_max_tokens)
     choices = [
         (prompt_ids, sampling_params(body, max_tokens=max_tokens, num_logprobs=body.num_logprobs, choice=i,
                                      vocab_size=served.tokenizer.vocab_size))
@@ -69,12 +75,13 @@ async def create_chat_completion(
     runs = start_runs(served, inflight, meta.id, choices, body.stop_strings)
     if body.stream:
         await until_disconnected(request, open_runs(runs))
-        return sse_response(_chunks(runs, body, thinking, served.tokenizer, meta), lambda: close_runs(runs))
+        return sse_response(_chunks(runs, body, thinking, served.tokenizer, meta), lambda: close_runs(runs),
+                            served.metrics.http_error)
     outputs = await until_disconnected(request, _complete(runs))
     return ChatCompletion(
         id=meta.id, created=meta.created, model=meta.model,
         choices=[_choice(i, pieces, body, thinking, served.tokenizer) for i, pieces in enumerate(outputs)],
-        usage=Usage.of(len(prompt_ids), sum(run.num_generated_tokens for run in runs)),
+        usage=Usage.of(len(prompt_ids), sum(run.num_generated_tokens for run in runs), runs[0].num_cached_tokens),
     )
 
 
@@ -168,4 +175,5 @@ async def _chunks(runs: list[ChoiceRun], body: ChatCompletionRequest, thinking: 
         for choice in states[index].on_piece(piece):
             yield chunk([choice])
     if body.include_usage:
-        yield chunk([], Usage.of(runs[0].num_prompt_tokens, sum(run.num_generated_tokens for run in runs)))
+        yield chunk([], Usage.of(runs[0].num_prompt_tokens, sum(run.num_generated_tokens for run in runs),
+                                 runs[0].num_cached_tokens))

@@ -15,6 +15,7 @@ from engine.serving.protocol import SamplingParams
 from server.generation import ChoiceRun, Piece, close_runs, collect_all, merge_pieces, open_runs
 from server.logprobs import CompletionLogprobsBuilder
 from server.prepare import (
+    RequestLimits,
     ServedModel,
     check_model,
     check_token_ids,
@@ -27,6 +28,7 @@ from server.prepare import (
 )
 from server.schemas import Completion, CompletionChoice, CompletionRequest, Usage
 from server.sse import Chunk, Keepalive, sse_response
+from server.workers import WorkerPool
 
 
 def _prompt_ids(body: CompletionRequest, served: ServedModel) -> list[tuple[list[int], str]]:
@@ -35,7 +37,8 @@ def _prompt_ids(body: CompletionRequest, served: ServedModel) -> list[tuple[list
     prompts = []
     for prompt in body.prompts():
         if isinstance(prompt, str):
-            prompts.append((text_prompt_ids(tokenizer, prompt), prompt))
+            ids = text_prompt_ids(tokenizer, prompt, max_model_len=served.info.max_model_len)
+            prompts.append((ids, prompt))
         else:
             check_token_ids(prompt, tokenizer.vocab_size, param="prompt")
             prompts.append((list(prompt), tokenizer.decode(prompt, skip_special_tokens=True) if body.echo else ""))
@@ -55,11 +58,14 @@ def _choices(body: CompletionRequest, served: ServedModel,
 
 
 async def create_completion(
-    body: CompletionRequest, served: ServedModel, inflight: set[str], request: Request
+    body: CompletionRequest, served: ServedModel, inflight: set[str], request: Request, workers: WorkerPool,
+    limits: RequestLimits,
 ) -> Completion | Response:
     body.unsupported_values()
     check_model(body.model, served.info)
-    prompts = _prompt_ids(body, served)
+    limits.check_stops(body.stop_strings)
+    limits.check_num_choices(len(body.prompts()) * body.n, param="prompt" if body.n == 1 else "n")
+    prompts = await workers.run(_prompt_ids, body, served)
     echoes = [text for _, text in prompts for _ in range(body.n)] if body.echo else None
     response_id = new_response_id("cmpl")
     runs = start_runs(served, inflight, response_id, _choices(body, served, prompts), body.stop_strings)
@@ -68,11 +74,16 @@ async def create_completion(
     if body.stream:
         await until_disconnected(request, open_runs(runs))
         chunks = _chunks(runs, body, served, head, echoes, num_prompt_tokens)
-        return sse_response(chunks, lambda: close_runs(runs))
+        return sse_response(chunks, lambda: close_runs(runs), served.metrics.http_error)
     outputs = await until_disconnected(request, _complete(runs))
     choices = [_choice(i, pieces, body, served, echoes) for i, pieces in enumerate(outputs)]
-    usage = Usage.of(num_prompt_tokens, sum(run.num_generated_tokens for run in runs))
+    usage = Usage.of(num_prompt_tokens, sum(run.num_generated_tokens for run in runs), _cached_tokens(runs, body.n))
     return head.model_copy(update={"choices": choices, "usage": usage})
+
+
+def _cached_tokens(runs: list[ChoiceRun], n: int) -> int:
+    """Each prompt's tokens count once in usage (its n choices share them): its first choice's cached tokens."""
+    return sum(run.num_cached_tokens for run in runs[::n])
 
 
 async def _complete(runs: list[ChoiceRun]) -> list[list[Piece]]:
@@ -108,4 +119,5 @@ async def _chunks(runs: list[ChoiceRun], body: CompletionRequest, served: Served
             yield chunk([CompletionChoice(index=index, text=piece.text, logprobs=logprobs,
                                           finish_reason=piece.finish_reason)])
     if body.include_usage:
-        yield chunk([], Usage.of(num_prompt_tokens, sum(run.num_generated_tokens for run in runs)))
+        yield chunk([], Usage.of(num_prompt_tokens, sum(run.num_generated_tokens for run in runs),
+                                 _cached_tokens(runs, body.n)))

@@ -23,6 +23,7 @@ from server.schemas import Unsupported
 logger = logging.getLogger("tessera.server")
 
 QUEUE_FULL_RETRY_AFTER_S = 1
+UNAVAILABLE_RETRY_AFTER_S = 5  # loading, draining or a dead engine: a restart or another replica takes a while
 
 
 class APIError(Exception):
@@ -88,7 +89,8 @@ def overloaded(message: str) -> APIError:
 
 def unavailable(message: str) -> APIError:
     """Loading or draining: readiness is 503 too, so a load balancer has already stopped sending."""
-    return APIError(503, message, type="server_error", code="service_unavailable")
+    return APIError(503, message, type="server_error", code="service_unavailable",
+                    headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)})
 
 
 def internal_error(message: str = "The server failed to process this request") -> APIError:
@@ -175,6 +177,8 @@ async def handle_exception(request: Request, exc: Exception) -> JSONResponse:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error FastAPI can see through `handle_exception`."""
-    for exc_type in (APIError, RequestValidationError, StarletteHTTPException, Unsupported, ChatFormatError,
-                     AdmissionError, ClientDisconnected, Exception):
+    # Not `Exception`: Starlette sends that handler's response and then re-raises, which closes the connection;
+    # app.ServerErrorGuard turns unexpected exceptions into 500s instead.
+    for exc_type in (APIError, RequestValidationError, ValidationError, StarletteHTTPException, Unsupported,
+                     ChatFormatError, AdmissionError, ClientDisconnected):
         app.add_exception_handler(exc_type, handle_exception)

@@ -94,6 +94,7 @@ class ChoiceRun:
         self.request_id = request_id
         self.num_prompt_tokens = len(prompt_ids)
         self.num_generated_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache restored (every prefill chunk's Progress says)
         self._engine = engine
         self._tracker = metrics.track(len(prompt_ids))  # arrival: just before the engine sees the request
         self._events: AsyncIterator[Event] = engine.generate(request_id, list(prompt_ids), sampling)
@@ -155,6 +156,7 @@ class ChoiceRun:
         if isinstance(event, Token):
             return self._on_token(event)
         if isinstance(event, Progress):
+            self.num_cached_tokens = event.num_cached_tokens
             return Piece(is_keepalive=True)
         if isinstance(event, Done):
             return self._on_done(event)

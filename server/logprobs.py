@@ -2,10 +2,14 @@
 
 A token's `token` is its own decode (a lone piece of a multi-byte character decodes to U+FFFD, as in
 OpenAI); `bytes` are its exact raw bytes, so a client can reassemble the text byte for byte.
+
+A truncating sampler (top_k, top_p, min_p) gives the tokens it cut a logprob of -inf, which JSON cannot carry;
+like OpenAI and vLLM we send the finite floor -9999.0 instead (NaN too), streamed or not.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from engine.serving.protocol import Token
@@ -13,8 +17,16 @@ from engine.model.tokenizer import Tokenizer
 from server.schemas import CompletionLogprobs, TokenLogprob, TopLogprob
 
 
+LOGPROB_FLOOR = -9999.0  # vLLM's value for -inf
+
+
+def finite_logprob(logprob: float) -> float:
+    """-inf and NaN -> the floor; every logprob the API sends passes through here."""
+    return logprob if math.isfinite(logprob) and logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 def _top(tokenizer: Tokenizer, token_id: int, logprob: float) -> TopLogprob:
-    return TopLogprob(token=tokenizer.decode([token_id]), logprob=logprob,
+    return TopLogprob(token=tokenizer.decode([token_id]), logprob=finite_logprob(logprob),
                       bytes=list(tokenizer.token_bytes(token_id)))
 
 
@@ -39,8 +51,8 @@ class CompletionLogprobsBuilder:
         for token in tokens:
             text = self._tokenizer.decode([token.token_id])
             out.tokens.append(text)
-            out.token_logprobs.append(token.logprob)
-            out.top_logprobs.append({self._tokenizer.decode([t]): lp for t, lp in token.top_logprobs})
+            out.token_logprobs.append(None if token.logprob is None else finite_logprob(token.logprob))
+            out.top_logprobs.append({self._tokenizer.decode([t]): finite_logprob(lp) for t, lp in token.top_logprobs})
             out.text_offset.append(self._offset)
             self._offset += len(text)
         return out

@@ -21,6 +21,7 @@ import os
 import resource
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 from fastapi import APIRouter
@@ -72,6 +73,8 @@ VLLM_ALIASES: Mapping[str, tuple[str, ...]] = {
     "tessera_kv_cache_usage_perc": ("vllm:kv_cache_usage_perc",),
     "tessera_prompt_tokens": ("vllm:prompt_tokens",),
     "tessera_generation_tokens": ("vllm:generation_tokens",),
+    "tessera_prefix_cache_queries": ("vllm:prefix_cache_queries",),
+    "tessera_prefix_cache_hits": ("vllm:prefix_cache_hits",),
     "tessera_request_success": ("vllm:request_success",),
     "tessera_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
     "tessera_inter_token_latency_seconds": (
@@ -171,12 +174,19 @@ class Metrics:
         self._generation_tokens = self._counter(
             "tessera_generation_tokens_total", "Tokens sampled (stop tokens included)."
         ).labels(m)
+        self._prefix_queries = self._counter(
+            "tessera_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache (requests started)."
+        ).labels(m)
+        self._prefix_hits = self._counter(
+            "tessera_prefix_cache_hits_total", "Prompt tokens restored from the prefix cache instead of prefilled."
+        ).labels(m)
         self._iteration_tokens = self._histogram(
             "tessera_iteration_tokens", "Tokens run per engine step (decodes + prefill chunk).",
             ITERATION_TOKENS_BUCKETS,
         ).labels(m)
         self._running.labels(m).set(0)
         self._waiting.labels(m).set(0)
+        self._kv_usage.labels(m).set(0)  # exists from the start: the dashboard's panel has data while loading
 
     def _define_request_series(self, max_model_len: int) -> None:
         m = self.model_name
@@ -236,6 +246,12 @@ class Metrics:
         )
         for reason in REJECTION_REASONS:
             self._rejections.labels(m, reason)
+        self._http_errors = self._counter(
+            "tessera_http_errors_total",
+            "Error responses by HTTP status (500: a server failure); an error sent inside an SSE stream after "
+            "its 200 counts with the status it would have had.", "status",
+        )
+        self._http_errors.labels(m, "500")  # at 0 from the start: alert on rate() > 0
 
     # ---- asyncio side: one engine request (RequestTracker calls these) -------------------------------
 
@@ -275,6 +291,9 @@ class Metrics:
         if decode_s is not None and num_generation_tokens > 1:
             self._tpot.observe(decode_s / (num_generation_tokens - 1))
 
+    def http_error(self, status: int) -> None:
+        self._http_errors.labels(self.model_name, str(status)).inc()
+
     def rejected(self, reason: str) -> None:
         """A request refused before it was queued (AdmissionError.reason)."""
         self._rejections.labels(self.model_name, reason).inc()
@@ -288,6 +307,8 @@ class Metrics:
             return
         self._prompt_tokens.inc(step.num_prefill_tokens)
         self._generation_tokens.inc(step.num_sampled_tokens)
+        self._prefix_queries.inc(step.num_prefix_cache_queried_tokens)
+        self._prefix_hits.inc(step.num_prefix_cache_hit_tokens)
         self._iteration_tokens.observe(step.num_tokens)
         if step.num_prefill_tokens == 0:
             return  # decode-only steps would drown the prefill stage times in tiny ones
@@ -441,6 +462,9 @@ def _info_labels(settings_info: Mapping[str, object]) -> dict[str, str]:
     for key, value in settings_info.items():
         if key == "model_name":
             continue  # every series carries it already
+        if key == "model" and isinstance(value, str):
+            labels[key] = Path(value).name  # the directory's name only: a scrape must not reveal the filesystem
+            continue
         if value is None:
             labels[key] = ""
         elif isinstance(value, bool):

@@ -14,9 +14,9 @@ from typing import Awaitable, Sequence, TypeVar
 from starlette.requests import Request
 
 from engine.serving.protocol import EngineClient, SamplingParams
-from engine.model.tokenizer import Tokenizer
+from engine.model.tokenizer import Tokenizer, TooManyTokens
 from server.chat_format import render_prompt, render_with_template
-from server.errors import ClientDisconnected, context_length_exceeded, invalid_request, model_not_found
+from server.errors import APIError, ClientDisconnected, context_length_exceeded, invalid_request, model_not_found
 from server.generation import ChoiceRun
 from server.metrics import Metrics
 from server.schemas import ChatCompletionRequest, SamplingFields
@@ -47,6 +47,40 @@ class ServedModel:
     metrics: Metrics  # the app's (AppState.metrics): each ChoiceRun reports its request to it
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """Bounds on what one request may ask for, from the settings; checked before any work starts."""
+
+    default_max_tokens: int  # chat without max_tokens; 0: the rest of the context
+    max_stop_strings: int
+    max_stop_string_chars: int
+    max_choices: int  # engine requests one HTTP request may start (prompts x n)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RequestLimits:
+        # On an idle server max_num_seqs choices are admitted at once and max_queued_requests wait; one more
+        # is refused with queue_full however long the client retries, so it is a 400, not a 503.
+        return cls(settings.default_max_tokens, settings.max_stop_strings, settings.max_stop_string_chars,
+                   settings.max_num_seqs + settings.max_queued_requests)
+
+    def check_stops(self, stops: Sequence[str]) -> None:
+        """Every token is matched against every stop string: their number and length bound that work."""
+        if len(stops) > self.max_stop_strings:
+            raise invalid_request(f"Too many stop strings: {len(stops)}, at most {self.max_stop_strings} "
+                                  "(max_stop_strings)", param="stop")
+        longest = max((len(stop) for stop in stops), default=0)
+        if longest > self.max_stop_string_chars:
+            raise invalid_request(f"A stop string has {longest} characters, at most {self.max_stop_string_chars} "
+                                  "(max_stop_string_chars)", param="stop")
+
+    def check_num_choices(self, num_choices: int, param: str) -> None:
+        if num_choices > self.max_choices:
+            raise invalid_request(
+                f"This request needs {num_choices} generations (prompts x n) but the server runs and queues at "
+                f"most {self.max_choices} at once (max_num_seqs + max_queued_requests); split it into smaller "
+                "requests", param=param)
+
+
 def served_model_name(settings: Settings) -> str:
     """The model id clients send: known from the settings alone, so /metrics can carry it while loading."""
     if settings.served_model_name is not None:
@@ -67,8 +101,10 @@ def check_model(requested: str | None, info: ModelInfo) -> None:
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, body: ChatCompletionRequest, thinking: bool,
-                    add_generation_prompt: bool = True) -> list[int]:
-    """Render the messages in V4's format (or the model dir's Jinja template) and encode; BOS is in the text."""
+                    add_generation_prompt: bool = True, max_model_len: int | None = None) -> list[int]:
+    """Render the messages in V4's format (or the model dir's Jinja template) and encode; BOS is in the text.
+
+    With `max_model_len`, a prompt that leaves no room for a completion is a 400 (before its ids are built)."""
     messages = [message.to_prompt_dict() for message in body.messages]
     if tokenizer.chat_template:
         text = render_with_template(tokenizer.chat_template, messages, body.active_tools, thinking,
@@ -77,13 +113,31 @@ def chat_prompt_ids(tokenizer: Tokenizer, body: ChatCompletionRequest, thinking:
     else:
         text = render_prompt(messages, body.active_tools, thinking, add_generation_prompt=add_generation_prompt,
                              reasoning_effort=body.v4_reasoning_effort if thinking else None)
-    return tokenizer.encode(text)
+    return _encode_within(tokenizer, text, max_model_len, num_extra=0, prompt_param="messages")
 
 
-def text_prompt_ids(tokenizer: Tokenizer, text: str, add_bos: bool = True) -> list[int]:
+def text_prompt_ids(tokenizer: Tokenizer, text: str, add_bos: bool = True,
+                    max_model_len: int | None = None) -> list[int]:
     """A raw completion prompt: BOS (as the model was trained to start) + the text's tokens."""
     bos = [tokenizer.bos_token_id] if add_bos and tokenizer.bos_token_id is not None else []
-    return bos + tokenizer.encode(text)
+    return bos + _encode_within(tokenizer, text, max_model_len, num_extra=len(bos), prompt_param="prompt")
+
+
+def _encode_within(tokenizer: Tokenizer, text: str, max_model_len: int | None, num_extra: int,
+                   prompt_param: str) -> list[int]:
+    if max_model_len is None:
+        return tokenizer.encode(text)
+    try:
+        return tokenizer.encode(text, max_tokens=max(max_model_len - 1 - num_extra, 0))
+    except TooManyTokens as exc:
+        raise _no_room(max_model_len, exc.num_tokens + num_extra, prompt_param) from None
+
+
+def _no_room(max_model_len: int, num_prompt_tokens: int, prompt_param: str) -> APIError:
+    return context_length_exceeded(
+        f"This model's maximum context length is {max_model_len} tokens. However, your {prompt_param} "
+        f"resulted in {num_prompt_tokens} tokens, which leaves no room for a completion. "
+        f"Please shorten the {prompt_param}.", param=prompt_param)
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
@@ -92,17 +146,17 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
         raise invalid_request(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param=param)
 
 
-def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int, prompt_param: str) -> int:
-    """The completion budget: as requested if prompt + it fits the context, else a 400; unset: the rest."""
+def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int, prompt_param: str,
+                       default_cap: int = 0) -> int:
+    """The completion budget: as requested if prompt + it fits the context, else a 400; unset: the rest of the
+    context, capped at `default_cap` (0: no cap)."""
     if num_prompt_tokens == 0:
         raise invalid_request(f"The {prompt_param} is empty", param=prompt_param)
     if num_prompt_tokens >= max_model_len:
-        raise context_length_exceeded(
-            f"This model's maximum context length is {max_model_len} tokens. However, your {prompt_param} "
-            f"resulted in {num_prompt_tokens} tokens, which leaves no room for a completion. "
-            f"Please shorten the {prompt_param}.", param=prompt_param)
+        raise _no_room(max_model_len, num_prompt_tokens, prompt_param)
     if requested is None:
-        return max_model_len - num_prompt_tokens
+        rest = max_model_len - num_prompt_tokens
+        return min(rest, default_cap) if default_cap else rest
     if num_prompt_tokens + requested > max_model_len:
         raise context_length_exceeded(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "

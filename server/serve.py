@@ -9,6 +9,7 @@ are aborted, then uvicorn exits. A second signal exits at once.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import signal
@@ -39,8 +40,6 @@ def build_engine(settings: Settings, metrics: Metrics | None = None) -> ServedMo
     from engine.serving.factory import build_engine as build_engine_core
 
     name = served_model_name(settings)
-    if metrics is not None and metrics.model_name != name:
-        raise ValueError(f"metrics are labelled {metrics.model_name!r}, the model is served as {name!r}")
     built = build_engine_core(EngineOptions(
         model_dir=Path(settings.model) if settings.model is not None else None,
         prefill_chunk=settings.prefill_chunk,
@@ -50,9 +49,16 @@ def build_engine(settings: Settings, metrics: Metrics | None = None) -> ServedMo
         max_num_seqs=settings.max_num_seqs,
         max_queued_requests=settings.max_queued_requests,
         memory_budget=settings.memory_budget,
+        memory_fraction=settings.memory_fraction,
+        world=settings.world,
+        prefix_cache=settings.prefix_cache,
+        prefix_cache_bytes=settings.prefix_cache_bytes,
     ))
     if metrics is None:
         metrics = Metrics.from_settings(settings, name, built.max_model_len)
+    elif metrics.model_name != name:
+        raise ValueError(f"metrics are labelled {metrics.model_name!r}, the model is served as {name!r}")
+    metrics.memory_budget_bytes = built.memory_budget  # memory_bytes{kind="budget"}: the one admission uses
     info = ModelInfo(name=name, root=str(built.model_dir), max_model_len=built.max_model_len,
                      created=int(time.time()))
     return ServedModel(built.engine, built.tokenizer, info, metrics)
@@ -99,6 +105,12 @@ def serve(settings: Settings) -> int:
     """Run the server until it is shut down; the process exit code."""
     configure_logging(settings.log_level)
     logger.info("effective settings: %s", json.dumps(settings.public_dict(), sort_keys=True))
+    if settings.world > 1:  # under `mlx.launch` every rank runs this; ranks other than 0 serve no HTTP
+        from engine.parallel.follower import follow_if_launched_follower
+
+        code = follow_if_launched_follower(settings.model, settings.indexer_tile, settings.world)
+        if code is not None:
+            return code
     return asyncio.run(_serve(settings))
 
 
@@ -123,11 +135,41 @@ async def _serve(settings: Settings) -> int:
         return 1
     if serving.done():  # told to stop while loading
         return 0
+    # Everything loaded so far lives as long as the process: keep it out of the collector's full passes, which
+    # would otherwise pause the event loop for a walk over the whole heap (vLLM does the same after start-up).
+    gc.collect()
+    gc.freeze()
+    engine_died = _watch_engine(served, server)
     served.engine.start()
     state.attach(served)
     logger.info("serving %s (max_model_len %d) on http://%s:%d", served.info.name, served.info.max_model_len,
                 settings.host, settings.port)
     await serving
+    if engine_died.is_set():
+        return 1
     if not state.is_draining:  # uvicorn stopped on its own (second signal): still stop the engine thread
         await state.drain(0.0)
     return 0
+
+
+_DEATH_GRACE_S = 0.5  # after the engine died: time for the failed requests' error responses to go out
+
+
+def _watch_engine(served: ServedModel, server: uvicorn.Server) -> asyncio.Event:
+    """If the engine thread dies, exit non-zero (every client already got an error; /ready and /health say 503
+    meanwhile) so the supervisor — systemd, Kubernetes, Docker's restart policy — starts a fresh process."""
+    loop = asyncio.get_running_loop()
+    died = asyncio.Event()
+
+    async def exit_when_dead() -> None:
+        await died.wait()
+        logger.critical("the engine thread died (see the traceback above); exiting with status 1 to be restarted")
+        await asyncio.sleep(_DEATH_GRACE_S)
+        server.should_exit = True
+
+    served.engine.on_death(lambda: loop.call_soon_threadsafe(died.set))
+    _watchers.add(asyncio.ensure_future(exit_when_dead()))
+    return died
+
+
+_watchers: set[asyncio.Future] = set()  # a reference keeps the watcher task alive

@@ -99,19 +99,62 @@ class Settings(BaseSettings):
         None,
         description="Memory Tessera may use, e.g. '100GiB', '512MiB' or a byte count: weights + planned prefill "
         "workspace + the KV caches of admitted requests. A request is admitted only if its cache at its maximum "
-        "length fits in what weights and workspace leave. None: no budget (admission by max_num_seqs only).",
+        "length fits in what weights and workspace leave. None: memory_fraction of the device's memory.",
+    )
+    memory_fraction: float = Field(
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description="Without memory_budget, the budget is this fraction of the device's memory: what MLX reports "
+        "as the GPU's (unified) memory, or the machine's RAM on the CPU. Like vLLM's gpu_memory_utilization.",
+    )
+    prefix_cache: bool = Field(
+        True,
+        description="Keep the state of recent sequences at 128-token block boundaries, so a prompt that starts "
+        "with one (a conversation's next turn, a shared system prompt) prefills only the rest. Outputs are "
+        "identical with and without it.",
+    )
+    prefix_cache_bytes: ByteSize | None = Field(
+        None,
+        description="Most bytes the prefix cache holds, least recently used state evicted first, e.g. '8GiB'. "
+        "They come out of memory_budget: requests are admitted against what is left. None: a quarter of what "
+        "the memory budget (memory_budget, or memory_fraction of the device) leaves for caches.",
     )
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Accepted bearer keys for inference routes; empty: no authentication. "
         "CLI: --api-key repeated; env: TESSERA_API_KEYS='k1,k2'.",
     )
+    world: int = Field(
+        1,
+        ge=1,
+        description="Processes the model's layers are split over (pipeline parallel, docs/PARALLEL.md): rank 0 serves "
+        "HTTP and runs the first layers, ranks 1…N-1 start on this machine and run the rest (one GPU each with "
+        "NCCL on CUDA, the ring backend on 127.0.0.1 otherwise); under `mlx.launch` every rank runs `tessera serve` "
+        "and rank 0 serves. 1: one process.",
+    )
     max_num_seqs: int = Field(16, ge=1, description="Most requests decoding at once (the running batch).")
     max_queued_requests: int = Field(
         256, ge=0, description="Most requests waiting for admission; beyond it a request gets 503 + Retry-After."
     )
     max_body_bytes: ByteSize = Field(
-        64 * 2**20, description="Largest request body; larger gets 413. A 1M-token prompt as JSON ids is ~8 MB."
+        16 * 2**20,
+        description="Largest request body; larger gets 413. Fits a 1M-token prompt and no more: 2^20 token ids "
+        "as JSON are at most ~9.5 MB, 2^20 tokens of text ~4-8 MB.",
+    )
+    default_max_tokens: int = Field(
+        8192,
+        ge=0,
+        description="Completion cap for chat requests that send no max_tokens / max_completion_tokens (still "
+        "limited by the context). 0: the rest of the context (can mean minutes of output).",
+    )
+    max_stop_strings: int = Field(16, ge=1, description="Most `stop` strings one request may send (400 beyond).")
+    max_stop_string_chars: int = Field(1024, ge=1, description="Longest `stop` string in characters (400 beyond).")
+    edge_workers: int = Field(
+        4,
+        ge=1,
+        description="Threads that parse request bodies and tokenize prompts off the event loop, so one huge "
+        "request never stalls /health or the streams of others; more requests wait for a free one.",
     )
     metrics_vllm_aliases: bool = Field(
         False, description="Also export `vllm:`-named metric aliases so vLLM Grafana dashboards work unchanged."
@@ -139,6 +182,17 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"indexer_tile ({self.indexer_tile}) must be ≤ prefill_chunk ({self.prefill_chunk}): "
                 "lower --indexer-tile or raise --prefill-chunk"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _prefix_cache_fits_budget(self) -> Settings:
+        # The whole check (against what weights and workspace leave) needs the model: engine/serving/factory.py.
+        requested, budget = self.prefix_cache_bytes, self.memory_budget
+        if self.prefix_cache and budget and requested and requested >= budget:
+            raise ValueError(
+                f"prefix_cache_bytes ({requested}) must be less than memory_budget ({budget}): "
+                "the prefix cache is part of the budget; lower --prefix-cache-bytes or raise --memory-budget"
             )
         return self
 

@@ -33,8 +33,9 @@ Chunk = Union[BaseModel, Keepalive]
 class _Stream(EventSourceResponse):
     """An SSE response that runs `on_close` however it ends: done, failed, or cut by a disconnect."""
 
-    def __init__(self, chunks: AsyncIterator[Chunk], on_close: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(_events(chunks), ping=PING_INTERVAL_S, sep="\n")
+    def __init__(self, chunks: AsyncIterator[Chunk], on_close: Callable[[], Awaitable[None]],
+                 on_error: Callable[[int], None] | None = None) -> None:
+        super().__init__(_events(chunks, on_error), ping=PING_INTERVAL_S, sep="\n")
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -45,16 +46,22 @@ class _Stream(EventSourceResponse):
             await self._on_close()
 
 
-def sse_response(chunks: AsyncIterator[Chunk], on_close: Callable[[], Awaitable[None]]) -> EventSourceResponse:
-    return _Stream(chunks, on_close)
+def sse_response(chunks: AsyncIterator[Chunk], on_close: Callable[[], Awaitable[None]],
+                 on_error: Callable[[int], None] | None = None) -> EventSourceResponse:
+    """`on_error(status)`: called for an error reported in-band (the metrics count it as that status)."""
+    return _Stream(chunks, on_close, on_error)
 
 
-async def _events(chunks: AsyncIterator[Chunk]) -> AsyncIterator[ServerSentEvent]:
+async def _events(chunks: AsyncIterator[Chunk],
+                  on_error: Callable[[int], None] | None = None) -> AsyncIterator[ServerSentEvent]:
     try:
         async for chunk in chunks:
             yield _encode(chunk)
     except Exception as exc:  # after the 200: report in-band, then end as usual (a disconnect is not Exception)
-        yield ServerSentEvent(data=json.dumps(to_api_error(exc).body()))
+        error = to_api_error(exc)
+        if on_error is not None:
+            on_error(error.status)
+        yield ServerSentEvent(data=json.dumps(error.body()))
     yield ServerSentEvent(data="[DONE]")
 
 

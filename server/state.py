@@ -12,12 +12,13 @@ from typing import Literal
 from engine.serving.protocol import EngineStats
 from server.errors import unavailable
 from server.metrics import Metrics
-from server.prepare import ServedModel
+from server.prepare import RequestLimits, ServedModel
 from server.settings import Settings
+from server.workers import WorkerPool
 
 logger = logging.getLogger("tessera.server")
 
-Phase = Literal["loading", "ready", "draining"]
+Phase = Literal["loading", "ready", "draining", "engine_dead"]
 
 
 class AppState:
@@ -29,12 +30,16 @@ class AppState:
         self.served: ServedModel | None = None
         self.is_draining = False
         self.inflight: set[str] = set()  # engine request ids of unfinished choices (generation.ChoiceRun)
+        self.workers = WorkerPool(settings.edge_workers)  # parsing and tokenizing, off the event loop
+        self.limits = RequestLimits.from_settings(settings)
 
     @property
     def phase(self) -> Phase:
         if self.is_draining:
             return "draining"
-        return "ready" if self.served is not None else "loading"
+        if self.served is None:
+            return "loading"
+        return "ready" if self.served.engine.stats().is_alive else "engine_dead"
 
     def attach(self, served: ServedModel) -> None:
         """Serve this model; its engine's steps are counted by the app's metrics from now on."""
@@ -53,7 +58,7 @@ class AppState:
             raise unavailable("The server is shutting down and takes no new requests")
         if self.served is None:
             raise unavailable("The model is still loading; retry when /ready returns 200")
-        return self.served
+        return self.served  # a dead engine refuses the request itself (503): no stats read on every request
 
     async def drain(self, timeout_s: float) -> None:
         """Graceful shutdown: refuse new requests, let in-flight ones finish for `timeout_s`, abort the rest.

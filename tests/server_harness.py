@@ -171,7 +171,8 @@ def live_server(
     config = SchedulerConfig(prefill_chunk=prefill_chunk, max_num_seqs=max_num_seqs,
                              max_queued_requests=max_queued_requests, max_model_len=max_model_len,
                              memory_budget_bytes=memory_budget_bytes)
-    app_settings = Settings(prefill_chunk=prefill_chunk, indexer_tile=min(prefill_chunk, 1024), **settings)
+    app_settings = Settings(prefill_chunk=prefill_chunk, indexer_tile=min(prefill_chunk, 1024),
+                            max_num_seqs=max_num_seqs, max_queued_requests=max_queued_requests, **settings)
     metrics = Metrics.from_settings(app_settings, MODEL_NAME, max_model_len)
     engine = AsyncEngine(runner, config, eos_token_ids=[tokenizer.eos_token_id])
     info = ModelInfo(name=MODEL_NAME, root="scripted", max_model_len=max_model_len, created=int(time.time()))

@@ -119,3 +119,41 @@ def test_attention_plan_counts_the_blocks_a_tile_touches_and_their_padding():
     unaligned = {b.name: b.nbytes for b in plan_for(None, "v4-flash", 1048576, 4096, 1000, None).attention}
     assert aligned["attention_logits"] == 1024 * 64 * 8321 * 4 and aligned["padded_blocks"] == 0
     assert unaligned["attention_logits"] == 9 * 128 * 64 * 8321 * 4 and unaligned["padded_blocks"] > 0
+
+
+# ---- weights formats and the fit verdict (issue 13) --------------------------------------------
+
+
+def test_official_weights_count_quantized_bytes_like_the_loader(tmp_path):
+    """The plan's official-format bytes equal what the loader actually holds for that checkpoint."""
+    from engine.model.quantized import QuantizedWeight
+    from engine.model.weight_formats import format_weights_bytes
+
+    model = load_model(make_model(tmp_path / "m", "tiny", seed=0, with_tokenizer=False, fmt="official"), dtype="float32")
+    held = sum(w.nbytes for w in model.weights.values())
+    assert any(isinstance(w, QuantizedWeight) for w in model.weights.values())
+    assert format_weights_bytes(model.cfg, "official", 4) == held
+
+
+def test_v4_flash_formats_order_and_size():
+    plans = {w: plan_for(None, "v4-flash", 1048576, 4096, 1024, None, w) for w in ("official", "affine8", "bfloat16")}
+    official = plans["official"].weights_bytes
+    assert 140 * GiB < official < 150 * GiB  # the release is ~149 GiB on disk with its MTP layer
+    assert official < plans["affine8"].weights_bytes < plans["bfloat16"].weights_bytes
+    assert 520 * GiB < plans["bfloat16"].weights_bytes < 540 * GiB
+
+
+@pytest.mark.parametrize("budget,fits,status", [("139GiB", False, 1), ("180GiB", True, 0)])
+def test_plan_cli_says_whether_it_fits(budget, fits, status):
+    out = subprocess.run([sys.executable, "-m", "engine.tools.commands", "plan", "--preset", "v4-flash", "--ctx", "1048576",
+                          "--chunk", "4096", "--tile", "1024", "--weights", "official", "--memory-budget", budget, "--json"],
+                         capture_output=True, text=True)
+    plan = json.loads(out.stdout)
+    assert out.returncode == status and plan["fits"] is fits
+    assert plan["peak_bytes"] == plan["weights_bytes"] + plan["cache_bytes"] + plan["workspace_bytes"]
+
+
+def test_plan_cli_rejects_a_bad_budget():
+    out = subprocess.run([sys.executable, "-m", "engine.tools.commands", "plan", "--preset", "v4-flash", "--ctx", "4096",
+                          "--chunk", "4096", "--memory-budget", "lots"], capture_output=True, text=True)
+    assert out.returncode == 2 and "--memory-budget 'lots'" in out.stderr

@@ -325,6 +325,7 @@ def test_every_series_carries_model_name_and_the_documented_labels():
     expected_labels = {
         "tessera_request_success": {"model_name", "finished_reason"},
         "tessera_admission_rejections": {"model_name", "reason"},
+        "tessera_http_errors": {"model_name", "status"},
         "tessera_memory_bytes": {"model_name", "kind"},
         "tessera_prefill_stage_seconds": {"model_name", "stage"},
         "tessera_config": {"model_name", "prefill_chunk", "api_keys", "model"},

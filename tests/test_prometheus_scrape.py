@@ -56,6 +56,9 @@ VLLM_DASHBOARD_QUERIES = {
     "KV cache usage": 'vllm:kv_cache_usage_perc{model_name="$model_name"}',
     "finish reasons": 'sum by(finished_reason) (increase(vllm:request_success_total'
                       '{model_name="$model_name"}[$__rate_interval]))',
+    # vLLM v1's prefix-cache counters (this query is ours: hits / queries, in tokens).
+    "prefix cache hit rate": 'sum(rate(vllm:prefix_cache_hits_total{model_name="$model_name"}[$__rate_interval])) '
+                             '/ sum(rate(vllm:prefix_cache_queries_total{model_name="$model_name"}[$__rate_interval]))',
 }
 
 
@@ -75,7 +78,8 @@ def tessera_server(tmp_path: Path) -> Iterator[str]:
     metrics = Metrics.from_settings(settings, MODEL_NAME, max_model_len=4096)
     runner = ScriptedRunner(vocab_size=tokenizer.vocab_size, step_delay_s=0.004, bytes_per_token=BYTES_PER_TOKEN)
     config = SchedulerConfig(prefill_chunk=16, max_num_seqs=2, max_model_len=4096,
-                             memory_budget_bytes=KV_BUDGET_TOKENS * BYTES_PER_TOKEN)
+                             memory_budget_bytes=KV_BUDGET_TOKENS * BYTES_PER_TOKEN,
+                             prefix_cache_bytes=1)  # on, so prefix-cache queries are counted (the script never hits)
     engine = AsyncEngine(runner, config)  # no EOS: every request runs to max_tokens
     info = ModelInfo(name=MODEL_NAME, root="scripted", max_model_len=4096, created=int(time.time()))
     app = create_app(settings, engine, tokenizer, info, metrics)  # attach subscribes the metrics to the engine's steps

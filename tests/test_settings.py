@@ -131,3 +131,10 @@ def test_serve_help_shows_every_setting_with_its_description(capsys: pytest.Capt
     assert "7 % slower prefill" in text and "option_strings" not in text
     for name in Settings.model_fields:
         assert "--" + name.replace("_", "-") in text or name == "api_keys"
+
+
+def test_a_prefix_cache_larger_than_the_budget_is_an_error_naming_both_flags() -> None:
+    with pytest.raises(ValidationError, match="--prefix-cache-bytes or raise --memory-budget"):
+        Settings(memory_budget="1GiB", prefix_cache_bytes="2GiB")
+    assert Settings(memory_budget="1GiB", prefix_cache_bytes="2GiB", prefix_cache=False).prefix_cache is False
+    assert Settings(memory_budget="4GiB", prefix_cache_bytes="1GiB").prefix_cache_bytes == 2**30

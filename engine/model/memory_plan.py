@@ -10,7 +10,7 @@ there that adds a [T, N] temporary belongs here too.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from math import prod
 from pathlib import Path
 
@@ -42,6 +42,12 @@ class MemoryPlan:
     cache_by_part: dict[str, int]
     weights_bytes: int
     notes: list[str] = field(default_factory=list)
+    weights_format: str = ""  # engine/model/weight_formats.py; "" = every tensor in `dtype`
+    memory_budget: int | None = None  # bytes the machine gives this process (`--memory-budget`)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.memory_budget is None else self.peak_bytes <= self.memory_budget
 
     @property
     def indexer_bytes(self) -> int:
@@ -77,6 +83,7 @@ class MemoryPlan:
             cache_bytes=self.cache_bytes,
             workspace_bytes=self.workspace_bytes,
             peak_bytes=self.peak_bytes,
+            fits=self.fits,
         )
         return out
 
@@ -200,11 +207,15 @@ def chunk_buffers(cfg: ModelConfig, chunk: int, b: int) -> list[Buffer]:
     ]
 
 
-def cache_bytes_by_part(cfg: ModelConfig, ctx: int, chunk: int | None, b: int) -> dict[str, int]:
+def cache_bytes_by_part(cfg: ModelConfig, ctx: int, chunk: int | None, b: int,
+                        layers: range | None = None) -> dict[str, int]:
     """One sequence's cache after `ctx` tokens prefilled in chunks of `chunk` (row buffers keep spare
-    capacity; `chunk=None` counts rows only, the floor a sequence needs)."""
+    capacity; `chunk=None` counts rows only, the floor a sequence needs). `layers`: only those (a pipeline
+    stage's, engine/parallel/); None: all."""
     parts = {"window": 0, "compressed": 0, "index_keys": 0, "frontier": 0}
     for i, kind in enumerate(cfg.layer_types):
+        if layers is not None and i not in layers:
+            continue
         parts["window"] += min(ctx, cfg.sliding_window - 1) * cfg.head_dim * b
         if kind == WINDOW:
             continue
@@ -245,10 +256,12 @@ def weights_bytes(cfg: ModelConfig, b: int) -> int:
     return total
 
 
-def cache_bytes_at(cfg: ModelConfig, num_tokens: int, b: int) -> int:
-    """Admission control: what one sequence's cache holds at `num_tokens` (rows + one step of slack)."""
-    parts = cache_bytes_by_part(cfg, num_tokens, None, b)
-    slack = sum(RowBuffer.STEP * cfg.head_dim * b for kind in cfg.layer_types if kind != WINDOW)
+def cache_bytes_at(cfg: ModelConfig, num_tokens: int, b: int, layers: range | None = None) -> int:
+    """Admission control: what one sequence's cache holds at `num_tokens` (rows + one step of slack), in
+    `layers` only (None: all)."""
+    parts = cache_bytes_by_part(cfg, num_tokens, None, b, layers)
+    slack = sum(RowBuffer.STEP * cfg.head_dim * b for i, kind in enumerate(cfg.layer_types)
+                if kind != WINDOW and (layers is None or i in layers))
     return sum(parts.values()) + slack
 
 
@@ -264,7 +277,30 @@ V4_FLASH = {
 }
 
 
-def plan_for(model_dir: Path | None, preset: str | None, ctx: int, chunk: int, tile: int, dtype: str | None) -> MemoryPlan:
+def plan_for(model_dir: Path | None, preset: str | None, ctx: int, chunk: int, tile: int, dtype: str | None,
+             weights_format: str | None = None, memory_budget: int | None = None) -> MemoryPlan:
+    """weights_format: count the weights as engine/model/weight_formats.py holds them (None: all in dtype)."""
+    plan = _plan_for(model_dir, preset, ctx, chunk, tile, dtype)
+    if weights_format:
+        from engine.model.weight_formats import format_weights_bytes
+
+        cfg = _config_for(model_dir, preset)
+        plan = replace(plan, weights_format=weights_format,
+                       weights_bytes=format_weights_bytes(cfg, weights_format, DTYPES[plan.dtype].size))
+    return replace(plan, memory_budget=memory_budget)
+
+
+def _config_for(model_dir: Path | None, preset: str | None) -> ModelConfig:
+    if model_dir is not None:
+        return config_from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+    if preset == "v4-flash" or preset is None:
+        return config_from_dict(V4_FLASH)
+    from engine.tools.make_model import preset_config
+
+    return preset_config(preset)
+
+
+def _plan_for(model_dir: Path | None, preset: str | None, ctx: int, chunk: int, tile: int, dtype: str | None) -> MemoryPlan:
     if model_dir is not None:
         raw = json.loads((Path(model_dir) / "config.json").read_text())
         cfg = config_from_dict(raw)
@@ -294,7 +330,19 @@ def format_plan(plan: MemoryPlan) -> str:
         f"weights {_gib(plan.weights_bytes)}  cache {_gib(plan.cache_bytes)}  workspace {_gib(plan.workspace_bytes)}",
         f"planned peak: {_gib(plan.peak_bytes)}",
     ]
+    if plan.weights_format:
+        lines.insert(-2, f"weights format: {plan.weights_format} (quantized values + scales as MLX holds them)")
+    if plan.memory_budget is not None:
+        lines.append(fit_line(plan))
     return "\n".join(lines)
+
+
+def fit_line(plan: MemoryPlan) -> str:
+    margin = plan.memory_budget - plan.peak_bytes
+    verdict = "fits" if margin >= 0 else "does NOT fit"
+    word = "headroom" if margin >= 0 else "over by"
+    return (f"{verdict} in {_gib(plan.memory_budget)}: weights {_gib(plan.weights_bytes)} + cache at {plan.ctx:,} "
+            f"{_gib(plan.cache_bytes)} + workspace {_gib(plan.workspace_bytes)} = {_gib(plan.peak_bytes)} ({word} {_gib(abs(margin))})")
 
 
 def _gib(n: int) -> str:

@@ -20,8 +20,8 @@ import time
 from typing import AsyncIterator, Callable, Iterable, Sequence
 
 from engine.serving.protocol import (
-    AdmissionError, EngineStats, Event, Runner, SamplingParams, StepOutput, StepPlan, StepSink, StepStats,
-    is_terminal,
+    AdmissionError, DecodeSlot, EngineStats, Error, Event, PrefillChunk, Runner, SampledToken, SamplingParams,
+    StepOutput, StepPlan, StepSink, StepStats, is_terminal,
 )
 from engine.serving.request import Request
 from engine.serving.scheduler import RequestEvent, Scheduler, SchedulerConfig
@@ -48,13 +48,17 @@ class EngineLoop:
         eos_token_ids: Iterable[int] = (),
     ):
         self._runner = runner
-        self._scheduler = Scheduler(config, runner.cache_bytes_at, eos_token_ids=eos_token_ids)
+        self._scheduler = Scheduler(
+            config, runner.cache_bytes_at, eos_token_ids=eos_token_ids, prefix_match=runner.match_prefix
+        )
         self._emit = emit
         self._cv = threading.Condition()  # guards the scheduler and everything below
         self._sinks: tuple[StepSink, ...] = ()
         self._memory: dict[str, int] = {}  # the runner's last memory snapshot
         self._is_accepting = True
         self._is_stopping = False
+        self._is_dead = False  # the engine thread died of an error: terminal, nothing runs any more
+        self._on_death: Callable[[], None] | None = None
         self._thread: threading.Thread | None = None
 
     # ---- any thread ----------------------------------------------------------------------------
@@ -65,9 +69,15 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="tessera-engine", daemon=True)
         self._thread.start()
 
+    def on_death(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (on the dying engine thread) if the loop dies of an error, after its requests failed."""
+        self._on_death = callback
+
     def submit(self, request: Request) -> None:
         """Queue a request; raises AdmissionError (nothing queued) if it is refused."""
         with self._cv:
+            if self._is_dead:
+                raise AdmissionError("shutting_down", "the engine has stopped after an internal error")
             if not self._is_accepting:
                 raise AdmissionError("shutting_down", "the server is shutting down and takes no new requests")
             self._scheduler.add(request)
@@ -92,7 +102,7 @@ class EngineLoop:
                 reserved_cache_bytes=self._scheduler.num_reserved_bytes,
                 memory_budget_bytes=self._scheduler.config.memory_budget_bytes,
                 memory=dict(self._memory),
-                is_alive=self._thread is not None and self._thread.is_alive(),
+                is_alive=self._thread is not None and self._thread.is_alive() and not self._is_dead,
                 is_accepting=self._is_accepting,
             )
 
@@ -124,10 +134,13 @@ class EngineLoop:
         scheduled = time.perf_counter()
         try:
             output = self._runner.execute(plan)
-        except Exception as exc:  # fail this step's requests only; the loop and everyone else go on
-            logger.exception("step failed for requests %s", ", ".join(plan.request_ids))
-            self._fail_plan(plan, exc, {"schedule": scheduled - started, "execute": time.perf_counter() - scheduled})
-            return True
+        except Exception as exc:  # find the request(s) that make it fail; everyone else goes on
+            logger.exception("step failed for requests %s; retrying them in halves", ", ".join(plan.request_ids))
+            output = self._isolate_failure(plan, exc)
+            if output is None:
+                self._publish(plan, None, {"schedule": scheduled - started,
+                                           "execute": time.perf_counter() - scheduled})
+                return True
         executed = time.perf_counter()
         with self._cv:
             self._dispatch(self._scheduler.postprocess(plan, output))
@@ -147,19 +160,37 @@ class EngineLoop:
         return num_steps
 
     def _run(self) -> None:
-        self._snapshot_memory()
-        while self._wait_for_work():
+        try:
+            self._snapshot_memory()
+            while self._wait_for_work():
+                try:
+                    has_run = self.step()
+                except Exception:  # a bug outside the runner: fail everything rather than spin on it
+                    logger.exception("engine step failed outside the runner; failing all requests")
+                    with self._cv:
+                        self._dispatch(self._scheduler.fail(self._scheduler.request_ids, "internal engine error"))
+                    has_run = True
+                if not has_run:
+                    with self._cv:
+                        self._cv.wait(self._IDLE_RETRY_S)
+            self._release_finished()
+        except BaseException:  # noqa: B036 — whatever kills the thread, nobody may be left waiting on it
+            logger.critical("the engine thread died; failing every request", exc_info=True)
+            self._die()
+
+    def _die(self) -> None:
+        """Terminal: refuse new requests, end every request with an Error now, tell the owner."""
+        with self._cv:
+            self._is_dead = True
+            self._is_accepting = False
+            self._dispatch(self._scheduler.fail(self._scheduler.request_ids,
+                                                "the engine stopped after an internal error"))
+            self._cv.notify_all()
+        if self._on_death is not None:
             try:
-                has_run = self.step()
-            except Exception:  # a bug outside the runner: fail everything rather than spin on it
-                logger.exception("engine step failed outside the runner; failing all requests")
-                with self._cv:
-                    self._dispatch(self._scheduler.fail(self._scheduler.request_ids, "internal engine error"))
-                has_run = True
-            if not has_run:
-                with self._cv:
-                    self._cv.wait(self._IDLE_RETRY_S)
-        self._release_finished()
+                self._on_death()
+            except Exception:
+                logger.exception("engine death callback failed")
 
     def _wait_for_work(self) -> bool:
         """Sleep until there is work or a stop; True to go on stepping."""
@@ -180,13 +211,49 @@ class EngineLoop:
         except Exception:
             logger.exception("releasing %s failed", ", ".join(plan.finished_request_ids))
 
-    def _fail_plan(self, plan: StepPlan, exc: Exception, seconds: dict[str, float]) -> None:
-        message = f"internal error while running this request: {type(exc).__name__}: {exc}"
+    def _isolate_failure(self, plan: StepPlan, exc: Exception) -> StepOutput | None:
+        """The step raised: re-run its requests in halves until each failing one runs alone, and fail only those.
+
+        Returns the survivors' merged output (postprocess skips the failed requests: they are gone from the
+        scheduler), or None if every request failed. A batch of B costs at most ~2·log2(B) extra runs per
+        culprit. Relies on the Runner contract that a raising `execute` leaves the requests' state as before its
+        tokens ran (runner.py rolls its caches back); the plan's setup and release already happened, so the
+        retries carry tokens only."""
+        sampled: list[SampledToken] = []
+        culprits: dict[str, Exception] = {}
+
+        def retry(sub: StepPlan, error: Exception) -> None:
+            if len(sub.request_ids) == 1:
+                culprits[sub.request_ids[0]] = error
+                return
+            for half in _halves(sub):
+                try:
+                    sampled.extend(self._runner.execute(half).sampled)
+                except Exception as half_error:
+                    retry(half, half_error)
+
+        retry(StepPlan(decodes=plan.decodes, prefill=plan.prefill), exc)
+        for request_id, error in culprits.items():
+            logger.error("request %s fails the step on its own; failing it: %s: %s", request_id,
+                         type(error).__name__, error, exc_info=error)
         with self._cv:
-            self._dispatch(self._scheduler.fail(plan.request_ids, message))
+            # The client sees a generic message with its request id; the detail (above) stays in the log.
+            for request_id in culprits:
+                self._dispatch(self._scheduler.fail(
+                    [request_id], f"internal error in request {request_id}; the server log has the details"))
             self._cv.notify_all()
-        self._publish(plan, None, seconds)
-        self._snapshot_memory()
+        if len(culprits) == len(plan.request_ids):
+            self._snapshot_memory()
+            return None
+        return StepOutput(sampled=tuple(sampled))
+
+    def _prefix_cache_counts(self, plan: StepPlan) -> dict[str, int]:
+        if not self._scheduler.config.prefix_cache_bytes:
+            return {}
+        return {
+            "num_prefix_cache_queried_tokens": sum(len(new.prompt_ids) for new in plan.new_requests),
+            "num_prefix_cache_hit_tokens": sum(new.num_cached_tokens for new in plan.new_requests),
+        }
 
     def _publish(self, plan: StepPlan, output: StepOutput | None, seconds: dict[str, float]) -> None:
         """Hand the step's statistics to every subscriber (a step that only released requests has none)."""
@@ -199,6 +266,7 @@ class EngineLoop:
             stage_seconds=dict(output.stage_seconds) if output is not None else {},
             step_seconds=seconds,
             failed=output is None,
+            **self._prefix_cache_counts(plan),
         )
         for sink in self._sinks:
             try:
@@ -223,6 +291,18 @@ class EngineLoop:
                 self._emit(request.request_id, event)
             except Exception:
                 logger.exception("event sink failed for %r", request.request_id)
+
+
+def _halves(plan: StepPlan) -> tuple[StepPlan, StepPlan]:
+    """A tokens-only plan split into two with about half its requests each (the prefill goes with the second)."""
+    items: list[DecodeSlot | PrefillChunk] = [*plan.decodes, *([plan.prefill] if plan.prefill else [])]
+    middle = len(items) // 2
+
+    def plan_of(part: list[DecodeSlot | PrefillChunk]) -> StepPlan:
+        prefill = next((item for item in part if isinstance(item, PrefillChunk)), None)
+        return StepPlan(decodes=tuple(item for item in part if isinstance(item, DecodeSlot)), prefill=prefill)
+
+    return plan_of(items[:middle]), plan_of(items[middle:])
 
 
 class RequestStream:
@@ -263,7 +343,9 @@ class AsyncEngine:
     def __init__(self, runner: Runner, config: SchedulerConfig, *, eos_token_ids: Iterable[int] = ()):
         self._streams: dict[str, RequestStream] = {}
         self._streams_lock = threading.Lock()
+        self._death_callbacks: list[Callable[[], None]] = []
         self._engine = EngineLoop(runner, config, self._deliver, eos_token_ids=eos_token_ids)
+        self._engine.on_death(self._fail_open_streams)
 
     def start(self) -> None:
         self._engine.start()
@@ -312,6 +394,19 @@ class AsyncEngine:
         finally:
             if not stream.is_finished:
                 self.abort(request_id)
+
+    def on_death(self, callback: Callable[[], None]) -> None:
+        """Also call `callback` (on the engine thread) once every open stream got its Error, if the engine dies."""
+        self._death_callbacks.append(callback)
+
+    def _fail_open_streams(self) -> None:
+        # The loop failed what its scheduler held; a stream it never saw (mid-submit) must not wait forever.
+        with self._streams_lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.put_threadsafe(Error("the engine stopped after an internal error"))
+        for callback in self._death_callbacks:
+            callback()
 
     def _deliver(self, request_id: str, event: Event) -> None:
         with self._streams_lock:

@@ -63,6 +63,7 @@ class NewRequest:
     request_id: str
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
+    num_cached_tokens: int = 0  # leading prompt tokens restored from the prefix cache (Runner.match_prefix)
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,15 @@ class StepOutput:
 
 class Runner(Protocol):
     """Executes a StepPlan on a model. Owns each request's cache, keyed by request id: `execute` first drops
-    the plan's finished requests, then sets up its new ones, then runs its tokens."""
+    the plan's finished requests, then sets up its new ones, then runs its tokens. If running the tokens raises,
+    the requests must be left as they were before them: the engine re-runs the step without the request that
+    fails it (engine_loop.EngineLoop._isolate_failure)."""
+
+    def match_prefix(self, request_id: str, prompt_ids: Sequence[int]) -> int:
+        """Leading prompt tokens the runner holds in its prefix cache and will start this request with when a
+        plan brings it as new (0: none). The scheduler asks on the engine thread, while planning the request's
+        first step, and starts its first chunk there."""
+        ...
 
     def execute(self, plan: StepPlan) -> StepOutput: ...
 
@@ -143,6 +152,10 @@ class StepStats:
     stage_seconds: Mapping[str, float]  # the runner's breakdown (StepOutput.stage_seconds); {} if it failed
     step_seconds: Mapping[str, float]  # schedule, execute, postprocess
     failed: bool = False  # the runner raised: its requests got an Error and nothing was sampled
+    # With a prefix cache: prompt tokens of the requests this step started, and how many of them it restored
+    # from the cache instead of prefilling (vLLM's prefix_cache_queries / prefix_cache_hits, in tokens).
+    num_prefix_cache_queried_tokens: int = 0
+    num_prefix_cache_hit_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -183,6 +196,7 @@ class Progress:
 
     num_computed_tokens: int
     num_prompt_tokens: int
+    num_cached_tokens: int = 0  # of the prompt, restored from the prefix cache (usage.prompt_tokens_details)
 
 
 @dataclass(frozen=True)
@@ -264,5 +278,10 @@ class EngineClient(Protocol):
         ...
 
     def start(self) -> None: ...
+
+    def on_death(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (from the engine thread) if the engine dies of an error; by then every open stream
+        has ended with an Error, /health reports it (stats().is_alive is False) and new requests are refused."""
+        ...
 
     def shutdown(self, timeout: float) -> None: ...

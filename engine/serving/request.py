@@ -30,6 +30,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens restored from the prefix cache (None: not looked up yet)
     status: RequestStatus = RequestStatus.WAITING
     admitted_time: float | None = None
     first_token_time: float | None = None

@@ -9,6 +9,9 @@ head of the queue is never skipped, so a large request cannot starve behind a st
 Memory accounting is kept here (a number per request); the cache itself lives in the runner. A request
 reserves its cache at its longest possible length when it is admitted and frees it when it finishes.
 
+With a prefix cache (engine/serving/prefix_cache.py) the runner is asked, as a request's first chunk is planned,
+how many leading prompt tokens it can restore; the request starts there, and chunks end on the cache's blocks.
+
 The plan also tells the runner which requests it meets for the first time and which finished since the last
 plan (vLLM's SchedulerOutput), so the scheduler's `Request` objects are the one record of every request.
 """
@@ -35,11 +38,13 @@ from engine.serving.protocol import (
     StepPlan,
     Token,
 )
+from engine.serving.prefix_blocks import BLOCK_TOKENS, aligned_chunk_end
 from engine.serving.request import Request, RequestStatus
 
 __all__ = ["AdmissionError", "Scheduler", "SchedulerConfig", "RequestEvent"]
 
 RequestEvent = tuple[Request, Event]
+PrefixMatchFn = Callable[[str, tuple[int, ...]], int]  # (request id, prompt) -> leading tokens the runner restores
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,12 @@ class SchedulerConfig:
     (prompt + max_tokens, capped by max_model_len). Weights and workspace are not in it: the caller subtracts
     them. None: admission is limited by `max_num_seqs` alone."""
 
+    prefix_cache_bytes: int = 0
+    """Bytes of the prefix cache (engine/serving/prefix_cache.py); 0: off. They come out of the memory budget:
+    requests are admitted against `memory_budget_bytes - prefix_cache_bytes`. When on, a prefill chunk ends on
+    a block of BLOCK_TOKENS tokens where it can, and at the prompt's last block boundary, so the runner can
+    save the prefix there."""
+
     def __post_init__(self) -> None:
         _require(self.prefill_chunk >= 1, f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -80,6 +91,17 @@ class SchedulerConfig:
             self.memory_budget_bytes is None or self.memory_budget_bytes > 0,
             f"memory_budget_bytes must be positive or None, got {self.memory_budget_bytes}",
         )
+        _require(self.prefix_cache_bytes >= 0, f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
+        _require(
+            self.memory_budget_bytes is None or self.prefix_cache_bytes < self.memory_budget_bytes,
+            f"prefix_cache_bytes ({self.prefix_cache_bytes}) must be less than the caches' memory budget "
+            f"({self.memory_budget_bytes} bytes): it comes out of that budget; lower prefix_cache_bytes",
+        )
+
+    @property
+    def request_budget_bytes(self) -> int | None:
+        """What the admitted requests' caches may hold: the budget less the prefix cache's share."""
+        return None if self.memory_budget_bytes is None else self.memory_budget_bytes - self.prefix_cache_bytes
 
 
 def _require(condition: bool, message: str) -> None:
@@ -97,8 +119,12 @@ class Scheduler:
         *,
         eos_token_ids: Iterable[int] = (),
         clock: Callable[[], float] = time.monotonic,
+        prefix_match: PrefixMatchFn | None = None,
     ):
         self.config = config
+        # Asked once per request, when its first chunk is scheduled (on the engine thread, right before the
+        # runner meets the request); only with a prefix cache configured.
+        self._prefix_match = prefix_match if config.prefix_cache_bytes > 0 else None
         self._cache_bytes_at = cache_bytes_at  # bytes of one sequence's cache at n tokens (Runner.cache_bytes_at)
         self._eos_token_ids = frozenset(eos_token_ids)
         self._clock = clock
@@ -181,7 +207,7 @@ class Scheduler:
 
     def _check_memory(self, request: Request) -> None:
         """Refuse a request whose cache alone, at its longest, exceeds the whole budget: waiting cannot help."""
-        budget = self.config.memory_budget_bytes
+        budget = self.config.request_budget_bytes
         if budget is None:
             return
         num_bytes = self._reservation_bytes(request)
@@ -189,7 +215,8 @@ class Scheduler:
             raise AdmissionError(
                 "never_fits",
                 f"this request's cache at its maximum length ({self.max_num_tokens(request)} tokens: prompt + "
-                f"max_tokens) needs {num_bytes} bytes, more than the whole memory budget ({budget} bytes). "
+                f"max_tokens) needs {num_bytes} bytes, more than the whole memory budget ({budget} bytes"
+                f"{' after the prefix cache' if self.config.prefix_cache_bytes else ''}). "
                 "Lower max_tokens or shorten the prompt.",
             )
 
@@ -202,7 +229,7 @@ class Scheduler:
     def _can_admit(self, request: Request) -> bool:
         if self.num_running >= self.config.max_num_seqs:
             return False
-        budget = self.config.memory_budget_bytes
+        budget = self.config.request_budget_bytes
         if budget is None:
             return True
         return self.num_reserved_bytes + self._reservation_bytes(request) <= budget
@@ -239,7 +266,7 @@ class Scheduler:
             request = self._requests[request_id]
             if not request.is_started:
                 request.is_started = True
-                new.append(NewRequest(request_id, request.prompt_ids, request.sampling))
+                new.append(NewRequest(request_id, request.prompt_ids, request.sampling, request.num_cached_tokens or 0))
         return tuple(new)
 
     def _schedule_decodes(self) -> tuple[DecodeSlot, ...]:
@@ -254,8 +281,14 @@ class Scheduler:
         request = next((r for r in self._running if not r.is_prefill_done), None)
         if request is None or token_budget < 1:
             return None
+        if request.num_cached_tokens is None:
+            match = self._prefix_match
+            request.num_cached_tokens = match(request.request_id, request.prompt_ids) if match else 0
+            request.num_computed_tokens = request.num_cached_tokens
         start = request.num_computed_tokens
         end = start + min(request.num_remaining_prompt_tokens, token_budget)
+        if self.config.prefix_cache_bytes:
+            end = aligned_chunk_end(start, end, request.num_prompt_tokens, BLOCK_TOKENS)
         return PrefillChunk(
             request.request_id, request.prompt_ids[start:end], start, is_last=end == request.num_prompt_tokens
         )
@@ -282,7 +315,9 @@ class Scheduler:
         if request is None:
             return []
         request.num_computed_tokens += len(chunk.token_ids)
-        events: list[RequestEvent] = [(request, Progress(request.num_computed_tokens, request.num_prompt_tokens))]
+        events: list[RequestEvent] = [(request, Progress(
+            request.num_computed_tokens, request.num_prompt_tokens, request.num_cached_tokens or 0
+        ))]
         if chunk.is_last:
             events += self._accept_sample(request, sampled.get(chunk.request_id))
         return events

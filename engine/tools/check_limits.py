@@ -1,4 +1,4 @@
-"""Pass/fail thresholds of `tessera check reference|consistency|kernels` (their flags' defaults). Plain values,
+"""Pass/fail thresholds of `tessera check reference|consistency|kernels|parallel` (their flags' defaults). Plain values,
 no MLX import, so the CLI can show them in --help without loading the model code."""
 
 from __future__ import annotations
@@ -13,6 +13,10 @@ REFERENCE_MIN_TOP1_AGREEMENT = 1.0
 # (docs/bench/h200-check-kernels.json). Integer-valued inputs must match bit for bit whatever this says.
 KERNEL_MAX_REL_DIFF = 1e-5
 KERNEL_MAX_DIFFERING_ROWS = 0
+
+
+# check parallel: a pipeline split runs the same arithmetic on the same shapes as one process (measured: 0.0).
+PARALLEL_MAX_ABS_DIFF = 1e-5
 
 
 @dataclass(frozen=True)

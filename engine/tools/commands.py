@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 from engine.model.dtypes import DTYPES
 from engine.tools.check_limits import (
-    KERNEL_MAX_DIFFERING_ROWS, KERNEL_MAX_REL_DIFF, REFERENCE_MAX_ABS_DIFF, REFERENCE_MIN_TOP1_AGREEMENT,
-    ConsistencyLimits,
+    KERNEL_MAX_DIFFERING_ROWS, KERNEL_MAX_REL_DIFF, PARALLEL_MAX_ABS_DIFF, REFERENCE_MAX_ABS_DIFF,
+    REFERENCE_MIN_TOP1_AGREEMENT, ConsistencyLimits,
 )
 
 if TYPE_CHECKING:  # the handlers import the bench (and the model loader) only when a bench runs
@@ -25,6 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _register_check(subparsers)
     _register_plan(subparsers)
     _register_bench(subparsers)
+    _register_convert(subparsers)
 
 
 def _register_make_model(subparsers) -> None:
@@ -35,15 +36,34 @@ def _register_make_model(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--no-tokenizer", action="store_true", help="skip training the byte-level BPE tokenizer")
+    _add_checkpoint_format_args(p)
     p.set_defaults(func=_make_model)
 
 
+def _add_checkpoint_format_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", default="plain", choices=["plain", "official"],
+                   help="plain: every tensor in --dtype; official: DeepSeek's FP8 dense + FP4 experts with E8M0 scales")
+    p.add_argument("--config", type=Path, default=None, metavar="FILE.json",
+                   help="a DeepSeek V4 config.json (transformers' field names) instead of --preset")
+
+
 def _make_model(args) -> int:
+    from engine.model.config import ConfigError
+    from engine.model.official_format import FormatError
     from engine.tools.make_model import make_model
 
     overrides = {} if args.layers is None else {"layers": args.layers}
-    out = make_model(args.dir, args.preset, seed=args.seed, with_tokenizer=not args.no_tokenizer, dtype=args.dtype, **overrides)
-    print(f"wrote {args.preset} checkpoint to {out}")
+    if args.config is not None and not args.config.is_file():
+        print(f"error: --config: no such file {args.config}", file=sys.stderr)
+        return 2
+    try:
+        out = make_model(args.dir, args.preset, seed=args.seed, with_tokenizer=not args.no_tokenizer, dtype=args.dtype,
+                         fmt=args.format, config_file=args.config, **overrides)
+    except (ConfigError, FormatError) as exc:  # a config or shape the chosen format cannot hold
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    source = args.config or f"{args.preset} preset"
+    print(f"wrote {args.format} checkpoint ({source}) to {out}")
     return 0
 
 
@@ -62,6 +82,7 @@ def _register_check(subparsers) -> None:
     ref.add_argument("--min-top1-agreement", type=float, default=REFERENCE_MIN_TOP1_AGREEMENT,
                      help=f"fail (exit 1) if fewer positions agree on the top token (default: {REFERENCE_MIN_TOP1_AGREEMENT})")
     ref.add_argument("--json", action="store_true")
+    _add_reference_weight_args(ref)
     ref.set_defaults(func=_check_reference)
     con = sub.add_parser("consistency", help="tiled/chunked prefill + decode vs untiled and whole-sequence runs")
     con.add_argument("--model", type=Path, required=True)
@@ -81,6 +102,28 @@ def _register_check(subparsers) -> None:
                      help=f"fail if more indexer selections differ (default: {limits.differing_selections})")
     con.add_argument("--json", action="store_true")
     con.set_defaults(func=_check_consistency)
+    par = sub.add_parser("parallel", help="the replay on a local world of pipeline ranks vs one process (logits, selections)")
+    par.add_argument("--model", type=Path, required=True)
+    par.add_argument("--world", type=int, default=2, help="number of ranks (each a local process)")
+    par.add_argument("--tokens", type=int, required=True, help="prompt tokens N, prefilled in chunks")
+    par.add_argument("--chunk", type=int, required=True)
+    par.add_argument("--tile", type=int, required=True)
+    par.add_argument("--decode", type=int, default=4, help="decode steps M after the prompt")
+    par.add_argument("--seed", type=int, default=0)
+    par.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    par.add_argument("--backend", default=None, choices=["ring", "nccl"], help="default: nccl on CUDA, else ring")
+    par.add_argument("--max-abs-diff", type=float, default=PARALLEL_MAX_ABS_DIFF,
+                     help=f"fail if any logit differs from one process's by more (default: {PARALLEL_MAX_ABS_DIFF})")
+    par.add_argument("--json", action="store_true")
+    par.set_defaults(func=_check_parallel)
+    pc = sub.add_parser("prefix-cache", help="a turn restored from the prefix cache vs the same request without it")
+    pc.add_argument("--model", type=Path, required=True)
+    pc.add_argument("--fill", type=_setting, default="96:32", metavar="C:T", help="chunk:tile of the turn that fills the cache")
+    pc.add_argument("--reuse", type=_setting, default="64:7", metavar="C:T", help="chunk:tile of the turns that reuse it")
+    pc.add_argument("--prompt-tokens", type=int, default=300)
+    pc.add_argument("--seed", type=int, default=0)
+    pc.add_argument("--json", action="store_true")
+    pc.set_defaults(func=_check_prefix_cache)
     ker = sub.add_parser("kernels", help="device kernels vs their references (selections, scores, tile invariance); "
                                          "exit 2 where there is no CUDA device")
     ker.add_argument("--max-rel-diff", type=float, default=KERNEL_MAX_REL_DIFF,
@@ -130,8 +173,11 @@ def _check_gpu(args) -> int:
 def _check_reference(args) -> int:
     from engine.tools import reference_check
 
+    if args.against is not None:
+        return _check_against(args)
     try:
-        report = reference_check.check_reference(args.model, args.tokens, args.chunk, args.tile, args.decode, args.seed)
+        report = reference_check.check_reference(args.model, args.tokens, args.chunk, args.tile, args.decode, args.seed,
+                                                 args.weights_dtype)
     except reference_check.ReferenceUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -147,6 +193,76 @@ def _check_consistency(args) -> int:
     return _verdict(report.as_dict(), consistency.consistency_failures(report, limits), args.json)
 
 
+def _check_prefix_cache(args) -> int:
+    from engine.tools.prefix_check import check_prefix_cache
+
+    report = check_prefix_cache(
+        args.model, (args.fill.chunk, args.fill.tile), (args.reuse.chunk, args.reuse.tile), args.prompt_tokens, args.seed
+    )
+    differing = [f"{case['name']}: tokens or logprobs differ from the engine without the cache"
+                 for case in report["cases"] if not case["identical"]]
+    return _verdict(report, differing, args.json)
+
+
+def _add_reference_weight_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights-dtype", default=None, choices=["bfloat16", "float32"],
+                   help="dequantize FP8/FP4/affine weights to this dtype at load (debugging) instead of quantized compute")
+    p.add_argument("--against", type=Path, default=None, metavar="SRC",
+                   help="compare with Tessera on checkpoint SRC (e.g. the source of a `tessera convert`): "
+                        "logit KL, top-1 agreement, max |Δlogit| — no transformers needed")
+
+
+def _check_against(args) -> int:
+    from engine.tools.reference_check import check_against
+
+    report = check_against(args.model, args.against, args.tokens, args.chunk, args.tile, args.decode, args.seed)
+    _print_report(report.as_dict(), args.json)
+    return 0
+
+
+def _register_convert(subparsers) -> None:
+    p = subparsers.add_parser("convert", help="rewrite a checkpoint as an MLX-native quantized one (smaller)")
+    p.add_argument("src", type=Path)
+    p.add_argument("dst", type=Path)
+    p.add_argument("--quant", required=True, choices=["affine4", "affine8", "mxfp4"])
+    p.add_argument("--group-size", type=int, default=None, help="values per scale (affine: 32/64/128, default 64; mxfp4: 32)")
+    p.add_argument("--dense", action="store_true", help="also requantize the dense projections (default: experts only)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_convert)
+
+
+def _convert(args) -> int:
+    from engine.model.loader import CheckpointError
+    from engine.tools.convert import ConvertError, convert
+
+    try:
+        report = convert(args.src, args.dst, args.quant, args.group_size, args.dense)
+    except (ConvertError, CheckpointError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not args.json:
+        print(f"{_human_bytes(report.bytes_before)} -> {_human_bytes(report.bytes_after)} "
+              f"({report.bytes_after / report.bytes_before:.1%}) written to {report.destination}")
+    _print_report(report.as_dict(), args.json)
+    return 0
+
+
+def _human_bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def _check_parallel(args) -> int:
+    from engine.parallel.check import check_parallel, parallel_failures
+
+    try:
+        report = check_parallel(args.model, args.world, args.tokens, args.chunk, args.tile, args.decode, args.seed,
+                                args.dtype, args.backend)
+    except (ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return _verdict(report.as_dict(), parallel_failures(report, args.max_abs_diff), args.json)
+
+
 def _register_plan(subparsers) -> None:
     p = subparsers.add_parser("plan", help="memory plan: chunk-scaled buffers, cache at N, weights")
     p.add_argument("--model", type=Path, default=None, help="model directory (or --preset)")
@@ -156,15 +272,42 @@ def _register_plan(subparsers) -> None:
     p.add_argument("--tile", type=int, default=None, help="indexer tile (default: = chunk, the untiled path)")
     p.add_argument("--dtype", default=None, choices=list(DTYPES))
     p.add_argument("--json", action="store_true")
+    _add_plan_weight_args(p)
     p.set_defaults(func=_plan)
+
+
+def _add_plan_weight_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", default=None, metavar="FORMAT",
+                   choices=["official", "affine4", "affine8", "mxfp4", "bfloat16", "float32", "float16"],
+                   help="count the weights in this format (official FP8/FP4, a `tessera convert` format, or plain); "
+                        "default: every tensor in --dtype")
+    p.add_argument("--memory-budget", type=_bytes_arg, default=None, metavar="SIZE",
+                   help="memory for this process, e.g. 141GiB, 192GB: says whether weights + cache + workspace fit "
+                        "(exit status 1 when they do not)")
+
+
+def _bytes_arg(text: str) -> int:
+    """'141GiB' / '192GB' / '80G' / '1.5TiB' / '1000000' -> bytes (argparse turns errors into usage)."""
+    units = {"": 1, "B": 1, "K": 2**10, "KIB": 2**10, "KB": 10**3, "M": 2**20, "MIB": 2**20, "MB": 10**6,
+             "G": 2**30, "GIB": 2**30, "GB": 10**9, "T": 2**40, "TIB": 2**40, "TB": 10**12}
+    number = text.strip().rstrip("bBiIkKmMgGtT")
+    unit = text.strip()[len(number):].upper()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value <= 0:
+        raise argparse.ArgumentTypeError(f"--memory-budget {text!r}: expected a size like 141GiB, 192GB or 80G")
+    return int(value * units[unit])
 
 
 def _plan(args) -> int:
     from engine.model.memory_plan import format_plan, plan_for
 
-    plan = plan_for(args.model, args.preset, args.ctx, args.chunk, args.tile or args.chunk, args.dtype)
+    plan = plan_for(args.model, args.preset, args.ctx, args.chunk, args.tile or args.chunk, args.dtype,
+                    args.weights, args.memory_budget)
     print(json.dumps(plan.as_dict(), indent=2) if args.json else format_plan(plan))
-    return 0
+    return 1 if plan.fits is False else 0
 
 
 def _register_bench(subparsers) -> None:
@@ -185,6 +328,17 @@ def _register_bench(subparsers) -> None:
     cmp.add_argument("--settings", nargs="+", required=True, type=_setting, metavar="C:T", help="chunk:tile pairs")
     cmp.add_argument("--json", action="store_true")
     cmp.set_defaults(func=_bench_compare)
+    mt = sub.add_parser("multiturn", help="turn 2 of a conversation: time to first token with and without the prefix cache")
+    mt.add_argument("--model", type=Path, required=True)
+    mt.add_argument("--ctx", type=int, required=True, help="turn 2's prompt length in tokens")
+    mt.add_argument("--new", type=int, default=256, help="tokens turn 2 adds after turn 1's prompt and reply")
+    mt.add_argument("--reply", type=int, default=32, help="tokens of turn 1's reply")
+    mt.add_argument("--chunk", type=int, default=4096)
+    mt.add_argument("--tile", type=int, default=1024)
+    mt.add_argument("--rounds", type=int, default=2, help="rounds of (cold, cached) in alternating order")
+    mt.add_argument("--dtype", default=None, choices=list(DTYPES))
+    mt.add_argument("--json", action="store_true")
+    mt.set_defaults(func=_bench_multiturn)
     idx = sub.add_parser("indexer", help="indexer scoring throughput vs the device's bf16 matmul rate")
     idx.add_argument("--tile", type=int, default=1024)
     idx.add_argument("--rows", type=int, default=262144, help="compressed rows N (ctx / 4)")
@@ -230,6 +384,20 @@ def _bench_compare(args) -> int:
 
     rows = bench_compare(args.model, args.ctx, args.settings, args.dtype, _run_options(args))
     print("\n".join(json.dumps(r) for r in rows) if args.json else compare_table(rows))
+    return 0
+
+
+def _bench_multiturn(args) -> int:
+    from engine.tools.bench_multiturn import bench_multiturn
+
+    if not 0 < args.new and 0 < args.reply and args.new + args.reply < args.ctx:
+        print("error: --new and --reply must be positive and leave turn 1 a prompt (new + reply < ctx)", file=sys.stderr)
+        return 2
+    result = bench_multiturn(args.model, args.ctx, args.new, args.reply, args.chunk, args.tile, args.rounds, args.dtype)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print_report({k: v for k, v in result.items() if k != "runs"}, False)
     return 0
 
 

@@ -17,6 +17,7 @@ import numpy as np
 from engine.model.config import CSA, HCA, WINDOW, ModelConfig, config_from_dict
 from engine.model.dtypes import DTYPES
 from engine.model.weights import expected_shapes
+from engine.tools.random_init import random_value
 
 _YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
 
@@ -68,23 +69,7 @@ def preset_config(preset: str, **overrides: Any) -> ModelConfig:
 
 def random_weights(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {name: _init(name, shape, cfg, rng) for name, shape in expected_shapes(cfg).items()}
-
-
-def _init(name: str, shape: tuple[int, ...], cfg: ModelConfig, rng: np.random.Generator) -> np.ndarray:
-    leaf = name.rsplit(".", 1)[-1] if not name.endswith(".weight") else name.rsplit(".", 2)[-2]
-    if name.endswith("gate.tid2eid"):  # distinct experts per token
-        return np.argsort(rng.random((shape[0], cfg.n_routed_experts)), axis=1)[:, : shape[1]].astype(np.int64)
-    if name == "embed.weight":
-        return rng.standard_normal(shape, dtype=np.float32)
-    if leaf in ("norm", "q_norm", "attn_norm", "ffn_norm") or name == "norm.weight":
-        return (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
-    if name.endswith(("_scale",)):
-        return (1.0 + 0.2 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
-    if name.endswith(("_base", "attn_sink", ".ape", "gate.bias")):
-        return (0.5 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
-    fan_in = shape[-1]
-    return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)).astype(np.float32)
+    return {name: random_value(name, shape, cfg, rng) for name, shape in expected_shapes(cfg).items()}
 
 
 def write_checkpoint(out_dir: Path, cfg: ModelConfig, seed: int = 0, dtype: str = "float32") -> Path:
@@ -102,9 +87,17 @@ def write_checkpoint(out_dir: Path, cfg: ModelConfig, seed: int = 0, dtype: str 
     return out_dir
 
 
-def make_model(out_dir: Path, preset: str = "tiny", seed: int = 0, with_tokenizer: bool = True, dtype: str = "float32", **overrides: Any) -> Path:
-    cfg = preset_config(preset, **overrides)
-    write_checkpoint(out_dir, cfg, seed, dtype)
+def make_model(out_dir: Path, preset: str = "tiny", seed: int = 0, with_tokenizer: bool = True, dtype: str = "float32",
+               fmt: str = "plain", config_file: Path | None = None, **overrides: Any) -> Path:
+    """fmt: "plain" (every tensor in `dtype`) or "official" (DeepSeek's FP8/FP4, see
+    engine/tools/official_checkpoint.py). config_file: a DeepSeek V4 config.json instead of a preset."""
+    cfg = config_from_dict(json.loads(Path(config_file).read_text())) if config_file else preset_config(preset, **overrides)
+    if fmt == "official":
+        from engine.tools.official_checkpoint import write_official_checkpoint
+
+        write_official_checkpoint(out_dir, cfg, seed)
+    else:
+        write_checkpoint(out_dir, cfg, seed, dtype)
     if with_tokenizer:
         from engine.tools.tokenizer_train import train_tokenizer
 

@@ -19,6 +19,11 @@ class InjectedFailure(RuntimeError):
     """What ScriptedRunner raises when `fail_when` says so."""
 
 
+class InjectedCrash(BaseException):
+    """What ScriptedRunner raises when `crash_when` says so: not an Exception, so nothing in the engine loop
+    handles it and its thread dies (as with a fatal error the loop cannot survive)."""
+
+
 @dataclass
 class _Sequence:
     prompt_ids: tuple[int, ...]
@@ -40,6 +45,7 @@ class ScriptedRunner:
     vocab_size: int = 1000
     step_delay_s: float = 0.0
     fail_when: Callable[[StepPlan], bool] | None = None
+    crash_when: Callable[[StepPlan], bool] | None = None
     bytes_per_token: int = 1024
     executed_plans: list[StepPlan] = field(default_factory=list, init=False)
     added_ids: list[str] = field(default_factory=list, init=False)
@@ -48,6 +54,9 @@ class ScriptedRunner:
     _lock: threading.RLock = field(default_factory=threading.RLock, init=False)  # tests read while a step runs
 
     # ---- Runner protocol ---------------------------------------------------------------------------
+
+    def match_prefix(self, request_id: str, prompt_ids: Sequence[int]) -> int:
+        return 0  # no prefix cache
 
     def add_request(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
         with self._lock:
@@ -75,6 +84,8 @@ class ScriptedRunner:
             self.executed_plans.append(plan)
             if self.fail_when is not None and self.fail_when(plan):
                 raise InjectedFailure(f"injected failure in a step running {', '.join(plan.request_ids)}")
+            if self.crash_when is not None and self.crash_when(plan):
+                raise InjectedCrash(f"injected crash in a step running {', '.join(plan.request_ids)}")
             sampled = [self._decode(slot) for slot in plan.decodes]
             if plan.prefill is not None:
                 sampled += self._prefill(plan.prefill)
