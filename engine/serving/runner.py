@@ -18,7 +18,7 @@ from engine.model.cache import SequenceCache, resume_state
 from engine.model.config import ModelConfig
 from engine.model.dtypes import dtype_name
 from engine.model.loader import load_model
-from engine.model.memory_plan import cache_bytes_at, make_plan
+from engine.model.memory_plan import attention_call_elements, cache_bytes_at, make_plan, tile_array_elements
 from engine.model.quantized import QuantizedWeight
 from engine.model.deepseek_v4 import DeepseekV4, Segment
 from engine.serving.prefix_cache import Lineage, PrefixCache, PrefixNode
@@ -39,12 +39,18 @@ def gpu_limit_errors(cfg: ModelConfig, prefill_chunk: int, indexer_tile: int, ma
     if prefill_chunk > GPU_MAX_SORT_ROWS:
         problems.append(f"prefill_chunk ({prefill_chunk}) must be ≤ {GPU_MAX_SORT_ROWS} on the GPU: MLX's GPU "
                         "sorts (MoE routing) reject more rows in one call")
-    plan = make_plan(cfg, max_context, prefill_chunk, indexer_tile)
-    logits = next(b.nbytes // 4 for b in plan.attention if b.name == "attention_logits")
-    if logits > GPU_MAX_ARRAY_ELEMENTS:
+    tile_elements = tile_array_elements(cfg, max_context, indexer_tile)
+    if tile_elements > GPU_MAX_ARRAY_ELEMENTS:
         problems.append(f"indexer_tile ({indexer_tile}) is too large for max_context {max_context} on the GPU: a "
-                        f"tile's attention logits would have {logits:,} elements, more than MLX's CUDA kernels "
-                        f"index ({GPU_MAX_ARRAY_ELEMENTS:,}; measured: an illegal memory access); use a smaller tile")
+                        f"tile's indexer scores or gathered rows would have {tile_elements:,} elements, more than "
+                        f"MLX's CUDA kernels index ({GPU_MAX_ARRAY_ELEMENTS:,}); use a smaller tile")
+    # Attention logits exist one ATTENTION_ROWS block per call whatever the tile: the largest is one
+    # block's over the widest layer's rows (HCA at max_context).
+    logits = attention_call_elements(cfg, max_context)
+    if logits > GPU_MAX_ARRAY_ELEMENTS:
+        problems.append(f"max_context ({max_context}) is too large for this model on the GPU: one attention "
+                        f"block's logits would have {logits:,} elements, more than MLX's CUDA kernels index "
+                        f"({GPU_MAX_ARRAY_ELEMENTS:,}; measured: an illegal memory access); use a smaller max_context")
     return problems
 
 
