@@ -51,6 +51,7 @@ def build_engine(settings: Settings, metrics: Metrics | None = None) -> ServedMo
         memory_budget=settings.memory_budget,
         memory_fraction=settings.memory_fraction,
         world=settings.world,
+        weights_dtype=settings.weights_dtype,
         prefix_cache=settings.prefix_cache,
         prefix_cache_bytes=settings.prefix_cache_bytes,
     ))

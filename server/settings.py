@@ -78,6 +78,13 @@ class Settings(BaseSettings):
         description="The model id clients send and /v1/models lists. None: the model directory's name "
         "(`tessera-default` for the embedded model).",
     )
+    weights_dtype: Literal["bfloat16", "float32"] | None = Field(
+        None,
+        description="Dequantize a quantized checkpoint's weights (the official FP8/FP4 format, `tessera convert`'s "
+        "affine/mxfp4) to this dtype at load, for debugging: every projection then runs a plain matmul on float "
+        "weights, at 2-4x the weight memory (on the CPU, which computes in float32, they are held in float32). None: keep them quantized and compute on them (quantized_matmul, gather_qmm). A float "
+        "checkpoint is unaffected.",
+    )
     prefill_chunk: int = Field(
         4096, ge=1, description="Global prefill chunk C in tokens, also the scheduler's per-step token budget."
     )
@@ -188,6 +195,15 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"indexer_tile ({self.indexer_tile}) must be ≤ prefill_chunk ({self.prefill_chunk}): "
                 "lower --indexer-tile or raise --prefill-chunk"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _weights_dtype_on_one_process(self) -> Settings:
+        if self.weights_dtype is not None and self.world > 1:
+            raise ValueError(
+                "weights_dtype is not supported with world > 1 yet (the pipeline ranks load quantized): "
+                "drop --weights-dtype or use --world 1"
             )
         return self
 

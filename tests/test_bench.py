@@ -77,7 +77,8 @@ def test_bench_compare_cli_rejects_a_malformed_setting(model_dir):
     assert out.returncode == 2 and "setting '128:256': the tile must be between 1 and the chunk" in out.stderr
 
 
-@pytest.mark.parametrize("chunk,tile", [(512, 512), (256, 256), (128, 128), (512, 256), (512, 128)])
+# (512, 200): tiles that cover attention blocks only in part pay for zero-padded block copies.
+@pytest.mark.parametrize("chunk,tile", [(512, 512), (256, 256), (128, 128), (512, 256), (512, 128), (512, 200)])
 def test_measured_peak_within_15_percent_of_plan(tmp_path_factory, chunk, tile):
     small = load_model(_small_dir(tmp_path_factory), dtype="float32")
     result = bench_with_model(small, ctx=4096, chunk=chunk, tile=tile)

@@ -17,7 +17,7 @@ from engine.model.loader import CheckpointError, load_model
 from engine.model.official_format import (
     dequantize_fp4, dequantize_fp8, mxfp4_from_packed, mxfp8_from_blocks, quantize_fp8, random_fp4, storage,
 )
-from engine.model.quantized import QuantizedWeight
+from engine.model.quantized import DENSE_MIN_ROWS, QuantizedWeight, linear, quantize
 from engine.model.safetensors_file import open_tensors, read_header, write_file
 from engine.tools.make_model import make_model, preset_config
 from engine.tools.official_checkpoint import write_official_checkpoint
@@ -174,6 +174,21 @@ def test_weights_dtype_dequantizes_at_load_with_equal_logits(official_dir):
     a = tessera_logits(quantized, tokens, 30, 30, None)
     b = tessera_logits(plain, tokens, 30, 30, None)
     assert np.abs(a - b).max() <= 1e-4
+
+
+# (not affine: MLX's CPU quantized_matmul computes it as dequantize + gemm, bit-equal to the dense path)
+@pytest.mark.parametrize("mode", ["mxfp8", "mxfp4"])
+def test_many_rows_run_dense_on_the_dequantized_weight_and_few_rows_run_quantized_matmul(mode):
+    mx.random.seed(0)
+    w = quantize(mx.random.normal((96, 128)), mode, 32)
+    x = mx.random.normal((DENSE_MIN_ROWS, 128))
+    dense = x @ w.dequantize(mx.float32).T
+    packed = lambda rows: mx.quantized_matmul(rows, w.values, w.scales, w.biases, transpose=True,  # noqa: E731
+                                              group_size=w.group_size, bits=w.bits, mode=w.mode)
+    # the two paths round differently, so bit equality says which one ran
+    assert not mx.array_equal(dense, packed(x)) and mx.abs(dense - packed(x)).max().item() < 1e-4
+    assert mx.array_equal(linear(x, w), dense)
+    assert mx.array_equal(linear(x[: DENSE_MIN_ROWS - 1], w), packed(x[: DENSE_MIN_ROWS - 1]))
 
 
 def _copy(src, dst):

@@ -66,6 +66,24 @@ def test_cli_flags_cover_every_field(tmp_path: Path) -> None:
     assert settings.log_level == "debug"
 
 
+def test_weights_dtype_from_flag_env_and_toml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings().weights_dtype is None  # default: compute on the quantized weights
+    assert _serve_args("--weights-dtype", "bfloat16").weights_dtype == "bfloat16"
+    toml = tmp_path / "t.toml"
+    toml.write_text('weights_dtype = "float32"\n')
+    assert _serve_args("--config", str(toml)).weights_dtype == "float32"
+    monkeypatch.setenv("TESSERA_WEIGHTS_DTYPE", "bfloat16")
+    assert load_settings(toml).weights_dtype == "bfloat16"
+
+
+def test_bad_weights_dtype_is_reported_with_its_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--weights-dtype", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert "weights_dtype (--weights-dtype)" in err and "'bfloat16' or 'float32'" in err
+    assert main(["serve", "--weights-dtype", "bfloat16", "--world", "2"]) == 2
+    assert "weights_dtype is not supported with world > 1" in capsys.readouterr().err
+
+
 def test_env_api_keys_comma_or_json(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TESSERA_API_KEYS", "a, b")
     assert load_settings().api_keys == ["a", "b"]

@@ -12,11 +12,13 @@ batch, attention in ATTENTION_ROWS blocks of the segment (`attention_blocks`). O
 its algorithm (tile shape, split-K / stream-K reduction order) from the whole problem — batch count
 and rows included — so the same row computed in a 197-row and in a 3001-row batch can differ in the
 last bits (docs/BENCHMARKS.md, "Issue 12"). The indexer kernels are per row by construction.
+Whether a quantized projection runs dense or quantized (engine/model/quantized.py, DENSE_MIN_ROWS)
+is likewise decided once by the batch's rows (`_for_batch`), never by a tile's or a block's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -24,7 +26,7 @@ from engine.model.cache import LayerCache, owned
 from engine.model.compressor import CompressorWeights, compress
 from engine.model.config import CSA, HCA, WINDOW, ModelConfig
 from engine.model.norms import rms_norm, unweighted_rms_norm
-from engine.model.quantized import Weight, grouped_linear, linear
+from engine.model.quantized import Weight, for_rows, grouped_linear, linear
 from engine.model.rope import apply_rope, cos_sin
 from engine.model.trace import ForwardTrace
 from kernels.indexer import indexer_scores, select_topk
@@ -97,12 +99,23 @@ def attention(
     """x: [T, D] (normed block input), positions: [T] -> [T, D]."""
     rope = cfg.rope_for(layer)
     cos, sin = cos_sin(rope, positions)
+    w = _for_batch(w, x.shape[0], x.dtype)
     chunk = _project_chunk(x, cos, sin, w, cfg, layer)
     queries = _QueryBlocks(chunk.q_residual, cos, sin, w, cfg, layer)
     output = _OutputBlocks(cos, sin, w, cfg)
     for seg in segments:
         _segment_attention(x, chunk, queries, output, seg, w, cfg, layer, tile, timer)
     return output.result()
+
+
+def _for_batch(w: AttentionWeights, rows: int, dtype: mx.Dtype) -> AttentionWeights:
+    """The block-projected weights in the form the whole batch uses (quantized.for_rows by its rows):
+    a large batch dequantizes each once and its PROJECTION_ROWS blocks share the copy, and every
+    row takes the same path however the batch is tiled."""
+    return replace(
+        w, wq_b=for_rows(w.wq_b, rows, dtype), wo_a=for_rows(w.wo_a, rows, dtype), wo_b=for_rows(w.wo_b, rows, dtype),
+        index_wq_b=None if w.index_wq_b is None else for_rows(w.index_wq_b, rows, dtype),
+    )
 
 
 def _project_chunk(

@@ -27,7 +27,8 @@ _QUANTIZED: dict[str, tuple[float, float]] = {
     "affine4": (1 + 1 / 32, 0.5 + 2 * 2 / 64),
     "affine8": (1 + 1 / 32, 1 + 2 * 2 / 64),
 }
-WEIGHT_FORMATS = tuple(_QUANTIZED) + tuple(DTYPES)
+QUANTIZED_FORMATS = tuple(_QUANTIZED)
+WEIGHT_FORMATS = QUANTIZED_FORMATS + tuple(DTYPES)
 
 
 def format_weights_bytes(cfg: ModelConfig, weights_format: str, compute_bytes: int) -> int:

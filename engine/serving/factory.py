@@ -36,6 +36,7 @@ class EngineOptions:
     memory_budget: int | None  # bytes for weights + workspace + KV caches; None: memory_fraction of the device
     memory_fraction: float = 0.9
     world: int = 1  # processes the layers are split over (engine/parallel/, docs/PARALLEL.md); this one is rank 0
+    weights_dtype: str | None = None  # dequantize quantized weights to this dtype at load (debugging); None: quantized compute
     prefix_cache: bool = True
     prefix_cache_bytes: int | None = None  # None: DEFAULT_PREFIX_CACHE_SHARE of the cache budget, or ..._BYTES
 
@@ -62,9 +63,12 @@ def build_engine(options: EngineOptions) -> BuiltEngine:
     if options.world > 1:  # pipeline parallel: this process is rank 0 (and starts the other ranks)
         from engine.parallel.serving import build_pipeline_runner
 
+        if options.weights_dtype is not None:
+            raise ValueError("weights_dtype is not supported with world > 1 yet: the pipeline ranks load quantized")
+
         runner = build_pipeline_runner(model_dir, options.world, **shape)
     else:
-        runner = build_runner(model_dir, **shape)
+        runner = build_runner(model_dir, **shape, weights_dtype=options.weights_dtype)
     cache_budget = kv_cache_budget(budget, runner.memory_snapshot())
     # Pipeline ranks would each have to restore the same state: no prefix cache there yet (docs/PARALLEL.md).
     prefix_bytes = prefix_cache_bytes(options, cache_budget) if options.world == 1 else 0

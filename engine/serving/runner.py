@@ -23,7 +23,8 @@ from engine.model.cache import SequenceCache, resume_state
 from engine.model.config import ModelConfig
 from engine.model.dtypes import dtype_name
 from engine.model.loader import load_model
-from engine.model.memory_plan import cache_bytes_at, make_plan
+from engine.model.memory_plan import attention_call_elements, cache_bytes_at, make_plan, tile_array_elements
+from engine.model.quantized import QuantizedWeight
 from engine.model.deepseek_v4 import DeepseekV4, Segment
 import numpy as np
 
@@ -53,12 +54,18 @@ def gpu_limit_errors(cfg: ModelConfig, prefill_chunk: int, indexer_tile: int, ma
     if prefill_chunk > GPU_MAX_SORT_ROWS:
         problems.append(f"prefill_chunk ({prefill_chunk}) must be ≤ {GPU_MAX_SORT_ROWS} on the GPU: MLX's GPU "
                         "sorts (MoE routing) reject more rows in one call")
-    plan = make_plan(cfg, max_context, prefill_chunk, indexer_tile)
-    logits = next(b.nbytes // 4 for b in plan.attention if b.name == "attention_logits")
-    if logits > GPU_MAX_ARRAY_ELEMENTS:
+    tile_elements = tile_array_elements(cfg, max_context, indexer_tile)
+    if tile_elements > GPU_MAX_ARRAY_ELEMENTS:
         problems.append(f"indexer_tile ({indexer_tile}) is too large for max_context {max_context} on the GPU: a "
-                        f"tile's attention logits would have {logits:,} elements, more than MLX's CUDA kernels "
-                        f"index ({GPU_MAX_ARRAY_ELEMENTS:,}; measured: an illegal memory access); use a smaller tile")
+                        f"tile's indexer scores or gathered rows would have {tile_elements:,} elements, more than "
+                        f"MLX's CUDA kernels index ({GPU_MAX_ARRAY_ELEMENTS:,}); use a smaller tile")
+    # Attention logits exist one ATTENTION_ROWS block per call whatever the tile: the largest is one
+    # block's over the widest layer's rows (HCA at max_context).
+    logits = attention_call_elements(cfg, max_context)
+    if logits > GPU_MAX_ARRAY_ELEMENTS:
+        problems.append(f"max_context ({max_context}) is too large for this model on the GPU: one attention "
+                        f"block's logits would have {logits:,} elements, more than MLX's CUDA kernels index "
+                        f"({GPU_MAX_ARRAY_ELEMENTS:,}; measured: an illegal memory access); use a smaller max_context")
     return problems
 
 
@@ -131,7 +138,8 @@ class ModelRunner:
         # request -> the cache match_prefix restored for it and the node it came from, until a plan adds it
         self._restored: dict[str, tuple[SequenceCache, PrefixNode]] = {}
         self._weights_bytes = sum(w.nbytes for w in model.weights.values())
-        self._planned_workspace = make_plan(model.cfg, self.max_context, prefill_chunk, indexer_tile, dtype_name(model.dtype)).workspace_bytes
+        self._planned_workspace = make_plan(model.cfg, self.max_context, prefill_chunk, indexer_tile,
+                                            dtype_name(model.dtype), _quantized_dense(model)).workspace_bytes
 
     def set_prefix_cache_bytes(self, capacity_bytes: int) -> None:
         """Size (or turn off, 0) the prefix cache before the first request; the factory knows the budget only
@@ -325,6 +333,11 @@ def default_compute_dtype() -> str:
     return "float32" if mx.default_device() == mx.cpu else None
 
 
+def _quantized_dense(model: DeepseekV4) -> bool:
+    """Whether any non-expert projection is held quantized (its prefill steps dequantize it: memory_plan)."""
+    return any(isinstance(w, QuantizedWeight) and ".experts." not in name for name, w in model.weights.items())
+
+
 def build_runner(
     model_dir: Path,
     prefill_chunk: int,
@@ -332,6 +345,9 @@ def build_runner(
     max_context: int | None = None,
     stage_timing_interval: int = 1,
     prefix_cache_bytes: int = 0,
+    weights_dtype: str | None = None,
 ) -> ModelRunner:
-    model = load_model(Path(model_dir), dtype=default_compute_dtype())
+    """weights_dtype: dequantize a quantized checkpoint's weights to this dtype at load (debugging,
+    `tessera serve --weights-dtype`); None computes on them quantized."""
+    model = load_model(Path(model_dir), dtype=default_compute_dtype(), weights_dtype=weights_dtype)
     return ModelRunner(model, prefill_chunk, indexer_tile, max_context, stage_timing_interval, prefix_cache_bytes)
