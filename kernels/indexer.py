@@ -15,18 +15,26 @@ import mlx.core as mx
 from kernels import indexer_cuda, topk_cuda
 
 
+# Below this many [T, N] score elements (4 MiB of float32) the per-head evaluation is skipped: a
+# few such buffers alive at once cost little, while a host round trip per head dominated decode
+# steps (measured on CPU, docs/BENCHMARKS.md "Issue 14").
+LAZY_SCRATCH_ELEMENTS = 2**20
+
+
 def indexer_scores_reference(
     q: mx.array, head_weights: mx.array, keys: mx.array, visible: mx.array, scale: float
 ) -> mx.array:
     """q: [T, heads, d], head_weights: [T, heads], keys: [N, d], visible: [T] -> scores [T, N] fp32."""
     keys_t = keys.astype(mx.float32).T  # [d, N]
     scores = mx.zeros((q.shape[0], keys.shape[0]), dtype=mx.float32)
+    per_head_eval = scores.size >= LAZY_SCRATCH_ELEMENTS
     for h in range(q.shape[1]):
         per_head = mx.maximum(q[:, h, :].astype(mx.float32) @ keys_t, 0.0) * scale  # [T, N]
         scores = scores + per_head * head_weights[:, h : h + 1].astype(mx.float32)
         # Evaluate head by head: left lazy, MLX may run several heads' [T, N] products before
         # summing them (measured: up to ~10 such buffers live at 64k context on CPU).
-        mx.eval(scores)
+        if per_head_eval:
+            mx.eval(scores)
     return mask_invisible(scores, visible)
 
 

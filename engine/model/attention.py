@@ -222,14 +222,17 @@ def _segment_attention(
     cache.window = owned(keys[max(keys.shape[0] - keep, 0) :] if keep > 0 else keys[:0])
     # Evaluating the cache's new state now lets the chunk-wide arrays it was cut from go before the
     # tile loop, instead of at the end of the forward pass.
-    timer.boundary("other", keys, *cache.arrays())
+    # A decode segment's arrays are a few rows: evaluating them here would only add a host round
+    # trip per sequence and layer, so the step's single evaluation covers them.
+    settle = timer.boundary if seg.length > 1 else timer.stage
+    settle("other", keys, *cache.arrays())
     for r0 in range(0, seg.length, tile):
         r1 = min(r0 + tile, seg.length)
         q, index_q = queries.rows(lo + r0, lo + r1)
         timer.stage("other", q, *([] if index_q is None else [index_q]))
         index_w = None if chunk.index_w is None else chunk.index_w[lo + r0 : lo + r1]
         out = _tile_attention(q, index_q, index_w, keys, num_prev, seg, r0, r1, w, cfg, layer, timer)
-        timer.boundary("attention", out, *output.add(out))
+        settle("attention", out, *output.add(out))
 
 
 def _emit_compressed(x: mx.array, seg: SegmentSlice, w: AttentionWeights, cfg: ModelConfig, layer: int) -> None:
