@@ -17,6 +17,7 @@ from engine.model.cache import LayerCache, owned
 from engine.model.compressor import CompressorWeights, compress
 from engine.model.config import CSA, HCA, WINDOW, ModelConfig
 from engine.model.norms import rms_norm, unweighted_rms_norm
+from engine.model.quantized import Weight, grouped_linear, linear
 from engine.model.rope import apply_rope, cos_sin
 from engine.model.trace import ForwardTrace
 from kernels.indexer import indexer_scores, select_topk
@@ -25,18 +26,18 @@ from kernels.sparse_attention import mixed_attention, shared_rows
 
 @dataclass(frozen=True)
 class AttentionWeights:
-    wq_a: mx.array  # [q_lora, D]
+    wq_a: Weight  # [q_lora, D]
     q_norm: mx.array  # [q_lora]
-    wq_b: mx.array  # [H·hd, q_lora]
-    wkv: mx.array  # [hd, D]
+    wq_b: Weight  # [H·hd, q_lora]
+    wkv: Weight  # [hd, D]
     kv_norm: mx.array  # [hd]
-    wo_a: mx.array  # [G·o_lora, H·hd / G]
-    wo_b: mx.array  # [D, G·o_lora]
+    wo_a: Weight  # [G·o_lora, H·hd / G]
+    wo_b: Weight  # [D, G·o_lora]
     sinks: mx.array  # [H]
     compressor: CompressorWeights | None = None
     index_compressor: CompressorWeights | None = None
-    index_wq_b: mx.array | None = None  # [IH·ID, q_lora]
-    index_weights_proj: mx.array | None = None  # [IH, D]
+    index_wq_b: Weight | None = None  # [IH·ID, q_lora]
+    index_weights_proj: Weight | None = None  # [IH, D]
 
 
 @dataclass(frozen=True)
@@ -92,11 +93,11 @@ def _project_chunk(
     x: mx.array, cos: mx.array, sin: mx.array, w: AttentionWeights, cfg: ModelConfig, layer: int
 ) -> _ChunkProjections:
     eps = cfg.rms_norm_eps
-    q_residual = rms_norm(x @ w.wq_a.T, w.q_norm, eps)  # [T, q_lora]
-    kv = apply_rope(rms_norm(x @ w.wkv.T, w.kv_norm, eps), cos, sin)  # [T, hd]
+    q_residual = rms_norm(linear(x, w.wq_a), w.q_norm, eps)  # [T, q_lora]
+    kv = apply_rope(rms_norm(linear(x, w.wkv), w.kv_norm, eps), cos, sin)  # [T, hd]
     index_w = None
     if cfg.has_indexer(layer):
-        index_w = (x @ w.index_weights_proj.T) * (cfg.index_n_heads**-0.5)  # [T, IH]
+        index_w = linear(x, w.index_weights_proj) * (cfg.index_n_heads**-0.5)  # [T, IH]
     return _ChunkProjections(q_residual, kv, index_w)
 
 
@@ -126,11 +127,11 @@ class _QueryBlocks:
         cfg, w, eps = self._cfg, self._w, self._cfg.rms_norm_eps
         r0, r1 = j * PROJECTION_ROWS, min((j + 1) * PROJECTION_ROWS, self._q_residual.shape[0])
         q_residual, cos, sin = self._q_residual[r0:r1], self._cos[r0:r1], self._sin[r0:r1]
-        q = (q_residual @ w.wq_b.T).reshape(r1 - r0, cfg.num_attention_heads, cfg.head_dim)
+        q = linear(q_residual, w.wq_b).reshape(r1 - r0, cfg.num_attention_heads, cfg.head_dim)
         q = apply_rope(unweighted_rms_norm(q, eps), cos, sin)  # [B, H, hd]
         index_q = None
         if self._indexed:
-            index_q = (q_residual @ w.index_wq_b.T).reshape(r1 - r0, cfg.index_n_heads, cfg.index_head_dim)
+            index_q = linear(q_residual, w.index_wq_b).reshape(r1 - r0, cfg.index_n_heads, cfg.index_head_dim)
             index_q = apply_rope(index_q, cos, sin)  # CSA layers use the compress table for q and keys alike
         self._last = (j, q, index_q)
         return q, index_q
@@ -193,9 +194,8 @@ def _grouped_output(out: mx.array, w: AttentionWeights, cfg: ModelConfig) -> mx.
     """[B, H, hd] -> [B, D]: per-group low-rank projection, then one mixing projection."""
     num_tokens, groups = out.shape[0], cfg.o_groups
     grouped = out.reshape(num_tokens, groups, -1).transpose(1, 0, 2)  # [G, B, H·hd / G]
-    wo_a = w.wo_a.reshape(groups, cfg.o_lora_rank, -1)  # [G, o_lora, H·hd / G]
-    mid = (grouped @ wo_a.transpose(0, 2, 1)).transpose(1, 0, 2).reshape(num_tokens, -1)  # [B, G·o_lora]
-    return mid @ w.wo_b.T
+    mid = grouped_linear(grouped, w.wo_a, groups).transpose(1, 0, 2).reshape(num_tokens, -1)  # [B, G·o_lora]
+    return linear(mid, w.wo_b)
 
 
 def _segment_attention(

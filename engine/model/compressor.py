@@ -17,13 +17,14 @@ import mlx.core as mx
 from engine.model.cache import CompressorFrontier, owned
 from engine.model.config import RopeSpec
 from engine.model.norms import rms_norm
+from engine.model.quantized import Weight, linear
 from engine.model.rope import apply_rope, cos_sin
 
 
 @dataclass(frozen=True)
 class CompressorWeights:
-    wkv: mx.array  # [width, hidden]; width = 2·head_dim when overlapping
-    wgate: mx.array  # [width, hidden]
+    wkv: Weight  # [width, hidden]; width = 2·head_dim when overlapping
+    wgate: Weight  # [width, hidden]
     ape: mx.array  # [ratio, width]: positional bias on the gate
     norm: mx.array  # [head_dim]
 
@@ -41,8 +42,8 @@ def compress(
 
     Updates `frontier` in place (the open group, the overlap half, the emitted count).
     """
-    kv = x @ weights.wkv.T  # [L, width]
-    gate = x @ weights.wgate.T  # [L, width]
+    kv = linear(x, weights.wkv)  # [L, width]
+    gate = linear(x, weights.wgate)  # [L, width]
     if frontier.pending_kv is not None:
         kv = mx.concatenate([frontier.pending_kv, kv])
         gate = mx.concatenate([frontier.pending_gate, gate])

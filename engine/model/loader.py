@@ -1,27 +1,50 @@
 """Load a V4 checkpoint directory: `config.json` + safetensors (one file, or shards listed in
-`model.safetensors.index.json`), official or transformers tensor names, fp32/bf16/fp16 weights.
+`model.safetensors.index.json`), official or transformers tensor names, in any of three forms:
 
-Errors name what is wrong: the missing path, the unknown model_type, the missing or unexpected
-tensor, the tensor whose shape does not match (with both shapes).
+- plain: every projection fp32/bf16/fp16;
+- official (DeepSeek's release): FP8 E4M3 128×128-block dense weights and FP4 experts with E8M0
+  `.scale` tensors (engine/model/official_format.py) -> MLX `mxfp8` / `mxfp4` arrays, no float copy;
+- MLX-native (written by `tessera convert`): uint32 values + `.scales` (+ `.biases` for affine).
+
+Shards are memory-mapped and parsed from their raw bytes (engine/model/safetensors_file.py), since
+numpy has no FP8/E8M0 dtypes. Errors name what is wrong: the missing path, the unknown model_type,
+the missing or unexpected tensor, the tensor whose shape or dtype does not fit (with its shape),
+the truncated shard.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from engine.model.config import ModelConfig, config_from_dict
-from engine.model.dtypes import DTYPES
 from engine.model.deepseek_v4 import DeepseekV4
-from engine.model.weights import canonical_name, expected_shapes, expert_key
+from engine.model.dtypes import DTYPES
+from engine.model.official_format import (
+    dequantize_fp4, dequantize_fp8, fp4_scale_shape, fp8_scale_shape, mxfp4_from_packed, mxfp8_from_blocks,
+)
+from engine.model.quantized import QuantizedWeight, Weight
+from engine.model.safetensors_file import RawTensor, SafetensorsError, open_tensors
+from engine.model.weights import canonical_name, expected_shapes, expert_key, stacked_expert_names
 
+_FLOAT_TAGS = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
+_INT_TAGS = ("I64", "I32")
 
 
 class CheckpointError(ValueError):
     """A model directory Tessera cannot load; the message says what and where."""
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    dtype: str | None = None  # compute dtype of float tensors; None keeps the checkpoint's
+    weights_dtype: str | None = None  # dequantize quantized weights to this dtype at load (debugging)
+    progress: bool = True
 
 
 def load_config(model_dir: Path) -> ModelConfig:
@@ -34,16 +57,13 @@ def load_config(model_dir: Path) -> ModelConfig:
     return config_from_dict(json.loads(config_path.read_text()))
 
 
-def load_model(model_dir: Path, dtype: str | None = None, progress: bool = True) -> DeepseekV4:
-    """dtype: compute dtype ("float32" on CPU); None keeps the checkpoint's."""
+def load_model(model_dir: Path, dtype: str | None = None, progress: bool = True, weights_dtype: str | None = None) -> DeepseekV4:
+    """dtype: compute dtype ("float32" on CPU); None keeps the checkpoint's. weights_dtype: dequantize
+    FP8/FP4/affine weights to this float dtype at load instead of computing on them quantized."""
     cfg = load_config(model_dir)
-    files = _weight_files(Path(model_dir))
-    raw = _read_tensors(files, progress)
-    weights = _check_and_stack(raw, cfg)
-    if dtype is not None:
-        target = DTYPES[dtype]
-        weights = {k: v if not mx.issubdtype(v.dtype, mx.floating) else v.astype(target) for k, v in weights.items()}
-    mx.eval(list(weights.values()))
+    raw = _open_all(_weight_files(Path(model_dir)))
+    weights = _convert_all(raw, cfg, LoadOptions(dtype, weights_dtype, progress))
+    mx.eval([a for w in weights.values() for a in (w.arrays() if isinstance(w, QuantizedWeight) else [w])])
     return DeepseekV4(cfg, weights)
 
 
@@ -62,20 +82,182 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _read_tensors(files: list[Path], progress: bool) -> dict[str, mx.array]:
-    out: dict[str, mx.array] = {}
-    total = sum(f.stat().st_size for f in files)
-    done = 0
-    show = progress and total > 256 * 2**20  # a bar only where loading takes noticeable time
+def _open_all(files: list[Path]) -> dict[str, RawTensor]:
+    out: dict[str, RawTensor] = {}
     for f in files:
-        for name, tensor in mx.load(str(f)).items():
+        try:
+            tensors = open_tensors(f)
+        except SafetensorsError as exc:
+            raise CheckpointError(str(exc)) from exc
+        for name, tensor in tensors.items():
             out[canonical_name(name)] = tensor
-        done += f.stat().st_size
-        if show:
+    return out
+
+
+# ---- names and shapes -------------------------------------------------------------------------
+
+
+def _companions(raw: dict[str, RawTensor]) -> set[str]:
+    """`.scale` (official) and `.scales` / `.biases` (MLX-native) tensors belong to a weight."""
+    return {k for k in raw if k.endswith((".scale", ".scales", ".biases")) and _owner(k) in raw}
+
+
+def _owner(companion: str) -> str:
+    base = companion.rsplit(".", 1)[0]
+    return base + ".weight" if companion.endswith(".scale") else base
+
+
+def _check_names(raw: dict[str, RawTensor], cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """-> the tensors to build, name -> logical shape; stacked MLX-native experts replace per-expert names."""
+    expected = expected_shapes(cfg)
+    for stacked, members in stacked_expert_names(cfg).items():
+        if stacked in raw:
+            first = expected[members[0]]
+            for m in members:
+                del expected[m]
+            expected[stacked] = (len(members), *first)
+    ignored = {k for k in raw if k.startswith("mtp.")} | _companions(raw)
+    unexpected = sorted(set(raw) - set(expected) - ignored)
+    if unexpected:
+        raise CheckpointError(_first(f"unexpected tensor {unexpected[0]!r} {raw[unexpected[0]].shape}", unexpected))
+    missing = sorted(set(expected) - set(raw))
+    if missing:
+        raise CheckpointError(_first(f"missing tensor {missing[0]!r}", missing))
+    return expected
+
+
+def _first(message: str, names: list[str]) -> str:
+    return message + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
+
+
+def _mismatch(name: str, got: tuple[int, ...], want: tuple[int, ...], what: str = "") -> CheckpointError:
+    return CheckpointError(f"shape mismatch for tensor {name!r}{what}: checkpoint has {tuple(got)}, config expects {tuple(want)}")
+
+
+# ---- one tensor -------------------------------------------------------------------------------
+
+
+def _convert_all(raw: dict[str, RawTensor], cfg: ModelConfig, opts: LoadOptions) -> dict[str, Weight]:
+    expected = _check_names(raw, cfg)
+    total = sum(raw[n].data.nbytes for n in expected)
+    show = opts.progress and total > 256 * 2**20  # a bar only where loading takes noticeable time
+    weights: dict[str, Weight] = {}
+    experts: dict[str, dict[int, Weight]] = {}
+    done = 0
+    for i, (name, shape) in enumerate(expected.items()):
+        w = _finish(_tensor(raw, name, shape, opts.weights_dtype), opts)
+        key = expert_key(name)
+        if key is None:
+            weights[name] = w
+        else:  # stack a layer's experts as soon as all are read: peak memory stays ~ one layer over
+            group = experts.setdefault(key[0], {})
+            group[key[1]] = w
+            if len(group) == cfg.n_routed_experts:
+                weights[key[0]] = _stack([group[e] for e in sorted(group)])
+                mx.eval(_arrays(weights[key[0]]))
+                del experts[key[0]]
+        done += raw[name].data.nbytes
+        if show and (i % 64 == 0 or done == total):
+            mx.eval(_arrays(w))  # bounds the host copies in flight
             _progress_bar(done, total)
     if show:
         print(file=sys.stderr)
-    return out
+    return weights
+
+
+def _arrays(w: Weight) -> list[mx.array]:
+    return w.arrays() if isinstance(w, QuantizedWeight) else [w]
+
+
+def _finish(w: Weight, opts: LoadOptions) -> Weight:
+    if opts.dtype is None:
+        return w
+    target = DTYPES[opts.dtype]
+    if isinstance(w, QuantizedWeight):
+        return w.with_float_dtype(target)
+    return w.astype(target) if mx.issubdtype(w.dtype, mx.floating) else w
+
+
+def _tensor(raw: dict[str, RawTensor], name: str, shape: tuple[int, ...], weights_dtype: str | None) -> Weight:
+    t = raw[name]
+    if t.dtype in _FLOAT_TAGS or t.dtype in _INT_TAGS:
+        if t.shape != shape:
+            raise _mismatch(name, t.shape, shape)
+        if t.dtype == "BF16":
+            return mx.array(np.ascontiguousarray(t.data)).view(mx.bfloat16)
+        return mx.array(np.ascontiguousarray(t.data))
+    if t.dtype == "F8_E4M3":
+        return _fp8(raw, name, shape, weights_dtype)
+    if t.dtype == "I8":
+        return _fp4(raw, name, shape, weights_dtype)
+    if t.dtype == "U32":
+        return _mlx_native(raw, name, shape, weights_dtype)
+    raise CheckpointError(f"tensor {name!r} {t.shape} has dtype {t.dtype}, which is not a weight format "
+                          "(float, F8_E4M3 + .scale, packed FP4 I8 + .scale, or U32 + .scales)")
+
+
+def _scale(raw: dict[str, RawTensor], name: str, suffix: str, want_shape: tuple[int, ...], tags: tuple[str, ...]) -> RawTensor:
+    t = raw[name]
+    scale_name = name.rsplit(".", 1)[0] + suffix if suffix == ".scale" else name + suffix
+    if scale_name not in raw:
+        raise CheckpointError(f"missing scale {scale_name!r} for tensor {name!r} {t.dtype} {t.shape}")
+    s = raw[scale_name]
+    if s.dtype not in tags:
+        raise CheckpointError(f"tensor {scale_name!r} {s.shape} has dtype {s.dtype}, expected {' or '.join(tags)}")
+    if s.shape != tuple(want_shape):
+        raise _mismatch(scale_name, s.shape, want_shape, f" (scale of {name!r} {t.shape})")
+    return s
+
+
+def _fp8(raw: dict[str, RawTensor], name: str, shape: tuple[int, ...], weights_dtype: str | None) -> Weight:
+    t = raw[name]
+    if t.shape != shape:
+        raise _mismatch(name, t.shape, shape, " (F8_E4M3)")
+    scale = _scale(raw, name, ".scale", fp8_scale_shape(shape), ("F8_E8M0",)).data
+    quantized = None if weights_dtype else mxfp8_from_blocks(t.data, scale)
+    if quantized is not None:
+        return quantized
+    return mx.array(dequantize_fp8(t.data, scale)).astype(DTYPES[weights_dtype or "float32"])
+
+
+def _fp4(raw: dict[str, RawTensor], name: str, shape: tuple[int, ...], weights_dtype: str | None) -> Weight:
+    t = raw[name]
+    packed_shape = (*shape[:-1], shape[-1] // 2)
+    if t.shape != packed_shape:
+        raise _mismatch(name, t.shape, packed_shape, f" (packed FP4, two values per byte of logical {shape})")
+    scale = _scale(raw, name, ".scale", fp4_scale_shape(shape), ("F8_E8M0",)).data
+    quantized = None if weights_dtype else mxfp4_from_packed(t.data, scale)
+    if quantized is not None:
+        return quantized
+    return mx.array(dequantize_fp4(t.data, scale)).astype(DTYPES[weights_dtype or "float32"])
+
+
+def _mlx_native(raw: dict[str, RawTensor], name: str, shape: tuple[int, ...], weights_dtype: str | None) -> Weight:
+    """uint32 values + `.scales` (uint8: mxfp4/mxfp8; float + `.biases`: affine); bits and group from shapes."""
+    t = raw[name]
+    if t.shape[:-1] != shape[:-1] or (32 * shape[-1]) % t.shape[-1]:
+        raise _mismatch(name, t.shape, shape, " (U32 packed values)")
+    bits = 32 * t.shape[-1] // shape[-1]
+    scales_name = name + ".scales"
+    if scales_name not in raw:
+        raise CheckpointError(f"missing scale {scales_name!r} for tensor {name!r} U32 {t.shape}")
+    s = raw[scales_name]
+    if s.shape[:-1] != shape[:-1] or s.shape[-1] == 0 or shape[-1] % s.shape[-1]:
+        raise _mismatch(scales_name, s.shape, (*shape[:-1], "in/group"), f" (scales of {name!r})")
+    group = shape[-1] // s.shape[-1]
+    if s.dtype == "U8":
+        mode, biases = ("mxfp4" if bits == 4 else "mxfp8"), None
+    elif s.dtype in _FLOAT_TAGS:
+        mode, biases = "affine", _scale(raw, name, ".biases", s.shape, (s.dtype,))
+    else:
+        raise CheckpointError(f"tensor {scales_name!r} {s.shape} has dtype {s.dtype}, expected U8 (mx formats) or a float (affine)")
+    w = QuantizedWeight(mx.array(np.ascontiguousarray(t.data)), _as_mx(s), None if biases is None else _as_mx(biases), mode, bits, group)
+    return w.dequantize(DTYPES[weights_dtype]) if weights_dtype else w
+
+
+def _as_mx(t: RawTensor) -> mx.array:
+    a = mx.array(np.ascontiguousarray(t.data))
+    return a.view(mx.bfloat16) if t.dtype == "BF16" else a
 
 
 def _progress_bar(done: int, total: int) -> None:
@@ -85,35 +267,10 @@ def _progress_bar(done: int, total: int) -> None:
     sys.stderr.flush()
 
 
-def _check_and_stack(raw: dict[str, mx.array], cfg: ModelConfig) -> dict[str, mx.array]:
-    expected = expected_shapes(cfg)
-    unexpected = sorted(set(raw) - set(expected) - _IGNORED(raw))
-    if unexpected:
-        raise CheckpointError(f"unexpected tensor {unexpected[0]!r}" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
-    missing = sorted(set(expected) - set(raw))
-    if missing:
-        raise CheckpointError(f"missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    for name, shape in expected.items():
-        if tuple(raw[name].shape) != shape:
-            raise CheckpointError(f"shape mismatch for tensor {name!r}: checkpoint has {tuple(raw[name].shape)}, config expects {shape}")
-    return _stack_experts({k: raw[k] for k in expected})
-
-
-def _IGNORED(raw: dict[str, mx.array]) -> set[str]:
-    """Tensors V4 checkpoints carry that inference does not use (the multi-token-prediction head)."""
-    return {k for k in raw if k.startswith("mtp.")}
-
-
-def _stack_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """`experts.E.w1.weight` × E -> `experts.w1` [E, ...], so a layer's experts are one array each."""
-    groups: dict[str, dict[int, mx.array]] = {}
-    out: dict[str, mx.array] = {}
-    for name, tensor in weights.items():
-        key = expert_key(name)
-        if key is None:
-            out[name] = tensor
-        else:
-            groups.setdefault(key[0], {})[key[1]] = tensor
-    for stacked, by_index in groups.items():
-        out[stacked] = mx.stack([by_index[e] for e in sorted(by_index)])
-    return out
+def _stack(parts: list[Weight]) -> Weight:
+    first = parts[0]
+    if not isinstance(first, QuantizedWeight):
+        return mx.stack(parts)
+    biases = None if first.biases is None else mx.stack([p.biases for p in parts])
+    return QuantizedWeight(mx.stack([p.values for p in parts]), mx.stack([p.scales for p in parts]), biases,
+                           first.mode, first.bits, first.group_size)

@@ -112,3 +112,13 @@ def expert_key(name: str) -> tuple[str, int] | None:
     """`layers.3.ffn.experts.7.w1.weight` -> ("layers.3.ffn.experts.w1", 7); None for other names."""
     m = _EXPERT.match(name)
     return (f"{m.group(1)}.{m.group(3)}", int(m.group(2))) if m else None
+
+
+def stacked_expert_names(cfg: ModelConfig) -> dict[str, list[str]]:
+    """`layers.N.ffn.experts.wK` (one [E, out, in] array, as the loader holds it and `tessera convert`
+    writes it) -> its per-expert checkpoint names in expert order."""
+    out: dict[str, list[str]] = {}
+    for i in range(cfg.num_hidden_layers):
+        for w in ("w1", "w2", "w3"):
+            out[f"layers.{i}.ffn.experts.{w}"] = [f"layers.{i}.ffn.experts.{e}.{w}.weight" for e in range(cfg.n_routed_experts)]
+    return out

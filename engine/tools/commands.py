@@ -21,6 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _register_check(subparsers)
     _register_plan(subparsers)
     _register_bench(subparsers)
+    _register_convert(subparsers)
 
 
 def _register_make_model(subparsers) -> None:
@@ -31,15 +32,34 @@ def _register_make_model(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--no-tokenizer", action="store_true", help="skip training the byte-level BPE tokenizer")
+    _add_checkpoint_format_args(p)
     p.set_defaults(func=_make_model)
 
 
+def _add_checkpoint_format_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", default="plain", choices=["plain", "official"],
+                   help="plain: every tensor in --dtype; official: DeepSeek's FP8 dense + FP4 experts with E8M0 scales")
+    p.add_argument("--config", type=Path, default=None, metavar="FILE.json",
+                   help="a DeepSeek V4 config.json (transformers' field names) instead of --preset")
+
+
 def _make_model(args) -> int:
+    from engine.model.config import ConfigError
+    from engine.model.official_format import FormatError
     from engine.tools.make_model import make_model
 
     overrides = {} if args.layers is None else {"layers": args.layers}
-    out = make_model(args.dir, args.preset, seed=args.seed, with_tokenizer=not args.no_tokenizer, dtype=args.dtype, **overrides)
-    print(f"wrote {args.preset} checkpoint to {out}")
+    if args.config is not None and not args.config.is_file():
+        print(f"error: --config: no such file {args.config}", file=sys.stderr)
+        return 2
+    try:
+        out = make_model(args.dir, args.preset, seed=args.seed, with_tokenizer=not args.no_tokenizer, dtype=args.dtype,
+                         fmt=args.format, config_file=args.config, **overrides)
+    except (ConfigError, FormatError) as exc:  # a config or shape the chosen format cannot hold
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    source = args.config or f"{args.preset} preset"
+    print(f"wrote {args.format} checkpoint ({source}) to {out}")
     return 0
 
 
@@ -54,6 +74,7 @@ def _register_check(subparsers) -> None:
     ref.add_argument("--decode", type=int, default=0)
     ref.add_argument("--seed", type=int, default=0)
     ref.add_argument("--json", action="store_true")
+    _add_reference_weight_args(ref)
     ref.set_defaults(func=_check_reference)
     con = sub.add_parser("consistency", help="tiled/chunked prefill + decode vs untiled and whole-sequence runs")
     con.add_argument("--model", type=Path, required=True)
@@ -81,8 +102,10 @@ def _check_kernels(args) -> int:
 def _check_reference(args) -> int:
     from engine.tools.reference_check import ReferenceUnavailable, check_reference
 
+    if args.against is not None:
+        return _check_against(args)
     try:
-        report = check_reference(args.model, args.tokens, args.chunk, args.tile, args.decode, args.seed)
+        report = check_reference(args.model, args.tokens, args.chunk, args.tile, args.decode, args.seed, args.weights_dtype)
     except ReferenceUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -96,6 +119,53 @@ def _check_consistency(args) -> int:
     report = check_consistency(args.model, args.ctx, args.decode, args.chunk, args.tile, args.seed, args.dtype)
     _print_report(report.as_dict(), args.json)
     return 0 if report.differing_selections == 0 else 1
+
+
+def _add_reference_weight_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights-dtype", default=None, choices=["bfloat16", "float32"],
+                   help="dequantize FP8/FP4/affine weights to this dtype at load (debugging) instead of quantized compute")
+    p.add_argument("--against", type=Path, default=None, metavar="SRC",
+                   help="compare with Tessera on checkpoint SRC (e.g. the source of a `tessera convert`): "
+                        "logit KL, top-1 agreement, max |Δlogit| — no transformers needed")
+
+
+def _check_against(args) -> int:
+    from engine.tools.reference_check import check_against
+
+    report = check_against(args.model, args.against, args.tokens, args.chunk, args.tile, args.decode, args.seed)
+    _print_report(report.as_dict(), args.json)
+    return 0
+
+
+def _register_convert(subparsers) -> None:
+    p = subparsers.add_parser("convert", help="rewrite a checkpoint as an MLX-native quantized one (smaller)")
+    p.add_argument("src", type=Path)
+    p.add_argument("dst", type=Path)
+    p.add_argument("--quant", required=True, choices=["affine4", "affine8", "mxfp4"])
+    p.add_argument("--group-size", type=int, default=None, help="values per scale (affine: 32/64/128, default 64; mxfp4: 32)")
+    p.add_argument("--dense", action="store_true", help="also requantize the dense projections (default: experts only)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_convert)
+
+
+def _convert(args) -> int:
+    from engine.model.loader import CheckpointError
+    from engine.tools.convert import ConvertError, convert
+
+    try:
+        report = convert(args.src, args.dst, args.quant, args.group_size, args.dense)
+    except (ConvertError, CheckpointError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not args.json:
+        print(f"{_human_bytes(report.bytes_before)} -> {_human_bytes(report.bytes_after)} "
+              f"({report.bytes_after / report.bytes_before:.1%}) written to {report.destination}")
+    _print_report(report.as_dict(), args.json)
+    return 0
+
+
+def _human_bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def _register_plan(subparsers) -> None:

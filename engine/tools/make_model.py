@@ -102,9 +102,17 @@ def write_checkpoint(out_dir: Path, cfg: ModelConfig, seed: int = 0, dtype: str 
     return out_dir
 
 
-def make_model(out_dir: Path, preset: str = "tiny", seed: int = 0, with_tokenizer: bool = True, dtype: str = "float32", **overrides: Any) -> Path:
-    cfg = preset_config(preset, **overrides)
-    write_checkpoint(out_dir, cfg, seed, dtype)
+def make_model(out_dir: Path, preset: str = "tiny", seed: int = 0, with_tokenizer: bool = True, dtype: str = "float32",
+               fmt: str = "plain", config_file: Path | None = None, **overrides: Any) -> Path:
+    """fmt: "plain" (every tensor in `dtype`) or "official" (DeepSeek's FP8/FP4, see
+    engine/tools/official_checkpoint.py). config_file: a DeepSeek V4 config.json instead of a preset."""
+    cfg = config_from_dict(json.loads(Path(config_file).read_text())) if config_file else preset_config(preset, **overrides)
+    if fmt == "official":
+        from engine.tools.official_checkpoint import write_official_checkpoint
+
+        write_official_checkpoint(out_dir, cfg, seed)
+    else:
+        write_checkpoint(out_dir, cfg, seed, dtype)
     if with_tokenizer:
         from engine.tools.tokenizer_train import train_tokenizer
 

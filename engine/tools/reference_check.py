@@ -53,7 +53,9 @@ def reference_logits(model_dir: Path, tokens: list[int]) -> np.ndarray:
             "the reference needs torch and transformers==5.23.0: pip install 'tessera[test]' "
             f"(import failed: {exc})"
         ) from exc
-    model = DeepseekV4ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    # An FP8/FP4 checkpoint loads dequantized on the CPU but keeps its BF16 tensors BF16; the cast
+    # is exact and makes the whole forward float32.
+    model = DeepseekV4ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).float().eval()
     with torch.no_grad():
         return model(torch.tensor([tokens]), use_cache=False).logits[0].float().numpy()
 
@@ -76,11 +78,53 @@ def compare(ours: np.ndarray, ref: np.ndarray, num_prefill: int, chunk: int, til
 
 
 def check_reference(model_dir: Path, num_tokens: int, chunk: int | None = None, tile: int | None = None,
-                    decode: int = 0, seed: int = 0) -> ReferenceReport:
-    model = load_model(Path(model_dir), dtype="float32")
+                    decode: int = 0, seed: int = 0, weights_dtype: str | None = None) -> ReferenceReport:
+    model = load_model(Path(model_dir), dtype="float32", weights_dtype=weights_dtype)
     tokens = random_tokens(model.cfg.vocab_size, num_tokens + decode, seed)
     chunk = chunk or num_tokens
     ours = tessera_logits(model, tokens, num_tokens, chunk, tile)
     mx.clear_cache()
     ref = reference_logits(Path(model_dir), tokens)
     return compare(ours, ref, num_tokens, chunk, tile or chunk)
+
+
+@dataclass(frozen=True)
+class AgainstReport:
+    """A (converted) checkpoint against its source, both run by Tessera on the same tokens."""
+
+    num_tokens: int
+    decode: int
+    kl_mean: float  # mean over positions of KL(source ‖ model) of the next-token distributions
+    kl_max: float
+    top1_agreement: float
+    max_abs_diff: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def logit_kl(source: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """Per row KL(softmax(source) ‖ softmax(other)) in float64."""
+    def log_softmax(x):
+        x = x.astype(np.float64)
+        x = x - x.max(axis=1, keepdims=True)
+        return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+
+    ls, lo = log_softmax(source), log_softmax(other)
+    return (np.exp(ls) * (ls - lo)).sum(axis=1)
+
+
+def check_against(model_dir: Path, source_dir: Path, num_tokens: int, chunk: int | None = None, tile: int | None = None,
+                  decode: int = 0, seed: int = 0) -> AgainstReport:
+    chunk = chunk or num_tokens
+    runs = []
+    for d in (source_dir, model_dir):
+        model = load_model(Path(d), dtype="float32")
+        tokens = random_tokens(model.cfg.vocab_size, num_tokens + decode, seed)
+        runs.append(tessera_logits(model, tokens, num_tokens, chunk, tile))
+        del model
+        mx.clear_cache()
+    source, ours = runs
+    kl = logit_kl(source, ours)
+    return AgainstReport(num_tokens, decode, float(kl.mean()), float(kl.max()),
+                         float((source.argmax(axis=1) == ours.argmax(axis=1)).mean()), float(np.abs(source - ours).max()))

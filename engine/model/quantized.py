@@ -1,0 +1,90 @@
+"""Quantized weights as MLX holds them, and the one matmul helper every projection call site uses.
+
+A `QuantizedWeight` is MLX's packed form (`mx.quantize`'s output): `values` uint32, `scales`
+(uint8 E8M0 for `mxfp4`/`mxfp8`; float for `affine`), `biases` (affine only). `linear(x, w)` is
+`x @ w.T` for a plain array and `mx.quantized_matmul` for a quantized one, so the model code does
+not branch on the format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+# mode -> bits MLX packs per value
+MODES: dict[str, int] = {"mxfp4": 4, "mxfp8": 8, "affine4": 4, "affine8": 8}
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    values: mx.array  # uint32 [..., out, in · bits / 32]
+    scales: mx.array  # [..., out, in / group_size]
+    biases: mx.array | None  # affine only, like scales
+    mode: str  # "mxfp4" | "mxfp8" | "affine"
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical (dequantized) shape."""
+        *lead, packed = self.values.shape
+        return (*lead, packed * 32 // self.bits)
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + self.scales.nbytes + (self.biases.nbytes if self.biases is not None else 0)
+
+    def arrays(self) -> list[mx.array]:
+        return [self.values, self.scales] + ([self.biases] if self.biases is not None else [])
+
+    def dequantize(self, dtype: mx.Dtype = mx.float32) -> mx.array:
+        out = mx.dequantize(self.values, self.scales, self.biases, group_size=self.group_size, bits=self.bits, mode=self.mode)
+        return out.astype(dtype)
+
+    def __getitem__(self, index) -> "QuantizedWeight":
+        """Rows of the leading (expert) axis."""
+        b = None if self.biases is None else self.biases[index]
+        return QuantizedWeight(self.values[index], self.scales[index], b, self.mode, self.bits, self.group_size)
+
+    def with_float_dtype(self, dtype: mx.Dtype) -> "QuantizedWeight":
+        """Affine scales/biases follow the compute dtype (E8M0 scales are bytes and stay)."""
+        if self.mode != "affine":
+            return self
+        return QuantizedWeight(self.values, self.scales.astype(dtype), self.biases.astype(dtype), self.mode, self.bits, self.group_size)
+
+
+Weight = mx.array | QuantizedWeight
+
+
+def quantize(w: mx.array, mode: str, group_size: int) -> QuantizedWeight:
+    """mode: a MODES key (affine4 / affine8 / mxfp4 / mxfp8)."""
+    bits = MODES[mode]
+    mlx_mode = "affine" if mode.startswith("affine") else mode
+    parts = mx.quantize(w, group_size=group_size, bits=bits, mode=mlx_mode)
+    biases = parts[2] if mlx_mode == "affine" else None
+    return QuantizedWeight(parts[0], parts[1], biases, mlx_mode, bits, group_size)
+
+
+def linear(x: mx.array, w: Weight) -> mx.array:
+    """x: [..., in] -> [..., out] against w: [out, in] (plain or quantized)."""
+    if isinstance(w, QuantizedWeight):
+        return mx.quantized_matmul(x, w.values, w.scales, w.biases, transpose=True, group_size=w.group_size, bits=w.bits, mode=w.mode)
+    return x @ w.T
+
+
+def grouped_linear(x: mx.array, w: Weight, groups: int) -> mx.array:
+    """x: [G, B, in] -> [G, B, out / G]: group g through rows [g·out/G, (g+1)·out/G) of w: [out, in]."""
+    if isinstance(w, QuantizedWeight):
+        split = QuantizedWeight(
+            w.values.reshape(groups, -1, w.values.shape[-1]), w.scales.reshape(groups, -1, w.scales.shape[-1]),
+            None if w.biases is None else w.biases.reshape(groups, -1, w.biases.shape[-1]), w.mode, w.bits, w.group_size,
+        )
+        return mx.gather_qmm(x, split.values, split.scales, split.biases, rhs_indices=mx.arange(groups, dtype=mx.uint32),
+                             transpose=True, group_size=w.group_size, bits=w.bits, mode=w.mode)
+    wg = w.reshape(groups, -1, w.shape[-1])  # [G, out/G, in]
+    return x @ wg.transpose(0, 2, 1)
+
+
+def dequantized(w: Weight, dtype: mx.Dtype) -> mx.array:
+    return w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w.astype(dtype)
