@@ -60,6 +60,9 @@ def main(model_dir: str, mode: str) -> None:
         steps = decode_steps(model, caches, 16)
         emit("decode_graphs", ctx=16384, batch=1, step_ms_median=steps[len(steps) // 2], step_ms=steps)
         return
+    if mode == "moe":
+        moe_rate(model)
+        return
     emit("bench_decode", **bench_decode(model, 65536, 1, DecodeOptions(chunk=4096, tile=1024, steps=16)))
     # Batch 1 vs 16 at 16k in alternating order (B1 B16 B16 B1) on the same 16 caches.
     caches = [_prefill(model, random_tokens(model.cfg.vocab_size, 16384, seed=b), DecodeOptions(4096, 1024)) for b in range(16)]
@@ -76,11 +79,30 @@ def main(model_dir: str, mode: str) -> None:
                 totals[k] = totals.get(k, 0.0) + v * 1000 / 4
         emit("decode_stages_ms", ctx=16384, batch=batch, stage_ms=totals)
     del caches
-    # MoE share of a stage-synced prefill against the bf16 matmul rate measured now.
+    moe_rate(model)
+
+
+def moe_rate(model) -> None:
+    """MoE of a stage-synced prefill, and one layer's MoE block alone on 4,096 rows, against the bf16
+    matmul rate measured now (second H200 run: the first one's stage-synced prefill crashed)."""
+    from engine.model.moe import moe
+
+    cfg = model.cfg
+    per_token = (cfg.num_experts_per_tok + 1) * 3 * 2 * cfg.hidden_size * cfg.moe_intermediate_size
+    rate = matmul_tflops()
+    layer = model.layers[1].ffn  # learned routing (layer 0 is hash-routed)
+    x = (mx.random.normal((4096, cfg.hidden_size)) * 0.5).astype(mx.bfloat16)
+    ids = mx.arange(4096)
+    mx.eval(moe(x, ids, layer, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit))
+    start = time.perf_counter()
+    for _ in range(5):
+        mx.eval(moe(x, ids, layer, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit))
+    block = (time.perf_counter() - start) / 5
+    emit("moe_block", rows=4096, seconds=block, tflops=4096 * per_token / block / 1e12, bf16_matmul_tflops=rate,
+         fraction_of_matmul=4096 * per_token / block / 1e12 / rate)
     tokens = random_tokens(model.cfg.vocab_size, 16384, seed=9)
     prefill_once(model, tokens[:4096], 4096, 1024, "warm-up", RunOptions(stage_sync=True))
     seconds, peak, stages = prefill_once(model, tokens, 4096, 1024, "moe", RunOptions(stage_sync=True))
-    cfg = model.cfg
     flops = len(tokens) * cfg.num_hidden_layers * (cfg.num_experts_per_tok + 1) * 3 * 2 * cfg.hidden_size * cfg.moe_intermediate_size
     rate = matmul_tflops()
     emit("moe_prefill", ctx=len(tokens), chunk=4096, prefill_seconds=seconds, stages=stages, moe_tflop=flops / 1e12,
