@@ -15,19 +15,43 @@ import mlx.core as mx
 from kernels import indexer_cuda, topk_cuda
 
 
+# Below this many [T, N] score elements (4 MiB of float32) the per-head evaluation is skipped: a
+# few such buffers alive at once cost little, while a host round trip per head dominated decode
+# steps (docs/BENCHMARKS.md "Issue 14").
+LAZY_SCRATCH_ELEMENTS = 2**20
+
+
 def indexer_scores_reference(
     q: mx.array, head_weights: mx.array, keys: mx.array, visible: mx.array, scale: float
 ) -> mx.array:
     """q: [T, heads, d], head_weights: [T, heads], keys: [N, d], visible: [T] -> scores [T, N] fp32."""
+    num_q, num_heads, _ = q.shape
+    if num_q * num_heads * keys.shape[0] <= LAZY_SCRATCH_ELEMENTS:
+        return mask_invisible(_scores_all_heads(q, head_weights, keys, scale), visible)
     keys_t = keys.astype(mx.float32).T  # [d, N]
-    scores = mx.zeros((q.shape[0], keys.shape[0]), dtype=mx.float32)
-    for h in range(q.shape[1]):
+    scores = mx.zeros((num_q, keys.shape[0]), dtype=mx.float32)
+    per_head_eval = scores.size >= LAZY_SCRATCH_ELEMENTS
+    for h in range(num_heads):
         per_head = mx.maximum(q[:, h, :].astype(mx.float32) @ keys_t, 0.0) * scale  # [T, N]
         scores = scores + per_head * head_weights[:, h : h + 1].astype(mx.float32)
         # Evaluate head by head: left lazy, MLX may run several heads' [T, N] products before
         # summing them (measured: up to ~10 such buffers live at 64k context on CPU).
-        mx.eval(scores)
+        if per_head_eval:
+            mx.eval(scores)
     return mask_invisible(scores, visible)
+
+
+def _scores_all_heads(q: mx.array, head_weights: mx.array, keys: mx.array, scale: float) -> mx.array:
+    """The same sum as the head loop in a handful of ops, for a small [T, heads, N] (decode: a loop
+    of ~13 tiny ops per head was most of a step's per-sequence graph). Each head's row of the one
+    gemm equals its own gemm (a row-invariant BLAS, as every exactness contract here assumes), and
+    the heads are accumulated in the loop's order: a cumulative sum along the head axis is that
+    sequential sum (its last entry) — `test_kernels` checks the two bit for bit."""
+    num_q, num_heads, dim = q.shape
+    products = q.astype(mx.float32).reshape(num_q * num_heads, dim) @ keys.astype(mx.float32).T  # [T·heads, N]
+    per_head = mx.maximum(products.reshape(num_q, num_heads, -1), 0.0) * scale  # [T, heads, N]
+    weighted = per_head * head_weights.astype(mx.float32)[:, :, None]
+    return mx.cumsum(weighted, axis=1)[:, -1, :]  # [T, N]
 
 
 def mask_invisible(scores: mx.array, visible: mx.array) -> mx.array:

@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import indexer_cuda
+from kernels import indexer, indexer_cuda
 from kernels.indexer import indexer_scores_reference, mask_invisible, select_topk_reference, select_topk_threshold
 from kernels.sparse_attention import mixed_attention_reference, shared_rows
 
@@ -42,6 +42,21 @@ def test_indexer_reference_equals_per_head_formula():
     expected[np.arange(50)[None, :] >= visible[:, None]] = -np.inf
     got = indexer_scores_reference(*(mx.array(a.astype(np.float32)) for a in (q, w, k)), mx.array(visible), 0.25)
     np.testing.assert_allclose(np.array(got), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_q,num_keys", [(1, 1), (1, 333), (1, 4096), (5, 200)])
+def test_indexer_all_heads_at_once_is_bit_identical_to_the_head_loop(monkeypatch, num_q, num_keys):
+    """Decode scores every head in one gemm; prefill tiles loop over heads: a query row must get
+    the same bits either way, or decode would select different rows than a prefill of the same
+    position."""
+    rng = np.random.default_rng(num_keys)
+    q, w = rng.standard_normal((num_q, 16, 64)), rng.standard_normal((num_q, 16))
+    k, visible = rng.standard_normal((num_keys, 64)), rng.integers(0, num_keys + 1, num_q)
+    args = [mx.array(a.astype(np.float32)) for a in (q, w, k)] + [mx.array(visible)]
+    at_once = np.array(indexer_scores_reference(*args, 0.3))
+    monkeypatch.setattr(indexer, "LAZY_SCRATCH_ELEMENTS", 0)  # every size takes the head loop
+    looped = np.array(indexer_scores_reference(*args, 0.3))
+    assert np.array_equal(at_once, looped)
 
 
 def test_mixed_attention_equals_dense_softmax_with_sink():

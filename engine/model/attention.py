@@ -250,16 +250,38 @@ def _segment_attention(
     keep = cfg.sliding_window - 1
     cache.window = owned(keys[max(keys.shape[0] - keep, 0) :] if keep > 0 else keys[:0])
     # Evaluating the cache's new state now lets the chunk-wide arrays it was cut from go before the
-    # tile loop, instead of at the end of the forward pass.
-    timer.boundary("other", keys, *cache.arrays())
+    # tile loop, instead of at the end of the forward pass. A decode segment's arrays are a few rows:
+    # evaluating them here would only add a host round trip per sequence and layer.
+    if seg.length > 1:
+        timer.boundary("other", keys, *cache.arrays())
+    else:
+        timer.stage("other", keys, *cache.arrays())
     context = _TileContext(seg, keys, num_prev, w, cfg, layer, timer)
+    running: list[mx.array] = []  # the tile the device is computing while Python builds the next
     for r0 in range(0, seg.length, tile):
         r1 = min(r0 + tile, seg.length)
         q, index_q = queries.rows(lo + r0, lo + r1)
         timer.stage("other", q, *([] if index_q is None else [index_q]))
         index_w = None if chunk.index_w is None else chunk.index_w[lo + r0 : lo + r1]
         out = _tile_attention(context, q, index_q, index_w, r0, r1)
-        timer.boundary("attention", out, *output.add(out))
+        built = [out, *output.add(out)]
+        if seg.length > 1 and not timer.stage_sync:
+            # Tile i+1's graph was built while tile i ran; wait for tile i, then start i+1 without
+            # waiting: one tile's scratch on the device at a time, no idle gap for graph building.
+            _finish(running, timer)
+            mx.async_eval(*built)
+            running = built
+        elif seg.length > 1:  # stage-synced: every stage already waits, nothing to overlap
+            timer.boundary("attention", *built)
+        else:
+            timer.stage("attention", *built)
+    _finish(running, timer)
+
+
+def _finish(running: list[mx.array], timer: ForwardTrace) -> None:
+    """Waits for the tile started last (if any) and charges the wait to attention."""
+    if running:
+        timer.boundary("attention", *running)
 
 
 def _emit_compressed(x: mx.array, seg: SegmentSlice, w: AttentionWeights, cfg: ModelConfig, layer: int) -> None:

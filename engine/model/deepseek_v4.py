@@ -66,7 +66,7 @@ class DeepseekV4:
         or [1, vocab] of its last token; the lm head runs only on the rows returned.
         `tile`: indexer/attention query rows per tile (None: the whole segment, the untiled path).
         """
-        timer = timer or ForwardTrace()
+        timer = timer or ForwardTrace(stage_sync=False)  # nobody reads the times: no stage syncs
         streams = self.embed(segments)
         streams = self.run_layers(streams, segments, self.layer_ids, tile, timer)
         advance_caches(segments)
@@ -87,14 +87,16 @@ class DeepseekV4:
                    timer: ForwardTrace | None = None) -> mx.array:
         """streams [T, hc, D] through `layer_ids` (a subset of this model's), appending to the segments'
         caches of those layers; the caches' token counts move only in `advance_caches`."""
-        timer = timer or ForwardTrace()
+        timer = timer or ForwardTrace(stage_sync=False)
         token_ids = step_token_ids(segments)
         positions = mx.concatenate([mx.arange(s.cache.num_tokens, s.cache.num_tokens + len(s.token_ids)) for s in segments])
         tile = tile or max(len(s.token_ids) for s in segments)
+        # Evaluating layer by layer bounds a prefill chunk's graph; a decode step's whole graph is small.
+        settle = timer.boundary if max(len(s.token_ids) for s in segments) > 1 else timer.stage
         for i in layer_ids:
             slices = _slices(segments, i)
             streams = self._layer(streams, token_ids, positions, slices, self.layers[i], i, tile, timer)
-            timer.boundary("other", streams)
+            settle("other", streams)
         return streams
 
     def logits(self, streams: mx.array, segments: Sequence[Segment], all_logits: bool | Sequence[bool]) -> list[mx.array]:

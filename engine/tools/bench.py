@@ -180,8 +180,12 @@ def bench_matrix(
     return table
 
 
-def _load(model_dir: Path, dtype: str | None) -> DeepseekV4:
+def load_for_bench(model_dir: Path, dtype: str | None) -> DeepseekV4:
+    """The model in the given compute dtype, else the device's default (float32 on CPU)."""
     return load_model(Path(model_dir), dtype=dtype or default_compute_dtype())
+
+
+_load = load_for_bench
 
 
 def matrix_table(rows: list[dict]) -> str:

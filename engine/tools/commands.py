@@ -339,6 +339,18 @@ def _register_bench(subparsers) -> None:
     mt.add_argument("--dtype", default=None, choices=list(DTYPES))
     mt.add_argument("--json", action="store_true")
     mt.set_defaults(func=_bench_multiturn)
+    dec = sub.add_parser("decode", help="B sequences prefilled to N tokens, then batched decode steps against a bytes floor")
+    dec.add_argument("--model", type=Path, required=True)
+    dec.add_argument("--ctx", type=_positive, required=True, help="tokens in each sequence's cache before decoding")
+    dec.add_argument("--batch", type=_positive, default=1, help="sequences decoded together in every step")
+    dec.add_argument("--steps", type=_positive, default=16, help="measured decode steps (after 3 warm-up steps)")
+    dec.add_argument("--chunk", type=_positive, default=4096, help="prefill chunk")
+    dec.add_argument("--tile", type=_positive, default=1024, help="prefill indexer tile (at most the chunk)")
+    dec.add_argument("--dtype", default=None, choices=list(DTYPES))
+    dec.add_argument("--stage-sync", action="store_true",
+                     help="evaluate every stage on its own for a per-stage split (attention, indexer, MoE, other)")
+    dec.add_argument("--json", action="store_true")
+    dec.set_defaults(func=_bench_decode)
     idx = sub.add_parser("indexer", help="indexer scoring throughput vs the device's bf16 matmul rate")
     idx.add_argument("--tile", type=int, default=1024)
     idx.add_argument("--rows", type=int, default=262144, help="compressed rows N (ctx / 4)")
@@ -398,6 +410,25 @@ def _bench_multiturn(args) -> int:
         print(json.dumps(result))
     else:
         _print_report({k: v for k, v in result.items() if k != "runs"}, False)
+    return 0
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
+    return int(text)
+
+
+def _bench_decode(args) -> int:
+    from engine.tools.bench import load_for_bench
+    from engine.tools.bench_decode import DecodeOptions, bench_decode
+
+    if args.tile > args.chunk:
+        print(f"error: --tile ({args.tile}) must be at most --chunk ({args.chunk})", file=sys.stderr)
+        return 2
+    options = DecodeOptions(chunk=args.chunk, tile=args.tile, steps=args.steps, stage_sync=args.stage_sync)
+    report = bench_decode(load_for_bench(args.model, args.dtype), args.ctx, args.batch, options)
+    _print_report(report, args.json)
     return 0
 
 

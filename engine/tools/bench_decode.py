@@ -1,0 +1,158 @@
+"""`tessera bench decode`: B sequences prefilled to N tokens (chunked, tiled), then batched decode
+steps; the step time against a floor — the bytes a step must read (weights it touches + cache rows
+its attention and indexer read) at the copy bandwidth measured on the same device in the same run.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from engine.model.config import CSA, HCA, WINDOW, ModelConfig
+from engine.model.deepseek_v4 import DeepseekV4, Segment
+from engine.model.dtypes import dtype_name
+from engine.model.trace import ForwardTrace
+from engine.tools.replay import random_tokens
+
+# Decode stages as the report names them (engine/model/trace.py's prefill stages, the indexer's two joined).
+DECODE_STAGES = {"attention": ("attention",), "indexer": ("indexer_score", "topk"), "moe": ("moe",), "other": ("other",)}
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """What one `bench decode` run does: prefill chunk and indexer tile, warm-up and measured steps,
+    and whether every stage is evaluated on its own (exact split, more host round trips)."""
+
+    chunk: int = 4096
+    tile: int = 1024
+    steps: int = 16
+    warmup: int = 3
+    stage_sync: bool = False
+
+
+def bench_decode(model: DeepseekV4, ctx: int, batch: int, options: DecodeOptions = DecodeOptions()) -> dict:
+    """Prefill `batch` sequences of different random tokens to `ctx`, then decode greedily."""
+    caches = [_prefill(model, random_tokens(model.cfg.vocab_size, ctx, seed=b), options) for b in range(batch)]
+    next_ids = [(b + 1) % model.cfg.vocab_size for b in range(batch)]  # any first decode token will do
+    for _ in range(options.warmup):
+        next_ids, _ = _decode_step(model, caches, next_ids, ForwardTrace(stage_sync=False))
+    step_seconds, stage_totals = [], {name: 0.0 for name in DECODE_STAGES}
+    for _ in range(options.steps):
+        timer = ForwardTrace(stage_sync=options.stage_sync)
+        next_ids, seconds = _decode_step(model, caches, next_ids, timer)
+        step_seconds.append(seconds)
+        for name, parts in DECODE_STAGES.items():
+            stage_totals[name] += sum(timer.as_dict().get(p, 0.0) for p in parts)
+    # Cache rows are counted at the middle measured step (the cache grows by one token per step).
+    cache_bytes = sum(cache_bytes_read(model.cfg, ctx + options.warmup + options.steps // 2, model.dtype.size) for _ in caches)
+    weights = weights_bytes_touched(model, batch)
+    bandwidth = copy_bandwidth(max(weights + cache_bytes, 2**26))
+    return _report(model, ctx, batch, options, step_seconds, stage_totals, weights, cache_bytes, bandwidth)
+
+
+def _prefill(model: DeepseekV4, tokens: list[int], options: DecodeOptions):
+    cache = model.new_cache()
+    for lo in range(0, len(tokens), options.chunk):
+        logits = model.forward([Segment(cache, tokens[lo : lo + options.chunk])], tile=options.tile)
+        mx.eval(logits, cache.arrays())
+    return cache
+
+
+def _decode_step(model: DeepseekV4, caches: list, token_ids: list[int], timer: ForwardTrace) -> tuple[list[int], float]:
+    """One batched step: every sequence's next token in one forward pass, greedy sampling; -> (the
+    sampled ids, seconds from building the graph to the ids on the host)."""
+    start = time.perf_counter()
+    logits = model.forward([Segment(c, [t]) for c, t in zip(caches, token_ids)], timer=timer)
+    sampled = mx.argmax(mx.concatenate(logits), axis=-1).tolist()
+    seconds = time.perf_counter() - start
+    mx.eval([c.arrays() for c in caches])  # already evaluated with the logits; keeps the graphs short
+    return sampled, seconds
+
+
+def weights_bytes_touched(model: DeepseekV4, batch: int) -> int:
+    """Bytes of weights one decode step of `batch` tokens reads: every dense tensor, the embedding
+    and token → expert rows of the step's tokens, and the routed experts it uses — counted as the
+    expected number of distinct experts among batch · top_k uniform picks (random-weight routing is
+    close to uniform; a trained model's is not, so this is an estimate, not a measurement)."""
+    cfg, total = model.cfg, 0
+    for name, w in model.weights.items():
+        if ".ffn.experts." in name:
+            total += round(w.nbytes / w.shape[0] * expected_experts(cfg, batch))
+        elif name == "embed.weight" or name.endswith("gate.tid2eid"):
+            total += w.nbytes // w.shape[0] * batch
+        else:
+            total += w.nbytes
+    return total
+
+
+def expected_experts(cfg: ModelConfig, batch: int) -> float:
+    """Distinct experts one layer runs for `batch` tokens of top_k distinct picks each, uniform routing."""
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    return e * (1.0 - (1.0 - k / e) ** batch)
+
+
+def cache_bytes_read(cfg: ModelConfig, num_tokens: int, itemsize: int) -> int:
+    """Cache bytes one sequence's decode step reads with `num_tokens` tokens in its cache (the new one
+    included): the window rows, and per CSA layer every index key plus the top-k selected compressed
+    rows, per HCA layer every compressed row."""
+    rows = 0
+    for i, kind in enumerate(cfg.layer_types):
+        rows_in = min(num_tokens, cfg.sliding_window) * cfg.head_dim
+        if kind == CSA:
+            n = num_tokens // cfg.compress_ratio(i)
+            rows_in += n * cfg.index_head_dim + min(cfg.index_topk, n) * cfg.head_dim
+        elif kind == HCA:
+            rows_in += num_tokens // cfg.compress_ratio(i) * cfg.head_dim
+        else:
+            assert kind == WINDOW, kind
+        rows += rows_in
+    return rows * itemsize
+
+
+def copy_bandwidth(nbytes: int, repeat: int = 5) -> float:
+    """Bytes per second a device copy moves (read + write) on an array of about `nbytes` (at most
+    1 GiB); the best of `repeat` copies."""
+    n = min(nbytes, 2**30) // 4
+    source = mx.random.uniform(shape=(n,))
+    mx.eval(source)
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        copied = source + 1.0
+        mx.eval(copied)
+        best = min(best, time.perf_counter() - start)
+        del copied
+    return 2 * source.nbytes / best
+
+
+def _report(model, ctx, batch, options, step_seconds, stage_totals, weights, cache_bytes, bandwidth) -> dict:
+    steps_ms = sorted(s * 1000 for s in step_seconds)
+    median = statistics.median(steps_ms)
+    p90 = steps_ms[math.ceil(0.9 * len(steps_ms)) - 1]  # nearest rank
+    floor_ms = (weights + cache_bytes) / bandwidth * 1000
+    report = {
+        "ctx": ctx,
+        "batch": batch,
+        "steps": options.steps,
+        "chunk": options.chunk,
+        "tile": options.tile,
+        "dtype": dtype_name(model.dtype),
+        "device": "gpu" if mx.default_device() == mx.gpu else "cpu",
+        "stage_sync": options.stage_sync,
+        "step_ms_median": median,
+        "step_ms_p90": p90,
+        "step_ms": [s * 1000 for s in step_seconds],
+        "decode_tokens_per_s": batch / (median / 1000),
+        "bytes_read_per_step": weights + cache_bytes,
+        "weights_bytes_per_step": weights,
+        "cache_bytes_per_step": cache_bytes,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "floor_ms": floor_ms,
+        "vs_floor": median / floor_ms,
+        "stage_ms": {k: v * 1000 / options.steps for k, v in stage_totals.items()} if options.stage_sync else {},
+    }
+    return report

@@ -1,0 +1,77 @@
+"""`tessera bench decode`: the report a user reads (step times, tokens/s, the bytes floor and the
+per-stage split) and the byte accounting behind the floor."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from engine.model.config import CSA, HCA, WINDOW
+from engine.model.loader import load_model
+from engine.tools.bench_decode import cache_bytes_read, expected_experts, weights_bytes_touched
+from engine.tools.make_model import make_model
+
+OVERRIDES = dict(layer_types=[WINDOW, CSA, HCA, CSA], num_hidden_layers=4, compress_rates={CSA: 4, HCA: 32})
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("decode"), "tiny", seed=3, with_tokenizer=False, **OVERRIDES)
+
+
+def _bench(model_dir, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "server.cli", "bench", "decode", "--model", str(model_dir), "--ctx", "70",
+           "--chunk", "32", "--tile", "8", "--steps", "4", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+def test_bench_decode_cli_reports_steps_against_the_bytes_floor(model_dir):
+    out = _bench(model_dir, "--batch", "3", "--stage-sync", "--json")
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (r["ctx"], r["batch"], r["steps"], len(r["step_ms"])) == (70, 3, 4, 4)
+    assert min(r["step_ms"]) <= r["step_ms_median"] <= r["step_ms_p90"] <= max(r["step_ms"])
+    assert r["decode_tokens_per_s"] == pytest.approx(3 * 1000 / r["step_ms_median"])
+    assert r["bytes_read_per_step"] == r["weights_bytes_per_step"] + r["cache_bytes_per_step"] > 0
+    assert r["floor_ms"] == pytest.approx(r["bytes_read_per_step"] / r["copy_bandwidth_bytes_per_s"] * 1000)
+    assert r["vs_floor"] == pytest.approx(r["step_ms_median"] / r["floor_ms"])
+    assert set(r["stage_ms"]) == {"attention", "indexer", "moe", "other"}
+    assert all(v > 0 for v in r["stage_ms"].values())
+    assert sum(r["stage_ms"].values()) <= sum(r["step_ms"]) / 4  # the stages are parts of the step
+
+
+def test_bench_decode_without_stage_sync_claims_no_split(model_dir):
+    out = _bench(model_dir, "--json")
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["batch"] == 1 and r["stage_ms"] == {} and r["stage_sync"] is False
+
+
+@pytest.mark.parametrize("bad", [["--batch", "0"], ["--tile", "64"]])
+def test_bench_decode_rejects_bad_arguments(model_dir, bad):
+    out = _bench(model_dir, *bad)
+    assert out.returncode == 2
+    assert ("--batch" in out.stderr and "positive integer" in out.stderr) or "--tile (64) must be at most --chunk (32)" in out.stderr
+
+
+def test_cache_bytes_count_window_index_keys_selected_and_hca_rows(model_dir):
+    cfg = load_model(model_dir, dtype="float32").cfg  # window 16, top-k 16, head 32, index head 32
+    n = 200  # CSA: 50 compressed rows (top-k reads 16 of them), HCA (ratio 32): 6 rows
+    window = 16 * 32
+    csa = 50 * 32 + 16 * 32
+    hca = 6 * 32
+    assert cache_bytes_read(cfg, n, 4) == 4 * (4 * window + 2 * csa + hca)
+    assert cache_bytes_read(cfg, 10, 4) == 4 * (4 * 10 * 32 + 2 * (2 * 32 + 2 * 32))  # short: all rows
+
+
+def test_weights_touched_grow_with_the_experts_a_batch_uses(model_dir):
+    model = load_model(model_dir, dtype="float32")
+    cfg = model.cfg
+    assert expected_experts(cfg, 1) == pytest.approx(cfg.num_experts_per_tok)
+    assert expected_experts(cfg, 64) == pytest.approx(cfg.n_routed_experts, rel=1e-6)
+    all_weights = sum(w.nbytes for w in model.weights.values())
+    one, many = weights_bytes_touched(model, 1), weights_bytes_touched(model, 64)
+    assert one < many < all_weights  # 64 tokens use every expert but not every embedding row
