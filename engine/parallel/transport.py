@@ -30,8 +30,8 @@ class Transport(Protocol):
 
     def hop(self, hop: int, payload: mx.array | None, shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array | None:
         """Hop `hop` (rank hop → rank (hop + 1) % W). The source passes `payload` (of `shape`, `dtype`);
-        the destination gets it back; the others get None. Ranks a hop does not concern may skip it only
-        where the transport says so: call it on every rank, for every hop, in order."""
+        the destination gets it back; the others get None. Call it on every rank, for every hop, in order
+        (the collective transport needs every rank at every hop)."""
         ...
 
     def broadcast_bytes(self, data: bytes | None) -> bytes:
