@@ -23,11 +23,13 @@ install: $(VENV)/.installed
 
 install-test: $(VENV)/.installed-test
 
+# `exec`: the server replaces the recipe's shell, so a SIGTERM to make (which make passes to its child) reaches
+# the server itself; without it the shell dies and the server keeps running, orphaned.
 serve: install
-	$(PRELOAD) $(VENV)/bin/tessera serve $(ARGS)
+	exec env $(PRELOAD) $(VENV)/bin/tessera serve $(ARGS)
 
 test: install-test
-	$(PRELOAD) $(PY) -m pytest $(PYTEST_ARGS)
+	exec env $(PRELOAD) $(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,6 +1,7 @@
-"""Kernel-vs-reference checks that need the device the kernel runs on (`tessera check kernels`),
-and the indexer throughput benchmark against the device's own bf16 matmul rate
-(`tessera bench indexer`). On a machine without the kernel, they say so."""
+"""Kernel-vs-reference checks that need the device the kernel runs on (`tessera check kernels`, and
+tests/test_kernels_cuda.py), and the indexer throughput benchmark against the device's own bf16 matmul rate
+(`tessera bench indexer`). On a machine without the kernel, they say so. `kernel_failures` turns a check's
+report into pass/fail against thresholds the CLI exposes as flags."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from engine.tools.check_limits import KERNEL_MAX_DIFFERING_ROWS, KERNEL_MAX_REL_DIFF
 from kernels import indexer_cuda, topk_cuda
 from kernels.indexer import indexer_scores_reference, select_topk_reference, select_topk_threshold
 
@@ -31,6 +33,37 @@ def _inputs(rng: np.random.Generator, t: int, n: int, heads: int, dim: int, inte
     return bf(q), mx.array(w), bf(k), mx.array(visible)
 
 
+UNAVAILABLE = "unavailable on this device"
+
+
+def kernel_failures(report: dict, max_rel_diff: float = KERNEL_MAX_REL_DIFF,
+                    max_differing_rows: int = KERNEL_MAX_DIFFERING_ROWS) -> list[str]:
+    """One line per exceeded threshold in a `check_indexer_kernel` report (empty: passed). Integer-valued
+    inputs ("ties") make every product exact, so there the kernel must equal the reference bit for bit."""
+    if report.get("kernel") == UNAVAILABLE:
+        return []
+    out = []
+    for case in ("ties", "random"):
+        r = report[case]
+        limit = 0.0 if case == "ties" else max_rel_diff
+        if r["max_rel_diff"] > limit:
+            out.append(f"{case}: max_rel_diff = {r['max_rel_diff']} exceeds {limit}"
+                       + ("" if case == "ties" else " (--max-rel-diff)"))
+        if not r["masks_equal"]:
+            out.append(f"{case}: the kernel masks other rows than the reference")
+        if r["differing_selection_rows"] > max_differing_rows:
+            out.append(f"{case}: {r['differing_selection_rows']} rows select differently "
+                       f"(--max-differing-rows {max_differing_rows})")
+    if not report["tile_invariant"]:
+        out.append("a row's kernel scores depend on the tile it is computed in")
+    topk = report["topk_kernel"]  # {"kernel": UNAVAILABLE} or one result per case
+    for case in ("random", "ties"):
+        if case in topk and topk[case]["differing_rows"] > max_differing_rows:
+            out.append(f"top-k kernel, {case}: {topk[case]['differing_rows']} rows differ from the reference "
+                       f"(--max-differing-rows {max_differing_rows})")
+    return out
+
+
 def _valid_rows(selection) -> list[tuple[int, ...]]:
     rows, valid = (np.array(a) for a in selection)
     return [tuple(r[v]) for r, v in zip(rows, valid)]
@@ -39,7 +72,7 @@ def _valid_rows(selection) -> list[tuple[int, ...]]:
 def check_indexer_kernel(t: int = 512, n: int = 65536, heads: int = 64, dim: int = 128, k: int = 512, seed: int = 0) -> dict:
     q0, k0 = mx.zeros((1, heads, dim), dtype=mx.bfloat16), mx.zeros((1, dim), dtype=mx.bfloat16)
     if not indexer_cuda.is_supported(q0, k0):
-        return {"kernel": "unavailable on this device", "device": str(mx.default_device())}
+        return {"kernel": UNAVAILABLE, "device": str(mx.default_device())}
     rng = np.random.default_rng(seed)
     report: dict = {"shape": {"tile": t, "rows": n, "heads": heads, "dim": dim, "topk": k}}
     for name, integer in (("ties", True), ("random", False)):
@@ -84,7 +117,7 @@ def _tie_scores(rng: np.random.Generator, t: int, n: int) -> tuple[np.ndarray, n
 def check_topk_kernel(rng: np.random.Generator, t: int, n: int, k: int) -> dict:
     """The radix-select kernel against the stable-sort reference: rows and validity must be equal."""
     if not topk_cuda.is_supported(mx.zeros((1, 1), dtype=mx.float32)):
-        return {"kernel": "unavailable on this device"}
+        return {"kernel": UNAVAILABLE}
     out = {}
     for name in ("random", "ties"):
         if name == "random":

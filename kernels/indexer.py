@@ -1,11 +1,11 @@
-"""Lightning-indexer scoring and top-k selection for one tile of query rows (DESIGN.md §3).
+"""Lightning-indexer scoring and top-k selection for one tile of query rows (docs/ARCHITECTURE.md, "Tiling invariants").
 
 score[r, s] = Σ_h w[r, h] · ReLU(q[r, h] · k[s]) · scale, rows s ≥ visible[r] masked to -inf; the
 top-k keeps the best `k` visible rows (all of them when fewer), ties going to the lower index, and
 returns them in ascending order so attention sums run in one fixed order.
 
 The scratch is one [T, N] float32 accumulator: heads are added into it one at a time in a fixed
-order, never materializing [T, heads, N] (GPU.md: such ops also crash MLX beyond 2³² elements).
+order, never materializing [T, heads, N] (arrays past 2³¹ elements also fail in MLX's CUDA kernels: docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations

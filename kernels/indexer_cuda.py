@@ -5,11 +5,11 @@ without materializing per-head scores: each block owns 32 query rows × 256 key 
 its 32 keys' bf16 fragments in registers for the whole head loop, the block stages one head's query
 tile in shared memory at a time, and `mma.sync.m16n8k16` (bf16 × bf16 → fp32) produces the per-head
 dot products that are ReLU'd, weighted and summed in registers in a fixed head order. A row's score
-depends only on that row, so tiles stay bit-identical whatever T is (DESIGN.md §3).
+depends only on that row, so tiles stay bit-identical whatever T is (docs/ARCHITECTURE.md).
 
 The reference is `kernels.indexer.indexer_scores_reference`; `kernels.indexer.indexer_scores`
-dispatches here on a CUDA device when the shapes fit (index_head_dim a multiple of 16 and
-≤ 256, at most 256 heads: the block's head weights sit in 32 KiB of shared memory).
+dispatches here on a CUDA device when the shapes fit (`shapes_fit`: index_head_dim a multiple of 16
+and ≤ 256, and the block's query tile plus every head weight within 48 KiB of static shared memory).
 """
 
 from __future__ import annotations
@@ -135,9 +135,29 @@ def _kernel():
     return compiled_kernel("tessera_indexer_scores", ("q", "w", "k", "visible"), ("scores",), _SOURCE, _HEADER)
 
 
+SHARED_MEMORY_LIMIT = 48 * 1024  # static __shared__ arrays beyond this do not compile
+
+
+def shared_memory_bytes(heads: int, d: int) -> int:
+    """The block's static shared memory: one head's padded bf16 query tile + every head weight."""
+    return QUERIES_PER_BLOCK * (d + PAD) * 2 + QUERIES_PER_BLOCK * heads * 4
+
+
+def shapes_fit(heads: int, d: int) -> bool:
+    return d % 16 == 0 and 16 <= d <= 256 and 1 <= heads and shared_memory_bytes(heads, d) <= SHARED_MEMORY_LIMIT
+
+
 def is_supported(q: mx.array, keys: mx.array) -> bool:
-    d = q.shape[-1]
-    return on_cuda() and d % 16 == 0 and d <= 256 and q.shape[1] <= 256
+    return on_cuda() and shapes_fit(q.shape[1], q.shape[-1])
+
+
+def launch_shape(num_q: int, num_k: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(grid, threadgroup) in MLX's convention — the grid counts threads, so MLX launches
+    ceil(grid / threadgroup) blocks per axis: one block per KEYS_PER_BLOCK keys (x) × QUERIES_PER_BLOCK
+    query rows (y), partial blocks at both ends included."""
+    grid_x = -(-num_k // KEYS_PER_BLOCK) * (32 * WARPS)
+    grid_y = -(-num_q // QUERIES_PER_BLOCK)
+    return (grid_x, grid_y, 1), (32 * WARPS, 1, 1)
 
 
 def indexer_scores_kernel(q: mx.array, head_weights: mx.array, keys: mx.array, visible: mx.array, scale: float) -> mx.array:
@@ -145,13 +165,12 @@ def indexer_scores_kernel(q: mx.array, head_weights: mx.array, keys: mx.array, v
     num_q, heads, d = q.shape
     num_k = keys.shape[0]
     w = (head_weights.astype(mx.float32) * scale)  # fold the softmax scale into the head weights
-    grid_x = -(-num_k // KEYS_PER_BLOCK) * (32 * WARPS)  # MLX's grid counts threads, not blocks
-    grid_y = -(-num_q // QUERIES_PER_BLOCK)
+    grid, threadgroup = launch_shape(num_q, num_k)
     (scores,) = _kernel()(
         inputs=[q.astype(mx.bfloat16), w, keys.astype(mx.bfloat16), visible.astype(mx.int32)],
         template=[("H", heads), ("D", d), ("KS", d // 16)],
-        grid=(grid_x, grid_y, 1),
-        threadgroup=(32 * WARPS, 1, 1),
+        grid=grid,
+        threadgroup=threadgroup,
         output_shapes=[(num_q, num_k)],
         output_dtypes=[mx.float32],
     )

@@ -3,7 +3,7 @@ selected compressed rows (CSA), or compressed rows shared by every query (HCA, b
 copy) — plus a per-head sink, under one softmax.
 
 Every product is batched per query row with a fixed per-row shape, so a row's output does not
-depend on which tile it lands in, whatever BLAS runs underneath (DESIGN.md §3.3). Groups are kept
+depend on which tile it lands in, whatever BLAS runs underneath (docs/ARCHITECTURE.md, "Tiling invariants"). Groups are kept
 apart rather than concatenated so the gathered rows exist once.
 """
 

@@ -9,7 +9,7 @@ returned in ascending order): one block of 1024 threads per query row
 3. walks the stretches again writing the selected row indices straight into their ascending slots
    (rows above the k-th score, and the first `need` ties in index order).
 Six coalesced reads of the row and a [T, k] int32 output: no [T, N] sort scratch, no full sort.
-A row's picks depend only on that row, so tiles stay bit-identical whatever T is (DESIGN.md §3).
+A row's picks depend only on that row, so tiles stay bit-identical whatever T is (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -113,6 +113,17 @@ def is_supported(scores: mx.array) -> bool:
     return on_cuda() and scores.dtype == mx.float32
 
 
+def launch_shape(num_q: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(grid, threadgroup) in MLX's convention (the grid counts threads): one block per query row."""
+    return (num_q * THREADS, 1, 1), (THREADS, 1, 1)
+
+
+def warp_stretch(n: int) -> int:
+    """Row entries each warp owns in passes 2 and 3 (a multiple of 32, so every ballot is whole);
+    the same formula as the kernel's `stretch`."""
+    return ((n + WARPS - 1) // WARPS + 31) // 32 * 32
+
+
 def select_topk_kernel(scores: mx.array, visible: mx.array, k: int) -> tuple[mx.array, mx.array]:
     """scores: [T, N] fp32 -> (rows [T, min(k, N)] int32 ascending, valid [T, min(k, N)] bool)."""
     num_q, num_rows = scores.shape
@@ -122,8 +133,8 @@ def select_topk_kernel(scores: mx.array, visible: mx.array, k: int) -> tuple[mx.
         return rows, rows < visible[:, None]
     (rows,) = _kernel()(
         inputs=[scores, mx.array([k], dtype=mx.int32)],
-        grid=(num_q * THREADS, 1, 1),  # MLX's grid counts threads: one block per query row
-        threadgroup=(THREADS, 1, 1),
+        grid=launch_shape(num_q)[0],
+        threadgroup=launch_shape(num_q)[1],
         output_shapes=[(num_q, k)],
         output_dtypes=[mx.int32],
     )

@@ -1,84 +1,38 @@
-"""The FastAPI application: state (loading / ready / draining), the edge guard, routes and error handlers.
+"""The FastAPI application: the edge guard, routes and error handlers around one `AppState` (server/state.py).
 
 `create_app(settings, engine, tokenizer, model_info)` serves an engine built elsewhere (tests pass one over
 ScriptedRunner); `create_app(settings)` starts in the loading state and `AppState.attach` makes it ready
 once serve.py has built the real engine. Either way GET /metrics answers from the start: the app owns one
-`Metrics`, which the served model's requests report to (its engine's runner should be wrapped in the same
-object's `MeteredRunner`, as serve.build_engine does, for the token and step series).
+`Metrics`, which the served model's requests report to and which `attach` subscribes to the engine's steps.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
-import logging
-import time
-from typing import Any, Literal
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.model.tokenizer import Tokenizer
-from server.errors import APIError, install_error_handlers, payload_too_large, unauthorized, unavailable
+from engine.serving.protocol import EngineClient
+from server.errors import (
+    APIError,
+    install_error_handlers,
+    payload_too_large,
+    report_client_error,
+    to_api_error,
+    unauthorized,
+)
 from server.metrics import Metrics, metrics_router
+from server.openapi import install_openapi
 from server.prepare import ModelInfo, ServedModel, served_model_name
 from server.routes import router
 from server.settings import Settings
-
-logger = logging.getLogger("tessera.server")
-
-Phase = Literal["loading", "ready", "draining"]
+from server.state import AppState
 
 V4_MAX_CONTEXT = 1_048_576  # DeepSeek-V4's max_position_embeddings: token-count buckets before the model is read
-
-
-class AppState:
-    """What the routes share: the served model once loaded, the phase, the live engine request ids, metrics."""
-
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
-        self.settings = settings
-        self.metrics = metrics
-        self.served: ServedModel | None = None
-        self.is_draining = False
-        self.inflight: set[str] = set()  # engine request ids of unfinished choices (generation.ChoiceRun)
-
-    @property
-    def phase(self) -> Phase:
-        if self.is_draining:
-            return "draining"
-        return "ready" if self.served is not None else "loading"
-
-    def attach(self, served: ServedModel) -> None:
-        if served.metrics is not self.metrics:  # its requests would be counted where /metrics never looks
-            raise ValueError("the served model must report to the app's Metrics (create_app(..., metrics=))")
-        self.served = served
-
-    def engine_stats(self) -> Any | None:
-        """The engine's current stats for a scrape (engine.serving.engine_loop.EngineStats); None while loading."""
-        return self.served.engine.stats() if self.served is not None else None
-
-    def require_model(self) -> ServedModel:
-        """The served model, or 503 while loading or draining (readiness says the same)."""
-        if self.is_draining:
-            raise unavailable("The server is shutting down and takes no new requests")
-        if self.served is None:
-            raise unavailable("The model is still loading; retry when /ready returns 200")
-        return self.served
-
-    async def drain(self, timeout_s: float) -> None:
-        """Graceful shutdown: refuse new requests, let in-flight ones finish for `timeout_s`, abort the rest.
-
-        Aborted requests end with a 503 (or an in-stream error); we wait briefly for those responses too."""
-        self.is_draining = True
-        logger.info("draining: %d engine requests in flight, %.1f s to finish", len(self.inflight), timeout_s)
-        if self.served is not None:
-            # Blocking: waits for the scheduler to empty, then aborts what is left and stops the engine thread.
-            await asyncio.to_thread(self.served.engine.shutdown, timeout_s)
-        deadline = time.monotonic() + 2.0
-        while self.inflight and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        logger.info("drained; %d responses still being written", len(self.inflight))
 
 
 class EdgeGuard:
@@ -86,10 +40,11 @@ class EdgeGuard:
 
     _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
-    def __init__(self, app: ASGIApp, api_keys: list[str], max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_keys: list[str], max_body_bytes: int, metrics: Metrics | None = None) -> None:
         self.app = app
         self._key_digests = [_digest(key.encode()) for key in api_keys]
         self._max_body_bytes = max_body_bytes
+        self._metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -101,6 +56,7 @@ class EdgeGuard:
             if scope["method"] in ("POST", "PUT", "PATCH"):
                 receive = await self._buffered_body(scope, receive)
         except APIError as exc:
+            report_client_error(exc, f"{scope['method']} {scope['path']}", self._metrics)
             await exc.response()(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -135,6 +91,41 @@ class EdgeGuard:
         return _replay([{"type": "http.request", "body": b"".join(chunks), "more_body": False}], receive)
 
 
+class ServerErrorGuard:
+    """Outermost ASGI middleware: every response's error status is counted, and an unexpected exception becomes
+    an OpenAI-shaped 500 that keeps the connection usable.
+
+    Starlette's own last-resort handler sends the 500 and then re-raises, and uvicorn answers a raise by closing
+    the connection — without `Connection: close`, so a keep-alive client's next request on it fails. Here the
+    exception ends with the response (logged with its traceback by errors.to_api_error). Only when the response
+    had already started is there nothing to send: then it is re-raised and the connection closes."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        has_started = False
+
+        async def counted_send(message: Message) -> None:
+            nonlocal has_started
+            if message["type"] == "http.response.start":
+                has_started = True
+                if message["status"] >= 400:
+                    self._metrics.http_error(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted_send)
+        except Exception as exc:
+            if has_started:
+                raise
+            await to_api_error(exc).response()(scope, receive, counted_send)
+
+
 def _digest(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()
 
@@ -155,15 +146,14 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
 
 def create_app(
     settings: Settings,
-    engine: Any | None = None,
+    engine: EngineClient | None = None,
     tokenizer: Tokenizer | None = None,
     model_info: ModelInfo | None = None,
     metrics: Metrics | None = None,
 ) -> FastAPI:
     """The app; with an engine (+ tokenizer, model_info) it is ready at once, else it waits for `attach`.
 
-    `metrics`: the Metrics the engine's MeteredRunner reports to; None builds one from the settings (then only
-    the request-side series move unless the engine was built over it)."""
+    `metrics`: the Metrics to serve and feed; None builds one from the settings."""
     if metrics is None:
         metrics = default_metrics(settings, model_info)
     state = AppState(settings, metrics)
@@ -176,7 +166,16 @@ def create_app(
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(metrics_router(metrics, state.engine_stats))
-    app.add_middleware(EdgeGuard, api_keys=list(settings.api_keys), max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(EdgeGuard, api_keys=list(settings.api_keys), max_body_bytes=settings.max_body_bytes,
+                       metrics=metrics)
+    app.add_middleware(ServerErrorGuard, metrics=metrics)
+    if settings.allowed_origins:
+        # Added last, so outermost: a preflight OPTIONS is answered here, before EdgeGuard's key check, and
+        # every response, errors included (401, 413, 500), carries CORS headers a browser can read. vLLM's
+        # defaults.
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials=False)
+    install_openapi(app)
     return app
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -19,6 +19,7 @@ from server.dsml import Delta, StreamingOutputParser, ToolCall, parse_completion
 from server.generation import ChoiceRun, Piece, close_runs, collect_all, merge_pieces, open_runs
 from server.logprobs import chat_logprobs
 from server.prepare import (
+    RequestLimits,
     ServedModel,
     chat_prompt_ids,
     check_model,
@@ -38,11 +39,22 @@ from server.schemas import (
     ChatDelta,
     ChatLogprobs,
     FunctionCallOut,
+    NamedToolChoice,
     ToolCallDelta,
     ToolCallOut,
     Usage,
 )
 from server.sse import Chunk, Keepalive, sse_response
+from server.structured_output import (
+    GrammarCompiler,
+    GrammarConstraint,
+    ToolSpec,
+    full_grammar,
+    json_grammar,
+    plain_or_block_rule,
+    tool_call_grammar,
+)
+from server.workers import WorkerPool
 
 
 @dataclass(frozen=True)
@@ -53,29 +65,60 @@ class _Meta:
 
 
 async def create_chat_completion(
-    body: ChatCompletionRequest, served: ServedModel, inflight: set[str], request: Request
+    body: ChatCompletionRequest, served: ServedModel, inflight: set[str], request: Request, workers: WorkerPool,
+    limits: RequestLimits,
 ) -> ChatCompletion | Response:
     body.unsupported_values()
     check_model(body.model, served.info)
+    limits.check_stops(body.stop_strings)
+    limits.check_num_choices(body.n, param="n")
     thinking = body.thinking()
-    prompt_ids = chat_prompt_ids(served.tokenizer, body, thinking)
-    max_tokens = resolve_max_tokens(body.requested_max_tokens, len(prompt_ids), served.info.max_model_len, "messages")
+    prompt_ids = await workers.run(chat_prompt_ids, served.tokenizer, body, thinking, True, served.info.max_model_len)
+    max_tokens = resolve_max_tokens(body.requested_max_tokens, len(prompt_ids), served.info.max_model_len, "messages",
+                                    default_cap=limits.default_max_tokens)
+    constraint = _constraint_factory(body, thinking, served.grammars)
     choices = [
         (prompt_ids, sampling_params(body, max_tokens=max_tokens, num_logprobs=body.num_logprobs, choice=i,
-                                     vocab_size=served.tokenizer.vocab_size))
+                                     vocab_size=served.tokenizer.vocab_size,
+                                     eos_token_id=served.tokenizer.eos_token_id, constraint=constraint))
         for i in range(body.n)
     ]
     meta = _Meta(new_response_id("chatcmpl"), int(time.time()), served.info.name)
-    runs = start_runs(served, inflight, meta.id, choices, body.stop_strings)
+    runs = start_runs(served, inflight, meta.id, choices, body.stop_strings, body.skip_special_tokens)
     if body.stream:
         await until_disconnected(request, open_runs(runs))
-        return sse_response(_chunks(runs, body, thinking, served.tokenizer, meta), lambda: close_runs(runs))
+        return sse_response(_chunks(runs, body, thinking, served.tokenizer, meta), lambda: close_runs(runs),
+                            served.metrics.http_error, body.include_usage)
     outputs = await until_disconnected(request, _complete(runs))
     return ChatCompletion(
         id=meta.id, created=meta.created, model=meta.model,
         choices=[_choice(i, pieces, body, thinking, served.tokenizer) for i, pieces in enumerate(outputs)],
-        usage=Usage.of(len(prompt_ids), sum(run.num_generated_tokens for run in runs)),
+        usage=Usage.of(len(prompt_ids), sum(run.num_generated_tokens for run in runs), runs[0].num_cached_tokens),
     )
+
+
+def _constraint_factory(body: ChatCompletionRequest, thinking: bool,
+                        grammars: GrammarCompiler) -> Callable[[], GrammarConstraint] | None:
+    """The grammar this request decodes under (None: free text), checked once; one constraint per choice."""
+    if not body.is_constrained:
+        return None
+    if body.forced_tools or body.constrains_auto_tools:
+        tools = [ToolSpec(t.function.name, t.function.parameters or {}) for t in body.tools]
+        if isinstance(body.tool_choice, NamedToolChoice):
+            tools = [t for t in tools if t.name == body.tool_choice.function.get("name")]
+        rules = tool_call_grammar(tools, parallel=body.parallel_tool_calls)
+        if not body.forced_tools:  # 'auto': plain text, or one block (one call unless parallel_tool_calls)
+            rules = rules.replace("body:", "block:", 1) + plain_or_block_rule()
+        param = "tools"
+    else:
+        response_format = body.response_format
+        schema = None
+        if response_format.type == "json_schema":
+            schema = (response_format.json_schema or {}).get("schema", {})
+        rules = json_grammar(schema)
+        param = "response_format.json_schema.schema" if schema is not None else "response_format"
+    grammar = grammars.check(full_grammar(rules, thinking, grammars.think_end_id), param)
+    return lambda: grammars.constraint(grammar)
 
 
 async def _complete(runs: list[ChoiceRun]) -> list[list[Piece]]:
@@ -158,14 +201,21 @@ async def _chunks(runs: list[ChoiceRun], body: ChatCompletionRequest, thinking: 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=usage)
 
+    def usage() -> Usage:
+        return Usage.of(runs[0].num_prompt_tokens, sum(run.num_generated_tokens for run in runs),
+                        runs[0].num_cached_tokens)
+
+    def running_usage() -> Usage | None:  # vLLM's continuous_usage_stats: usage on every chunk as well
+        return usage() if body.continuous_usage else None
+
     states = [_StreamedChoice(i, thinking, tokenizer, body.logprobs) for i in range(len(runs))]
     for state in states:
-        yield chunk([state.first()])
+        yield chunk([state.first()], running_usage())
     async for index, piece in merge_pieces(runs):
         if piece.is_keepalive:
             yield Keepalive("prefill")
             continue
         for choice in states[index].on_piece(piece):
-            yield chunk([choice])
+            yield chunk([choice], running_usage())
     if body.include_usage:
-        yield chunk([], Usage.of(runs[0].num_prompt_tokens, sum(run.num_generated_tokens for run in runs)))
+        yield chunk([], usage())

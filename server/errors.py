@@ -19,10 +19,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.serving.protocol import AdmissionError
 from server.chat_format import ChatFormatError
 from server.schemas import Unsupported
+from server.structured_output import GrammarError
 
 logger = logging.getLogger("tessera.server")
 
 QUEUE_FULL_RETRY_AFTER_S = 1
+UNAVAILABLE_RETRY_AFTER_S = 5  # loading, draining or a dead engine: a restart or another replica takes a while
 
 
 class APIError(Exception):
@@ -88,7 +90,8 @@ def overloaded(message: str) -> APIError:
 
 def unavailable(message: str) -> APIError:
     """Loading or draining: readiness is 503 too, so a load balancer has already stopped sending."""
-    return APIError(503, message, type="server_error", code="service_unavailable")
+    return APIError(503, message, type="server_error", code="service_unavailable",
+                    headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)})
 
 
 def internal_error(message: str = "The server failed to process this request") -> APIError:
@@ -113,6 +116,8 @@ def to_api_error(exc: BaseException, request: Request | None = None) -> APIError
         return _from_validation(list(exc.errors()))
     if isinstance(exc, Unsupported):
         return invalid_request(exc.message, param=exc.param, code="unsupported_value")
+    if isinstance(exc, GrammarError):
+        return invalid_request(exc.message, param=exc.param)
     if isinstance(exc, ChatFormatError):
         return invalid_request(str(exc.message), param=exc.param)
     if isinstance(exc, AdmissionError):
@@ -169,12 +174,28 @@ def _from_http(exc: StarletteHTTPException, request: Request | None) -> APIError
     return APIError(exc.status_code, str(exc.detail), type=error_type, headers=dict(exc.headers or {}))
 
 
+def report_client_error(error: APIError, route: str, metrics: Any | None) -> None:
+    """Every 4xx is logged with its code and param and counted by reason (docs/OBSERVABILITY.md).
+    `metrics`: the app's server.metrics.Metrics (None before an app exists)."""
+    if not 400 <= error.status < 500:
+        return
+    reason = error.code or error.type
+    logger.info("%s -> %d %s (param=%s): %s", route, error.status, reason, error.param, error.message)
+    if metrics is not None:
+        metrics.client_error(error.status, reason)
+
+
 async def handle_exception(request: Request, exc: Exception) -> JSONResponse:
-    return to_api_error(exc, request).response()
+    error = to_api_error(exc, request)
+    state = getattr(request.app.state, "tessera", None)
+    report_client_error(error, f"{request.method} {request.url.path}", getattr(state, "metrics", None))
+    return error.response()
 
 
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error FastAPI can see through `handle_exception`."""
-    for exc_type in (APIError, RequestValidationError, StarletteHTTPException, Unsupported, ChatFormatError,
-                     AdmissionError, ClientDisconnected, Exception):
+    # Not `Exception`: Starlette sends that handler's response and then re-raises, which closes the connection;
+    # app.ServerErrorGuard turns unexpected exceptions into 500s instead.
+    for exc_type in (APIError, RequestValidationError, ValidationError, StarletteHTTPException, Unsupported,
+                     ChatFormatError, GrammarError, AdmissionError, ClientDisconnected):
         app.add_exception_handler(exc_type, handle_exception)

@@ -12,9 +12,20 @@ from __future__ import annotations
 import asyncio
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Sequence
+from typing import AsyncIterator, Sequence
 
-from engine.serving.protocol import AdmissionError, Done, Error, Event, Progress, SamplingParams, Token
+from engine.serving.protocol import (
+    AdmissionError,
+    Done,
+    EngineClient,
+    Error,
+    Event,
+    Progress,
+    PromptLogprob,
+    PromptLogprobs,
+    SamplingParams,
+    Token,
+)
 from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from server.errors import APIError, internal_error, invalid_request, overloaded, unavailable
 from server.metrics import Metrics
@@ -82,7 +93,7 @@ class ChoiceRun:
 
     def __init__(
         self,
-        engine: Any,
+        engine: EngineClient,
         tokenizer: Tokenizer,
         request_id: str,
         prompt_ids: Sequence[int],
@@ -90,15 +101,19 @@ class ChoiceRun:
         stops: Sequence[str],
         inflight: set[str],
         metrics: Metrics,
+        skip_special_tokens: bool = True,
     ) -> None:
         self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
         self.num_generated_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache restored (every prefill chunk's Progress says)
         self._engine = engine
         self._tracker = metrics.track(len(prompt_ids))  # arrival: just before the engine sees the request
         self._events: AsyncIterator[Event] = engine.generate(request_id, list(prompt_ids), sampling)
         self._first: Event | None = None
-        self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
+        self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+        self.prompt_logprobs: list[PromptLogprob] = []  # filled during prefill when the request asked for them
         self._stop = StopMatcher(stops)
         self._is_finished = False
         self._inflight = inflight  # the app's live request ids: a draining server waits for them to end
@@ -155,6 +170,10 @@ class ChoiceRun:
         if isinstance(event, Token):
             return self._on_token(event)
         if isinstance(event, Progress):
+            self.num_cached_tokens = event.num_cached_tokens
+            return Piece(is_keepalive=True)
+        if isinstance(event, PromptLogprobs):
+            self.prompt_logprobs.extend(event.entries)  # arrive in prompt order, before the first token
             return Piece(is_keepalive=True)
         if isinstance(event, Done):
             return self._on_done(event)

@@ -1,13 +1,13 @@
-"""Prometheus metrics of a Tessera server (DESIGN.md §4–5; every series is listed in docs/OBSERVABILITY.md).
+"""Prometheus metrics of a Tessera server (every series is listed in docs/OBSERVABILITY.md).
 
 Each fact is recorded on the side that sees it first, so nothing is sampled or guessed:
-- the engine thread, through `MeteredRunner` (a Runner wrapper): every step's prompt and generated tokens, its
-  size, per-stage prefill time and the prefill tokens in flight. `EngineStats` keeps only the last step, so
-  polling it would sample steps instead of counting them.
+- the engine's step statistics: `observe_step` subscribes to the engine (`EngineClient.subscribe`, done by
+  `AppState.attach`) and gets every step's `StepStats` — prompt and generated tokens, its size, per-stage
+  prefill time. Polling would sample steps instead of counting them.
 - the asyncio side, through one `RequestTracker` per engine request: time to first token, inter-token latency,
   the finish reason the client saw and the per-request histograms; `Metrics.rejected` for admission refusals.
-- a scrape, through `observe_engine(stats)`: running/waiting, KV-cache usage and memory by kind, read when
-  Prometheus asks, so these gauges are current while a long request runs.
+- a scrape, through `observe_engine(stats)`: running/waiting, prefill tokens in flight, KV-cache usage and
+  memory by kind, read when Prometheus asks, so these gauges are current while a long request runs.
 
 Names follow Prometheus conventions (`tessera_` prefix, base units, `_total` counters) with the semantics and
 bucket families of vLLM's well-known metrics; `vllm_aliases=True` re-exports the exactly matching ones under
@@ -21,6 +21,7 @@ import os
 import resource
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 from fastapi import APIRouter
@@ -30,11 +31,9 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from starlette.responses import Response
 
-from engine.serving.protocol import Done, Error, Event, Progress, SamplingParams, StepOutput, StepPlan, Token
+from engine.serving.protocol import Done, EngineStats, Error, Event, Progress, PromptLogprobs, StepStats, Token
 
 if TYPE_CHECKING:
-    from engine.serving.engine_loop import EngineStats
-    from engine.serving.protocol import Runner
     from server.settings import Settings
 
 # ---- bucket families -------------------------------------------------------------------------------
@@ -74,6 +73,8 @@ VLLM_ALIASES: Mapping[str, tuple[str, ...]] = {
     "tessera_kv_cache_usage_perc": ("vllm:kv_cache_usage_perc",),
     "tessera_prompt_tokens": ("vllm:prompt_tokens",),
     "tessera_generation_tokens": ("vllm:generation_tokens",),
+    "tessera_prefix_cache_queries": ("vllm:prefix_cache_queries",),
+    "tessera_prefix_cache_hits": ("vllm:prefix_cache_hits",),
     "tessera_request_success": ("vllm:request_success",),
     "tessera_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
     "tessera_inter_token_latency_seconds": (
@@ -106,8 +107,8 @@ def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
 class Metrics:
     """All of a server's Prometheus series, on its own registry, and the hooks that move them.
 
-    Thread-safe (prometheus_client metrics lock internally): hooks arrive from the engine thread (`observe_step`,
-    `set_prefill_tokens_in_flight`), the event loop (requests) and the scrape's worker thread (`observe_engine`).
+    Thread-safe (prometheus_client metrics lock internally): hooks arrive from the engine thread (`observe_step`),
+    the event loop (requests) and the scrape's worker thread (`observe_engine`).
     """
 
     def __init__(
@@ -173,12 +174,19 @@ class Metrics:
         self._generation_tokens = self._counter(
             "tessera_generation_tokens_total", "Tokens sampled (stop tokens included)."
         ).labels(m)
+        self._prefix_queries = self._counter(
+            "tessera_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache (requests started)."
+        ).labels(m)
+        self._prefix_hits = self._counter(
+            "tessera_prefix_cache_hits_total", "Prompt tokens restored from the prefix cache instead of prefilled."
+        ).labels(m)
         self._iteration_tokens = self._histogram(
             "tessera_iteration_tokens", "Tokens run per engine step (decodes + prefill chunk).",
             ITERATION_TOKENS_BUCKETS,
         ).labels(m)
         self._running.labels(m).set(0)
         self._waiting.labels(m).set(0)
+        self._kv_usage.labels(m).set(0)  # exists from the start: the dashboard's panel has data while loading
 
     def _define_request_series(self, max_model_len: int) -> None:
         m = self.model_name
@@ -187,6 +195,10 @@ class Metrics:
         )
         for reason in FINISH_REASONS:  # exist at 0 from the start, so rate() works before the first finish
             self._success.labels(m, reason)
+        self._client_errors = self._counter(
+            "tessera_client_errors_total", "HTTP 4xx responses by status and reason (the OpenAI error code, else "
+            "its type).", "status", "reason"
+        )
         self._ttft = self._histogram(
             "tessera_time_to_first_token_seconds", "Request arrival to its first token.", TTFT_BUCKETS
         ).labels(m)
@@ -238,6 +250,12 @@ class Metrics:
         )
         for reason in REJECTION_REASONS:
             self._rejections.labels(m, reason)
+        self._http_errors = self._counter(
+            "tessera_http_errors_total",
+            "Error responses by HTTP status (500: a server failure); an error sent inside an SSE stream after "
+            "its 200 counts with the status it would have had.", "status",
+        )
+        self._http_errors.labels(m, "500")  # at 0 from the start: alert on rate() > 0
 
     # ---- asyncio side: one engine request (RequestTracker calls these) -------------------------------
 
@@ -277,32 +295,41 @@ class Metrics:
         if decode_s is not None and num_generation_tokens > 1:
             self._tpot.observe(decode_s / (num_generation_tokens - 1))
 
+    def client_error(self, status: int, reason: str) -> None:
+        """An HTTP 4xx answered (server/errors.py report_client_error): reason is the error's code or type."""
+        self._client_errors.labels(self.model_name, str(status), reason).inc()
+
+    def http_error(self, status: int) -> None:
+        self._http_errors.labels(self.model_name, str(status)).inc()
+
     def rejected(self, reason: str) -> None:
         """A request refused before it was queued (AdmissionError.reason)."""
         self._rejections.labels(self.model_name, reason).inc()
 
-    # ---- engine thread (MeteredRunner calls these) ---------------------------------------------------
+    # ---- engine thread (the engine calls this for every step once subscribed) --------------------------
 
-    def observe_step(self, plan: StepPlan, output: StepOutput) -> None:
-        """One executed step: token counters, its size and, if it ran a prefill chunk, the time per stage."""
-        num_prefill_tokens = plan.num_tokens - len(plan.decodes)
-        self._prompt_tokens.inc(num_prefill_tokens)
-        self._generation_tokens.inc(len(output.sampled))
-        self._iteration_tokens.observe(plan.num_tokens)
-        if plan.prefill is None:
+    def observe_step(self, step: StepStats) -> None:
+        """One step: token counters, its size and, if it ran a prefill chunk, the time per stage. A step whose
+        runner failed ran nothing that counts."""
+        if step.failed:
+            return
+        self._prompt_tokens.inc(step.num_prefill_tokens)
+        self._generation_tokens.inc(step.num_sampled_tokens)
+        self._prefix_queries.inc(step.num_prefix_cache_queried_tokens)
+        self._prefix_hits.inc(step.num_prefix_cache_hit_tokens)
+        self._iteration_tokens.observe(step.num_tokens)
+        if step.num_prefill_tokens == 0:
             return  # decode-only steps would drown the prefill stage times in tiny ones
-        for stage, seconds in output.stage_seconds.items():
+        for stage, seconds in step.stage_seconds.items():
             self._prefill_stage.labels(self.model_name, stage).observe(seconds)
-
-    def set_prefill_tokens_in_flight(self, num_tokens: int) -> None:
-        self._prefill_in_flight.set(num_tokens)
 
     # ---- scrape time -----------------------------------------------------------------------------------
 
     def observe_engine(self, stats: EngineStats) -> None:
-        """Queue gauges, KV-cache usage and memory from the engine's current stats."""
+        """Queue gauges, prefill tokens in flight, KV-cache usage and memory from the engine's current stats."""
         self._running.labels(self.model_name).set(stats.num_running)
         self._waiting.labels(self.model_name).set(stats.num_waiting)
+        self._prefill_in_flight.set(stats.num_unprefilled_tokens)
         if stats.memory_budget_bytes:
             self._kv_usage.labels(self.model_name).set(stats.reserved_cache_bytes / stats.memory_budget_bytes)
         self.set_memory(stats.memory, self.memory_budget_bytes)
@@ -357,7 +384,7 @@ class RequestTracker:
             self._on_done(event)
         elif isinstance(event, Error):
             self._finish("error", self.num_streamed_tokens)
-        elif not isinstance(event, Progress):
+        elif not isinstance(event, (Progress, PromptLogprobs)):
             raise TypeError(f"not an engine event: {event!r}")
 
     def on_rejected(self, reason: str) -> None:
@@ -409,47 +436,6 @@ class RequestTracker:
         )
 
 
-class MeteredRunner:
-    """A Runner that reports every step to Metrics; wrap the real runner with it before building the engine.
-
-    Runs on the engine thread like the runner it wraps. It also keeps the prefill tokens in flight: prompt tokens
-    of requests the runner holds (admitted: a request meets the runner on its first scheduled step) that no
-    prefill chunk has run yet.
-    """
-
-    def __init__(self, runner: Runner, metrics: Metrics) -> None:
-        self._runner = runner
-        self._metrics = metrics
-        self._num_unprefilled: dict[str, int] = {}
-
-    def add_request(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
-        self._runner.add_request(request_id, prompt_ids, sampling)
-        self._num_unprefilled[request_id] = len(prompt_ids)
-        self._publish_in_flight()
-
-    def execute(self, plan: StepPlan) -> StepOutput:
-        output = self._runner.execute(plan)
-        self._metrics.observe_step(plan, output)
-        if plan.prefill is not None and plan.prefill.request_id in self._num_unprefilled:
-            self._num_unprefilled[plan.prefill.request_id] -= len(plan.prefill.token_ids)
-            self._publish_in_flight()
-        return output
-
-    def release(self, request_id: str) -> None:
-        self._num_unprefilled.pop(request_id, None)
-        self._publish_in_flight()
-        self._runner.release(request_id)
-
-    def cache_bytes_at(self, num_tokens: int) -> int:
-        return self._runner.cache_bytes_at(num_tokens)
-
-    def memory_snapshot(self) -> dict[str, int]:
-        return self._runner.memory_snapshot()
-
-    def _publish_in_flight(self) -> None:
-        self._metrics.set_prefill_tokens_in_flight(sum(self._num_unprefilled.values()))
-
-
 class _VllmAliases(Collector):
     """Re-exports some of our families under vLLM's names at scrape time.
 
@@ -484,6 +470,9 @@ def _info_labels(settings_info: Mapping[str, object]) -> dict[str, str]:
     for key, value in settings_info.items():
         if key == "model_name":
             continue  # every series carries it already
+        if key == "model" and isinstance(value, str):
+            labels[key] = Path(value).name  # the directory's name only: a scrape must not reveal the filesystem
+            continue
         if value is None:
             labels[key] = ""
         elif isinstance(value, bool):

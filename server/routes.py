@@ -9,16 +9,16 @@ from __future__ import annotations
 import importlib.metadata
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.responses import Response
 
 from server.chat import create_chat_completion
 from server.completions import create_completion
-from server.errors import model_not_found
+from server.errors import UNAVAILABLE_RETRY_AFTER_S, model_not_found
+from server.openapi import body_doc
 from server.prepare import ServedModel, chat_prompt_ids, check_model, check_token_ids, text_prompt_ids
 from server.schemas import (
     ChatCompletionRequest,
@@ -31,11 +31,12 @@ from server.schemas import (
     TokenizeResponse,
     VersionInfo,
 )
-
-if TYPE_CHECKING:
-    from server.app import AppState
+from server.state import AppState
+from server.workers import json_body
 
 router = APIRouter()
+
+_RETRY_LATER = {"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)}
 
 
 def _state(request: Request) -> AppState:
@@ -49,16 +50,19 @@ def _json(result: BaseModel | Response) -> Response:
 # ---- inference ------------------------------------------------------------------------------------
 
 
-@router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+@router.post("/v1/chat/completions", response_model=None, openapi_extra=body_doc("/v1/chat/completions"))
+async def chat_completions(request: Request,
+                           body: ChatCompletionRequest = Depends(json_body(ChatCompletionRequest))) -> Response:
     state = _state(request)
-    return _json(await create_chat_completion(body, state.require_model(), state.inflight, request))
+    served = state.require_model()
+    return _json(await create_chat_completion(body, served, state.inflight, request, state.workers, state.limits))
 
 
-@router.post("/v1/completions", response_model=None)
-async def completions(body: CompletionRequest, request: Request) -> Response:
+@router.post("/v1/completions", response_model=None, openapi_extra=body_doc("/v1/completions"))
+async def completions(request: Request, body: CompletionRequest = Depends(json_body(CompletionRequest))) -> Response:
     state = _state(request)
-    return _json(await create_completion(body, state.require_model(), state.inflight, request))
+    served = state.require_model()
+    return _json(await create_completion(body, served, state.inflight, request, state.workers, state.limits))
 
 
 # ---- models ---------------------------------------------------------------------------------------
@@ -86,10 +90,16 @@ async def get_model(model_id: str, request: Request) -> ModelCard:
 # ---- tokenizer --------------------------------------------------------------------------------------
 
 
-@router.post("/tokenize", response_model=TokenizeResponse)
-async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
-    served = _state(request).require_model()
+@router.post("/tokenize", response_model=TokenizeResponse, openapi_extra=body_doc("/tokenize"))
+async def tokenize(request: Request, body: TokenizeRequest = Depends(json_body(TokenizeRequest))) -> Response:
+    state = _state(request)
+    served = state.require_model()
     check_model(body.model, served.info)
+    # Tokenizing and writing a million ids as JSON take a while: both in the worker pool.
+    return await state.workers.run(_tokenize, body, served)
+
+
+def _tokenize(body: TokenizeRequest, served: ServedModel) -> Response:
     if body.prompt is not None:
         ids = text_prompt_ids(served.tokenizer, body.prompt, add_bos=body.add_special_tokens)
     else:
@@ -98,15 +108,16 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
                                      chat_template_kwargs=body.chat_template_kwargs)
         chat.unsupported_values()
         ids = chat_prompt_ids(served.tokenizer, chat, chat.thinking(), body.add_generation_prompt)
-    return TokenizeResponse(count=len(ids), max_model_len=served.info.max_model_len, tokens=ids)
+    return _json(TokenizeResponse(count=len(ids), max_model_len=served.info.max_model_len, tokens=ids))
 
 
-@router.post("/detokenize", response_model=DetokenizeResponse)
-async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+@router.post("/detokenize", response_model=DetokenizeResponse, openapi_extra=body_doc("/detokenize"))
+async def detokenize(request: Request,
+                     body: DetokenizeRequest = Depends(json_body(DetokenizeRequest))) -> DetokenizeResponse:
     served = _state(request).require_model()
     check_model(body.model, served.info)
     check_token_ids(body.tokens, served.tokenizer.vocab_size, param="tokens")
-    return DetokenizeResponse(prompt=served.tokenizer.decode(body.tokens))
+    return DetokenizeResponse(prompt=await _state(request).workers.run(served.tokenizer.decode, body.tokens))
 
 
 # ---- probes ---------------------------------------------------------------------------------------
@@ -118,7 +129,7 @@ async def health(request: Request) -> JSONResponse:
     state = _state(request)
     served = state.served
     if served is not None and not state.is_draining and not served.engine.stats().is_alive:
-        return JSONResponse({"status": "engine_dead"}, status_code=503)
+        return JSONResponse({"status": "engine_dead"}, status_code=503, headers=_RETRY_LATER)
     return JSONResponse({"status": "ok"})
 
 
@@ -126,7 +137,9 @@ async def health(request: Request) -> JSONResponse:
 async def ready(request: Request) -> JSONResponse:
     """Readiness: 200 only while serving; 503 while the model loads or the server drains."""
     phase = _state(request).phase
-    return JSONResponse({"status": phase}, status_code=200 if phase == "ready" else 503)
+    if phase == "ready":
+        return JSONResponse({"status": phase})
+    return JSONResponse({"status": phase}, status_code=503, headers=_RETRY_LATER)
 
 
 @router.get("/version", response_model=VersionInfo)

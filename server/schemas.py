@@ -1,20 +1,29 @@
-"""Pydantic models at the HTTP edge, in OpenAI's shapes (STYLE.md 8).
+"""Pydantic models at the HTTP edge, in OpenAI's shapes (pydantic stays here: docs/ARCHITECTURE.md).
 
 Requests forbid unknown fields: a parameter Tessera does not implement is a 400 that names it
 (errors.py turns `extra_forbidden` into `unsupported_parameter`), never silently ignored. A field sent as
 `null` counts as not sent, as in OpenAI's API. Parameters Tessera knows but supports only partly
-(`response_format`, `tool_choice`, `echo`, …) are declared and rejected by value in `unsupported_values()`.
-Extensions beyond OpenAI follow vLLM's names: top_k, min_p, repetition_penalty, ignore_eos,
-chat_template_kwargs.
+(`modalities`, `best_of`, …) are declared and rejected by value in `unsupported_values()`.
+Extensions beyond OpenAI follow vLLM's names: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+skip_special_tokens, stream_options.continuous_usage_stats, chat_template_kwargs.
+Fields SDKs send that change no output (`store`, `metadata`, `service_tier`, `user`, `prompt_cache_key`,
+`verbosity`, `safety_identifier`) are accepted and logged at debug level (`log_no_op_fields`).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 128  # choices per request; each is one engine request
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # OpenAI's and vLLM's seed range
+
+logger = logging.getLogger("tessera.server")
+
+# Accepted for SDK compatibility; none of them changes what is generated (logged at debug, never silently).
+NO_OP_FIELDS = ("store", "metadata", "service_tier", "user", "prompt_cache_key", "verbosity", "safety_identifier")
 
 
 class _Request(BaseModel):
@@ -42,6 +51,7 @@ class Unsupported(Exception):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk too (guidellm sends it)
 
 
 class ResponseFormat(_Request):
@@ -61,13 +71,27 @@ class SamplingFields(_Request):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     logit_bias: dict[int, float] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    user: str | None = None  # an end-user id for abuse tracking; it changes no output
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
+    # No-ops (NO_OP_FIELDS): accepted, logged at debug.
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    safety_identifier: str | None = None
+
+    def log_no_op_fields(self) -> None:
+        sent = {name: getattr(self, name) for name in NO_OP_FIELDS if getattr(self, name, None) is not None}
+        if sent:
+            logger.debug("accepted without effect: %s", ", ".join(sorted(sent)))
 
     @field_validator("top_k", mode="before")
     @classmethod
@@ -98,9 +122,17 @@ class SamplingFields(_Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
     def unsupported_values(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise Unsupported("stream_options", "stream_options is only allowed when stream is true")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise Unsupported("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                              f"({self.max_tokens})")
+        self.log_no_op_fields()
 
 
 # ---- chat -----------------------------------------------------------------------------------------
@@ -172,20 +204,22 @@ class ChatCompletionRequest(SamplingFields):
 
     def unsupported_values(self) -> None:
         super().unsupported_values()
-        if self.response_format is not None and self.response_format.type != "text":
-            raise Unsupported("response_format", f"response_format {self.response_format.type!r} is not supported; "
-                              "Tessera has no constrained decoding (only 'text')")
         if self.modalities is not None and self.modalities != ["text"]:
             raise Unsupported("modalities", "only the 'text' modality is supported")
-        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
-            raise Unsupported("tool_choice", "tool_choice 'required' or a named function needs constrained "
-                              "decoding, which Tessera does not have; use 'auto' or 'none'")
-        if not self.parallel_tool_calls:
-            raise Unsupported("parallel_tool_calls", "parallel_tool_calls=false cannot be enforced; omit it")
-        for i, tool in enumerate(self.tools or []):
-            if tool.function.strict:
-                raise Unsupported(f"tools[{i}].function.strict", "strict function schemas need constrained "
-                                  "decoding, which Tessera does not have")
+        if self.tool_choice is not None and not self.tools:
+            raise Unsupported("tool_choice", "tool_choice is only allowed when tools are specified")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.get("name")
+            if name not in {tool.function.name for tool in self.tools or []}:
+                raise Unsupported("tool_choice.function.name", f"tool_choice names {name!r}, which is not in tools")
+        if self.response_format is not None and self.response_format.type == "json_schema":
+            if not isinstance((self.response_format.json_schema or {}).get("schema", {}), dict):
+                raise Unsupported("response_format.json_schema.schema", "the schema must be a JSON object")
+        if self.forced_tools and self.response_format is not None and self.response_format.type != "text":
+            raise Unsupported("response_format", "response_format cannot be combined with a forced tool_choice")
+        if self.is_constrained and self.ignore_eos:
+            raise Unsupported("ignore_eos", "ignore_eos cannot be combined with structured outputs: the grammar "
+                              "decides where the output ends")
         if self.top_logprobs is not None and not self.logprobs:
             raise Unsupported("top_logprobs", "top_logprobs requires logprobs to be true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -194,6 +228,24 @@ class ChatCompletionRequest(SamplingFields):
         if unknown:
             raise Unsupported(f"chat_template_kwargs.{sorted(unknown)[0]}",
                               "the only chat_template_kwargs key Tessera reads is 'thinking'")
+
+    @property
+    def forced_tools(self) -> bool:
+        """tool_choice 'required' or a named function: the output is a tool-call block, nothing else."""
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
+
+    @property
+    def is_constrained(self) -> bool:
+        """Decoding runs under a grammar (server/structured_output.py)."""
+        json_format = self.response_format is not None and self.response_format.type != "text"
+        return json_format or self.forced_tools or self.constrains_auto_tools
+
+    @property
+    def constrains_auto_tools(self) -> bool:
+        """tool_choice 'auto' under a grammar: one call at most (parallel_tool_calls=false) or strict schemas."""
+        strict = any(tool.function.strict for tool in self.tools or [])
+        return (bool(self.tools) and self.tool_choice in (None, "auto")
+                and (not self.parallel_tool_calls or strict))
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -252,8 +304,6 @@ class CompletionRequest(SamplingFields):
         super().unsupported_values()
         if self.best_of is not None and self.best_of != self.n:
             raise Unsupported("best_of", "best_of other than n is not supported (no server-side ranking)")
-        if self.echo and self.logprobs is not None:
-            raise Unsupported("echo", "echo with logprobs needs prompt logprobs, which Tessera does not compute")
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text or token ids."""
@@ -301,15 +351,21 @@ class DetokenizeResponse(BaseModel):
 # ---- responses ------------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens restored from the prefix cache instead of prefilled
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class TopLogprob(BaseModel):

@@ -9,6 +9,7 @@ are aborted, then uvicorn exits. A second signal exits at once.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import signal
@@ -18,11 +19,11 @@ from types import FrameType
 
 import uvicorn
 
-from engine.model.tokenizer import Tokenizer
-from server.app import AppState, create_app, default_metrics
-from server.metrics import MeteredRunner, Metrics
+from server.app import create_app, default_metrics
+from server.metrics import Metrics
 from server.prepare import ModelInfo, ServedModel, served_model_name
 from server.settings import Settings
+from server.state import AppState
 
 logger = logging.getLogger("tessera.serve")
 
@@ -32,54 +33,36 @@ _UVICORN_GRACE_S = 5  # after our drain, how long uvicorn waits for connections 
 def build_engine(settings: Settings, metrics: Metrics | None = None) -> ServedModel:
     """Load the model (the embedded default when `settings.model` is None) and build its engine, not started.
 
-    `metrics`: the app's, already serving /metrics while this loads; None builds one. Every engine step is
-    reported to it (MeteredRunner). Engine modules are imported here, not at the top, so the server can be
+    `metrics`: the app's, already serving /metrics while this loads; None builds one (`AppState.attach`
+    subscribes it to the engine's steps). The engine is imported here, not at the top, so the server can be
     imported and tested without MLX or a model."""
-    from engine.tools.default_model import ensure_default_model
-    from engine.serving.engine_loop import AsyncEngine
-    from engine.model.loader import load_config
-    from engine.serving.runner import build_runner
-    from engine.serving.scheduler import SchedulerConfig
+    from engine.serving.factory import EngineOptions
+    from engine.serving.factory import build_engine as build_engine_core
 
     name = served_model_name(settings)
-    model_dir = Path(settings.model) if settings.model is not None else ensure_default_model()
-    tokenizer = Tokenizer.from_dir(model_dir)
-    max_model_len = settings.max_context or load_config(model_dir).max_position_embeddings
-    if metrics is None:
-        metrics = Metrics.from_settings(settings, name, max_model_len)
-    elif metrics.model_name != name:
-        raise ValueError(f"metrics are labelled {metrics.model_name!r}, the model is served as {name!r}")
-    runner = build_runner(
-        model_dir,
-        settings.prefill_chunk,
-        settings.indexer_tile,
-        max_context=max_model_len,
-        stage_timing_interval=settings.stage_timing_interval,
-    )
-    config = SchedulerConfig(
+    built = build_engine_core(EngineOptions(
+        model_dir=Path(settings.model) if settings.model is not None else None,
         prefill_chunk=settings.prefill_chunk,
+        indexer_tile=settings.indexer_tile,
+        max_context=settings.max_context,
+        stage_timing_interval=settings.stage_timing_interval,
         max_num_seqs=settings.max_num_seqs,
         max_queued_requests=settings.max_queued_requests,
-        max_model_len=max_model_len,
-        memory_budget_bytes=kv_cache_budget(settings.memory_budget, runner.memory_snapshot()),
-    )
-    eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    engine = AsyncEngine(MeteredRunner(runner, metrics), config, eos_token_ids=eos_ids)
-    info = ModelInfo(name=name, root=str(model_dir), max_model_len=max_model_len, created=int(time.time()))
-    return ServedModel(engine, tokenizer, info, metrics)
-
-
-def kv_cache_budget(memory_budget: int | None, memory: dict[str, int]) -> int | None:
-    """The scheduler admits against KV caches only: the budget less weights and the planned workspace."""
-    if memory_budget is None:
-        return None
-    fixed = memory.get("weights", 0) + memory.get("planned_workspace", 0)
-    if fixed >= memory_budget:
-        raise ValueError(
-            f"memory_budget ({memory_budget} bytes) does not cover weights + planned prefill workspace "
-            f"({fixed} bytes), leaving nothing for KV caches: raise --memory-budget or lower --prefill-chunk"
-        )
-    return memory_budget - fixed
+        memory_budget=settings.memory_budget,
+        memory_fraction=settings.memory_fraction,
+        world=settings.world,
+        weights_dtype=settings.weights_dtype,
+        prefix_cache=settings.prefix_cache,
+        prefix_cache_bytes=settings.prefix_cache_bytes,
+    ))
+    if metrics is None:
+        metrics = Metrics.from_settings(settings, name, built.max_model_len)
+    elif metrics.model_name != name:
+        raise ValueError(f"metrics are labelled {metrics.model_name!r}, the model is served as {name!r}")
+    metrics.memory_budget_bytes = built.memory_budget  # memory_bytes{kind="budget"}: the one admission uses
+    info = ModelInfo(name=name, root=str(built.model_dir), max_model_len=built.max_model_len,
+                     created=int(time.time()))
+    return ServedModel(built.engine, built.tokenizer, info, metrics)
 
 
 class DrainingServer(uvicorn.Server):
@@ -123,6 +106,12 @@ def serve(settings: Settings) -> int:
     """Run the server until it is shut down; the process exit code."""
     configure_logging(settings.log_level)
     logger.info("effective settings: %s", json.dumps(settings.public_dict(), sort_keys=True))
+    if settings.world > 1:  # under `mlx.launch` every rank runs this; ranks other than 0 serve no HTTP
+        from engine.parallel.follower import follow_if_launched_follower
+
+        code = follow_if_launched_follower(settings.model, settings.indexer_tile, settings.world)
+        if code is not None:
+            return code
     return asyncio.run(_serve(settings))
 
 
@@ -147,11 +136,41 @@ async def _serve(settings: Settings) -> int:
         return 1
     if serving.done():  # told to stop while loading
         return 0
+    # Everything loaded so far lives as long as the process: keep it out of the collector's full passes, which
+    # would otherwise pause the event loop for a walk over the whole heap (vLLM does the same after start-up).
+    gc.collect()
+    gc.freeze()
+    engine_died = _watch_engine(served, server)
     served.engine.start()
     state.attach(served)
     logger.info("serving %s (max_model_len %d) on http://%s:%d", served.info.name, served.info.max_model_len,
                 settings.host, settings.port)
     await serving
+    if engine_died.is_set():
+        return 1
     if not state.is_draining:  # uvicorn stopped on its own (second signal): still stop the engine thread
         await state.drain(0.0)
     return 0
+
+
+_DEATH_GRACE_S = 0.5  # after the engine died: time for the failed requests' error responses to go out
+
+
+def _watch_engine(served: ServedModel, server: uvicorn.Server) -> asyncio.Event:
+    """If the engine thread dies, exit non-zero (every client already got an error; /ready and /health say 503
+    meanwhile) so the supervisor — systemd, Kubernetes, Docker's restart policy — starts a fresh process."""
+    loop = asyncio.get_running_loop()
+    died = asyncio.Event()
+
+    async def exit_when_dead() -> None:
+        await died.wait()
+        logger.critical("the engine thread died (see the traceback above); exiting with status 1 to be restarted")
+        await asyncio.sleep(_DEATH_GRACE_S)
+        server.should_exit = True
+
+    served.engine.on_death(lambda: loop.call_soon_threadsafe(died.set))
+    _watchers.add(asyncio.ensure_future(exit_when_dead()))
+    return died
+
+
+_watchers: set[asyncio.Future] = set()  # a reference keeps the watcher task alive

@@ -1,4 +1,4 @@
-"""The one settings schema of `tessera serve` (DESIGN.md §5).
+"""The one settings schema of `tessera serve` (README.md lists every setting).
 
 Sources, lowest precedence first: `config/default.toml` (or the file given by `--config` / `TESSERA_CONFIG`),
 `TESSERA_*` environment variables, CLI flags. The CLI is parsed at the edge (server/cli.py) into keyword
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, field_validator, model_validator
+import pydantic
+from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -30,43 +30,20 @@ CONFIG_ENV_VAR = "TESSERA_CONFIG"
 # sources in a classmethod, so the chosen file has to reach it from outside the constructor).
 _config_file: ContextVar[Path | None] = ContextVar("tessera_config_file", default=None)
 
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_byte_size(value: Any) -> int:
-    """`"100GiB"`, `"512MiB"`, `"2GB"`, `"1.5GiB"`, `"4096"` or an int -> bytes.
-
-    Binary units (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (KB, MB, GB, TB) powers of 1000.
-    """
-    if isinstance(value, bool):
+def _not_a_boolean(value: Any) -> Any:
+    if isinstance(value, bool):  # pydantic.ByteSize would read True as 1 byte
         raise ValueError("a byte size must be a number or a string like '100GiB', not a boolean")
-    if isinstance(value, int):
-        num_bytes = value
-    elif isinstance(value, float) and value.is_integer():
-        num_bytes = int(value)
-    elif isinstance(value, str):
-        match = _SIZE_RE.match(value)
-        unit = match.group(2).lower() if match else None
-        if unit not in _UNITS:
-            raise ValueError(
-                f"cannot read {value!r} as a byte size: write a number with an optional unit "
-                "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '100GiB' or '512MiB'"
-            )
-        num_bytes = int(float(match.group(1)) * _UNITS[unit])
-    else:
-        raise ValueError(f"cannot read {value!r} as a byte size")
-    if num_bytes <= 0:
-        raise ValueError(f"a byte size must be positive, got {value!r}")
-    return num_bytes
+    return value
+
+
+def _positive_bytes(value: int) -> int:
+    if value <= 0:
+        raise ValueError(f"a byte size must be positive, got {value}")
+    return int(value)
 
 
 def _parse_api_keys(value: Any) -> Any:
-    """One key, `"k1,k2"`, or a JSON list (the form an env var can carry) -> list of keys."""
+    """One item, `"k1,k2"`, or a JSON list (the form an env var can carry) -> list (API keys, CORS origins)."""
     if isinstance(value, str):
         text = value.strip()
         if text.startswith("["):
@@ -75,7 +52,9 @@ def _parse_api_keys(value: Any) -> Any:
     return value
 
 
-ByteSize = Annotated[int, BeforeValidator(parse_byte_size)]
+# `"100GiB"`, `"512MiB"`, `"2GB"`, `"1.5GiB"`, `"4096"` or an int -> bytes, by pydantic's own ByteSize: binary
+# units (KiB … TiB) are powers of 1024, decimal ones (KB … TB) of 1000.
+ByteSize = Annotated[pydantic.ByteSize, BeforeValidator(_not_a_boolean), AfterValidator(_positive_bytes)]
 
 
 class Settings(BaseSettings):
@@ -99,6 +78,13 @@ class Settings(BaseSettings):
         description="The model id clients send and /v1/models lists. None: the model directory's name "
         "(`tessera-default` for the embedded model).",
     )
+    weights_dtype: Literal["bfloat16", "float32"] | None = Field(
+        None,
+        description="Dequantize a quantized checkpoint's weights (the official FP8/FP4 format, `tessera convert`'s "
+        "affine/mxfp4) to this dtype at load, for debugging: every projection then runs a plain matmul on float "
+        "weights, at 2-4x the weight memory (on the CPU, which computes in float32, they are held in float32). None: keep them quantized and compute on them (quantized_matmul, gather_qmm). A float "
+        "checkpoint is unaffected.",
+    )
     prefill_chunk: int = Field(
         4096, ge=1, description="Global prefill chunk C in tokens, also the scheduler's per-step token budget."
     )
@@ -120,19 +106,68 @@ class Settings(BaseSettings):
         None,
         description="Memory Tessera may use, e.g. '100GiB', '512MiB' or a byte count: weights + planned prefill "
         "workspace + the KV caches of admitted requests. A request is admitted only if its cache at its maximum "
-        "length fits in what weights and workspace leave. None: no budget (admission by max_num_seqs only).",
+        "length fits in what weights and workspace leave. None: memory_fraction of the device's memory.",
+    )
+    memory_fraction: float = Field(
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description="Without memory_budget, the budget is this fraction of the device's memory: what MLX reports "
+        "as the GPU's (unified) memory, or the machine's RAM on the CPU. Like vLLM's gpu_memory_utilization.",
+    )
+    prefix_cache: bool = Field(
+        True,
+        description="Keep the state of recent sequences at 128-token block boundaries, so a prompt that starts "
+        "with one (a conversation's next turn, a shared system prompt) prefills only the rest. Outputs are "
+        "identical with and without it.",
+    )
+    prefix_cache_bytes: ByteSize | None = Field(
+        None,
+        description="Most bytes the prefix cache holds, least recently used state evicted first, e.g. '8GiB'. "
+        "They come out of memory_budget: requests are admitted against what is left. None: a quarter of what "
+        "the memory budget (memory_budget, or memory_fraction of the device) leaves for caches.",
     )
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Accepted bearer keys for inference routes; empty: no authentication. "
         "CLI: --api-key repeated; env: TESSERA_API_KEYS='k1,k2'.",
     )
+    allowed_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["*"],
+        description="CORS: origins browsers may call from (vLLM's --allowed-origins, same default: any). A JSON "
+        "list or comma-separated; empty: no CORS headers. Preflight OPTIONS requests are answered before the "
+        "API-key check (browsers never send credentials on a preflight).",
+    )
+    world: int = Field(
+        1,
+        ge=1,
+        description="Processes the model's layers are split over (pipeline parallel, docs/PARALLEL.md): rank 0 serves "
+        "HTTP and runs the first layers, ranks 1…N-1 start on this machine and run the rest (one GPU each with "
+        "NCCL on CUDA, the ring backend on 127.0.0.1 otherwise); under `mlx.launch` every rank runs `tessera serve` "
+        "and rank 0 serves. 1: one process.",
+    )
     max_num_seqs: int = Field(16, ge=1, description="Most requests decoding at once (the running batch).")
     max_queued_requests: int = Field(
         256, ge=0, description="Most requests waiting for admission; beyond it a request gets 503 + Retry-After."
     )
     max_body_bytes: ByteSize = Field(
-        64 * 2**20, description="Largest request body; larger gets 413. A 1M-token prompt as JSON ids is ~8 MB."
+        16 * 2**20,
+        description="Largest request body; larger gets 413. Fits a 1M-token prompt and no more: 2^20 token ids "
+        "as JSON are at most ~9.5 MB, 2^20 tokens of text ~4-8 MB.",
+    )
+    default_max_tokens: int = Field(
+        8192,
+        ge=0,
+        description="Completion cap for chat requests that send no max_tokens / max_completion_tokens (still "
+        "limited by the context). 0: the rest of the context (can mean minutes of output).",
+    )
+    max_stop_strings: int = Field(16, ge=1, description="Most `stop` strings one request may send (400 beyond).")
+    max_stop_string_chars: int = Field(1024, ge=1, description="Longest `stop` string in characters (400 beyond).")
+    edge_workers: int = Field(
+        4,
+        ge=1,
+        description="Threads that parse request bodies and tokenize prompts off the event loop, so one huge "
+        "request never stalls /health or the streams of others; more requests wait for a free one.",
     )
     metrics_vllm_aliases: bool = Field(
         False, description="Also export `vllm:`-named metric aliases so vLLM Grafana dashboards work unchanged."
@@ -144,9 +179,9 @@ class Settings(BaseSettings):
         "info", description="Log level of Tessera and uvicorn."
     )
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "allowed_origins", mode="before")
     @classmethod
-    def _split_api_keys(cls, value: Any) -> Any:
+    def _split_lists(cls, value: Any) -> Any:
         return _parse_api_keys(value)
 
     @field_validator("log_level", mode="before")
@@ -160,6 +195,26 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"indexer_tile ({self.indexer_tile}) must be ≤ prefill_chunk ({self.prefill_chunk}): "
                 "lower --indexer-tile or raise --prefill-chunk"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _weights_dtype_on_one_process(self) -> Settings:
+        if self.weights_dtype is not None and self.world > 1:
+            raise ValueError(
+                "weights_dtype is not supported with world > 1 yet (the pipeline ranks load quantized): "
+                "drop --weights-dtype or use --world 1"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _prefix_cache_fits_budget(self) -> Settings:
+        # The whole check (against what weights and workspace leave) needs the model: engine/serving/factory.py.
+        requested, budget = self.prefix_cache_bytes, self.memory_budget
+        if self.prefix_cache and budget and requested and requested >= budget:
+            raise ValueError(
+                f"prefix_cache_bytes ({requested}) must be less than memory_budget ({budget}): "
+                "the prefix cache is part of the budget; lower --prefix-cache-bytes or raise --memory-budget"
             )
         return self
 

@@ -1,6 +1,6 @@
 """A real Tessera HTTP server for tests: uvicorn on 127.0.0.1 (free port, own thread), the real AsyncEngine
 over a ScriptedRunner (no model), and a byte-level tokenizer trained by train_tokenizer. It is wired for metrics
-as `tessera serve` is (server.serve.build_engine): the runner metered into the app's Metrics, served at /metrics.
+as `tessera serve` is: the app's Metrics subscribed to the engine's steps (AppState.attach), served at /metrics.
 
 `PromptScriptedRunner` picks a request's tokens by what its prompt says: a test registers
 `script("weather?", text_tokens)` and any request whose prompt contains "weather?" emits those tokens
@@ -29,7 +29,7 @@ from engine.serving.scheduler import SchedulerConfig
 from engine.model.tokenizer import Tokenizer
 from engine.tools.tokenizer_train import train_tokenizer
 from server.app import create_app
-from server.metrics import MeteredRunner, Metrics
+from server.metrics import Metrics
 from server.prepare import ModelInfo
 from server.settings import Settings
 
@@ -97,7 +97,7 @@ class LiveServer:
     tokenizer: Tokenizer
     app: Any
     settings: Settings
-    metrics: Metrics  # the app's own, fed by its routes and by the engine's MeteredRunner
+    metrics: Metrics  # the app's own, fed by its routes and by the engine's step statistics
 
     def client(self, api_key: str = "none", **kwargs: Any) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, **kwargs)
@@ -171,9 +171,10 @@ def live_server(
     config = SchedulerConfig(prefill_chunk=prefill_chunk, max_num_seqs=max_num_seqs,
                              max_queued_requests=max_queued_requests, max_model_len=max_model_len,
                              memory_budget_bytes=memory_budget_bytes)
-    app_settings = Settings(prefill_chunk=prefill_chunk, indexer_tile=min(prefill_chunk, 1024), **settings)
+    app_settings = Settings(prefill_chunk=prefill_chunk, indexer_tile=min(prefill_chunk, 1024),
+                            max_num_seqs=max_num_seqs, max_queued_requests=max_queued_requests, **settings)
     metrics = Metrics.from_settings(app_settings, MODEL_NAME, max_model_len)
-    engine = AsyncEngine(MeteredRunner(runner, metrics), config, eos_token_ids=[tokenizer.eos_token_id])
+    engine = AsyncEngine(runner, config, eos_token_ids=[tokenizer.eos_token_id])
     info = ModelInfo(name=MODEL_NAME, root="scripted", max_model_len=max_model_len, created=int(time.time()))
     app = create_app(app_settings, engine, tokenizer, info, metrics)
     engine.start()

@@ -73,3 +73,30 @@ def test_bad_group_size_is_named(plain_dir, tmp_path):
         convert(plain_dir, tmp_path / "c", "mxfp4", group_size=64)
     with pytest.raises(ConvertError, match=r"tensor 'layers.0.attn.wq_b.weight' \(128, 32\): input dimension is not a multiple of --group-size 64"):
         convert(plain_dir, tmp_path / "d", "affine4", dense=True)
+
+
+def test_official_to_affine4_has_bf16_scales_and_is_smaller_than_affine8(official_dir, tmp_path):
+    a4 = convert(official_dir, tmp_path / "a4", "affine4", group_size=32, dense=True)
+    a8 = convert(official_dir, tmp_path / "a8", "affine8", group_size=32, dense=True)
+    assert a4.bytes_after < a8.bytes_after
+    w = load_model(tmp_path / "a4").weights["layers.3.ffn.experts.w1"]
+    assert (w.mode, w.bits) == ("affine", 4) and w.scales.dtype == mx.bfloat16 and w.biases.dtype == mx.bfloat16
+
+
+def test_cli_make_model_official_then_convert_reports_bytes(tmp_path):
+    import subprocess
+    import sys
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "engine.tools.commands", *args], capture_output=True, text=True)
+
+    made = cli("make-model", str(tmp_path / "src"), "--format", "official", "--no-tokenizer", "--seed", "2")
+    assert made.returncode == 0 and "wrote official checkpoint" in made.stdout
+    out = cli("convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--quant", "affine8", "--group-size", "32", "--json")
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert out.returncode == 0 and 0 < report["bytes_after"] and report["bytes_before"] > 0
+    bad = cli("convert", str(tmp_path / "src"), str(tmp_path / "bad"), "--quant", "mxfp4", "--group-size", "64")
+    assert bad.returncode == 2 and "--group-size: mxfp4 groups are 32" in bad.stderr
+    (tmp_path / "broken.json").write_text(json.dumps({"model_type": "llama"}))
+    refused = cli("make-model", str(tmp_path / "x"), "--format", "official", "--config", str(tmp_path / "broken.json"), "--no-tokenizer")
+    assert refused.returncode == 2 and "model_type" in refused.stderr

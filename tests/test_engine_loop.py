@@ -9,7 +9,7 @@ import pytest
 
 from engine.serving.engine_loop import AsyncEngine, EngineLoop
 from tests.support.fake_runner import ScriptedRunner
-from engine.serving.protocol import AdmissionError, Done, Error, Progress, SamplingParams, Token
+from engine.serving.protocol import AdmissionError, Done, Error, Progress, SamplingParams, StepStats, Token
 from engine.serving.request import Request
 from engine.serving.scheduler import SchedulerConfig
 
@@ -137,6 +137,8 @@ def test_leaving_the_stream_early_aborts_and_releases():
 def test_runner_failure_fails_only_the_requests_of_that_step():
     runner = ScriptedRunner(fail_when=lambda plan: plan.prefill is not None and plan.prefill.request_id == "bad")
     engine = make_engine(runner)
+    steps: list[StepStats] = []
+    engine.subscribe(steps.append)
 
     async def main():
         return await asyncio.gather(
@@ -146,13 +148,14 @@ def test_runner_failure_fails_only_the_requests_of_that_step():
     bad, good = asyncio.run(main())
 
     assert len(bad) == 1 and isinstance(bad[0], Error) and bad[0].kind == "internal"
-    assert "InjectedFailure" in bad[0].message
+    assert "bad" in bad[0].message and "Injected" not in bad[0].message  # its id; the detail is in the log
     assert good[-1] == Done("length", 3, 4)
     wait_until(lambda: not runner.live_ids and "bad" in runner.released_ids)
     # The loop is still alive and serves new requests.
     assert asyncio.run(collect(engine, "after", [7, 8], max_tokens=2))[-1] == Done("length", 2, 2)
-    stats = engine.stats()
-    assert stats.num_failed_steps_total == 1 and stats.is_alive
+    assert sum(step.failed for step in steps) == 1 and engine.stats().is_alive
+    failed = next(step for step in steps if step.failed)
+    assert failed.num_sampled_tokens == 0 and failed.stage_seconds == {}
     engine.shutdown(timeout=1.0)
 
 
@@ -190,19 +193,23 @@ def test_shutdown_aborts_what_does_not_finish_in_time():
     assert not runner.live_ids and not engine.stats().is_alive
 
 
-def test_stats_report_queues_counters_and_memory():
+def test_stats_report_queues_and_memory_and_every_step_reaches_subscribers():
     runner = ScriptedRunner(bytes_per_token=100)
     engine = make_engine(runner, memory_budget_bytes=1_000_000)
+    steps: list[StepStats] = []
+    engine.subscribe(steps.append)
     asyncio.run(collect(engine, "r", range(1, 21), max_tokens=5, ignore_eos=True))
     wait_until(lambda: engine.stats().memory.get("kv_cache") == 0)
 
     stats = engine.stats()
     assert (stats.num_running, stats.num_waiting, stats.reserved_cache_bytes) == (0, 0, 0)
-    assert stats.num_prefill_tokens_total == 20 and stats.num_decode_tokens_total == 4
-    assert stats.num_steps_total == 3 + 4  # 3 prefill chunks, then 4 decodes
-    assert set(stats.last_step_seconds) == {"schedule", "execute", "postprocess"}
-    assert "other" in stats.last_stage_seconds
-    assert stats.memory_budget_bytes == 1_000_000
+    assert stats.num_unprefilled_tokens == 0 and stats.memory_budget_bytes == 1_000_000
+    assert len(steps) == 3 + 4 == len(runner.executed_plans)  # 3 prefill chunks, then 4 decodes
+    assert [s.num_prefill_tokens for s in steps] == [8, 8, 4, 0, 0, 0, 0]
+    assert [s.num_decode_tokens for s in steps] == [0, 0, 0, 1, 1, 1, 1]
+    assert sum(s.num_sampled_tokens for s in steps) == 5
+    assert all(set(s.step_seconds) == {"schedule", "execute", "postprocess"} for s in steps)
+    assert all("other" in s.stage_seconds and not s.failed for s in steps)
     engine.shutdown(timeout=1.0)
 
 

@@ -1,5 +1,5 @@
-"""Every kernel against its plain-MLX reference (STYLE.md §6). The CUDA indexer kernel itself runs
-only on a CUDA device: `scripts/gpu_checks.py` compares it there (docs/BENCHMARKS.md)."""
+"""Every kernel's plain-MLX reference against an independent formula. The CUDA kernels themselves run only on a
+CUDA device: tests/test_kernels_cuda.py (and `tessera check kernels`) compare them with these references there."""
 
 from __future__ import annotations
 

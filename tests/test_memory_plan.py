@@ -82,12 +82,101 @@ def _capacity_bytes(cache) -> int:
     return total
 
 
-def test_gpu_limits_refuse_tiles_whose_attention_logits_exceed_int32_indexing():
+def test_gpu_limits_count_one_attention_block_not_the_tile():
+    """Attention runs on 128-row blocks whatever the tile: at 1M context with V4 Flash's attention
+    shapes tile 4096 is fine (one block's logits: 128 × 64 × 8,321), and a context whose single
+    block would pass 2³¹ elements is refused by naming max_context, even at tile 1."""
     from engine.tools.make_model import preset_config
     from engine.serving.runner import gpu_limit_errors
 
     cfg = preset_config("flash-attn")
     assert gpu_limit_errors(cfg, 4096, 1024, 1048576) == []
-    (problem,) = gpu_limit_errors(cfg, 4096, 4096, 1048576)  # 4096 × 64 × 8,321 logits
-    assert "indexer_tile (4096)" in problem and "2,181,300,224" in problem
+    assert gpu_limit_errors(cfg, 4096, 4096, 1048576) == []
+    for tile in (1, 128):  # HCA at 2²⁵ tokens: 262,144 compressed rows + window + sink
+        (problem,) = gpu_limit_errors(cfg, 4096, tile, 2**25)
+        assert "max_context (33554432)" in problem and "2,148,540,416" in problem
+
+
+def test_gpu_limits_still_refuse_tile_wide_arrays_and_long_chunks():
+    from engine.tools.make_model import preset_config
+    from engine.serving.runner import gpu_limit_errors
+
+    cfg = preset_config("flash-attn")
+    (problem,) = gpu_limit_errors(cfg, 8192, 8192, 1048576)  # gathered rows: 8192 × (128 + 512) × 512
+    assert "indexer_tile (8192)" in problem and "2,684,354,560" in problem
     assert "prefill_chunk (70000)" in gpu_limit_errors(cfg, 70000, 1024, 65536)[0]
+
+
+def test_attention_plan_counts_the_blocks_a_tile_touches_and_their_padding():
+    """A tile's attention runs on the 128-row blocks it touches, all in one graph: an aligned tile
+    plans exactly its rows, an unaligned one the whole blocks it reaches plus zero-padded copies."""
+    from engine.model.memory_plan import blocks_per_tile
+
+    assert blocks_per_tile(4096, 1024) == (8, 0)
+    assert blocks_per_tile(3001, 3001) == (24, 0)  # one tile: blocks cut at the segment's end, no padding
+    assert blocks_per_tile(512, 200) == (3, 440)  # rows 200..400: copies of 128 + 128 beside 72 + 112 zeros
+    aligned = {b.name: b.nbytes for b in plan_for(None, "v4-flash", 1048576, 4096, 1024, None).attention}
+    unaligned = {b.name: b.nbytes for b in plan_for(None, "v4-flash", 1048576, 4096, 1000, None).attention}
+    assert aligned["attention_logits"] == 1024 * 64 * 8321 * 4 and aligned["padded_blocks"] == 0
+    assert unaligned["attention_logits"] == 9 * 128 * 64 * 8321 * 4 and unaligned["padded_blocks"] > 0
+
+
+# ---- weights formats and the fit verdict (issue 13) --------------------------------------------
+
+
+def test_official_weights_count_quantized_bytes_like_the_loader(tmp_path):
+    """The plan's official-format bytes equal what the loader actually holds for that checkpoint."""
+    from engine.model.quantized import QuantizedWeight
+    from engine.model.weight_formats import format_weights_bytes
+
+    model = load_model(make_model(tmp_path / "m", "tiny", seed=0, with_tokenizer=False, fmt="official"), dtype="float32")
+    held = sum(w.nbytes for w in model.weights.values())
+    assert any(isinstance(w, QuantizedWeight) for w in model.weights.values())
+    assert format_weights_bytes(model.cfg, "official", 4) == held
+
+
+def test_v4_flash_formats_order_and_size():
+    plans = {w: plan_for(None, "v4-flash", 1048576, 4096, 1024, None, w) for w in ("official", "affine8", "bfloat16")}
+    official = plans["official"].weights_bytes
+    assert 140 * GiB < official < 150 * GiB  # the release is ~149 GiB on disk with its MTP layer
+    assert official < plans["affine8"].weights_bytes < plans["bfloat16"].weights_bytes
+    assert 520 * GiB < plans["bfloat16"].weights_bytes < 540 * GiB
+
+
+@pytest.mark.parametrize("budget,fits,status", [("139GiB", False, 1), ("180GiB", True, 0)])
+def test_plan_cli_says_whether_it_fits(budget, fits, status):
+    out = subprocess.run([sys.executable, "-m", "engine.tools.commands", "plan", "--preset", "v4-flash", "--ctx", "1048576",
+                          "--chunk", "4096", "--tile", "1024", "--weights", "official", "--memory-budget", budget, "--json"],
+                         capture_output=True, text=True)
+    plan = json.loads(out.stdout)
+    assert out.returncode == status and plan["fits"] is fits
+    assert plan["peak_bytes"] == plan["weights_bytes"] + plan["cache_bytes"] + plan["workspace_bytes"]
+
+
+def test_plan_cli_rejects_a_bad_budget():
+    out = subprocess.run([sys.executable, "-m", "engine.tools.commands", "plan", "--preset", "v4-flash", "--ctx", "4096",
+                          "--chunk", "4096", "--memory-budget", "lots"], capture_output=True, text=True)
+    assert out.returncode == 2 and "--memory-budget 'lots'" in out.stderr
+
+
+def test_plan_counts_a_layers_dequantized_projections_for_quantized_prefill(tmp_path):
+    """Steps of >= DENSE_MIN_ROWS rows compute on a transient dequantized copy of a layer's quantized
+    projections (engine/model/quantized.py): the plan counts it — the loader's own quantized set —
+    for a quantized model only, and only when the chunk reaches that many rows."""
+    from engine.model.quantized import DENSE_MIN_ROWS, QuantizedWeight
+    from engine.serving.runner import ModelRunner
+
+    d = make_model(tmp_path / "official", "tiny", seed=1, with_tokenizer=False, fmt="official")
+    model = load_model(d, dtype="float32")
+    per_layer = [sum(w.dequantize().nbytes for name, w in model.weights.items() if isinstance(w, QuantizedWeight)
+                     and name.startswith(f"layers.{i}.") and ".experts." not in name)
+                 for i in range(model.cfg.num_hidden_layers)]
+    plan = plan_for(d, None, 4096, DENSE_MIN_ROWS, 64, "float32", weights_format="official")
+    assert [b.nbytes for b in plan.chunk_activations if b.name == "dequantized_weights"] == [max(per_layer)]
+    short = plan_for(d, None, 4096, DENSE_MIN_ROWS - 1, 64, "float32", weights_format="official")
+    assert all(b.name != "dequantized_weights" for b in short.chunk_activations)
+    assert all(b.name != "dequantized_weights" for b in plan_for(d, None, 4096, 512, 64, "float32").chunk_activations)
+
+    quantized = ModelRunner(model, 512, 64, 4096).memory_snapshot()["planned_workspace"]
+    dense = ModelRunner(load_model(d, dtype="float32", weights_dtype="float32"), 512, 64, 4096)
+    assert quantized - dense.memory_snapshot()["planned_workspace"] == max(per_layer)

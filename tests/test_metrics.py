@@ -20,12 +20,11 @@ from fastapi.testclient import TestClient
 from engine.serving.engine_loop import AsyncEngine
 from tests.support.fake_runner import ScriptedRunner
 from engine.serving.protocol import (
-    DecodeSlot, Done, Error, PrefillChunk, Progress, RequestTimings, SampledToken, SamplingParams, StepOutput,
-    StepPlan, Token,
+    Done, EngineStats, Error, Progress, RequestTimings, SamplingParams, StepStats, Token,
 )
 from engine.serving.scheduler import SchedulerConfig
 from server.metrics import (
-    INTER_TOKEN_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, VLLM_ALIASES, MeteredRunner, Metrics,
+    INTER_TOKEN_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, VLLM_ALIASES, Metrics,
     build_1_2_5_buckets, metrics_router,
 )
 from server_harness import MODEL_NAME, live_server, make_tokenizer
@@ -138,17 +137,17 @@ def test_errors_and_rejections():
     assert value(metrics, "tessera_e2e_request_latency_seconds_count") == 1  # the refused one never started
 
 
+def step(num_prefill: int, num_decode: int, num_sampled: int, stages: dict, failed: bool = False) -> StepStats:
+    seconds = {"schedule": 0.0, "execute": 1.0, "postprocess": 0.0}
+    return StepStats(num_prefill, num_decode, num_sampled, stages, seconds, failed)
+
+
 def test_a_step_moves_token_counters_and_stage_histograms():
     metrics = Metrics(MODEL)
-    prefill_step = StepPlan(
-        decodes=(DecodeSlot("a", 5, 10),), prefill=PrefillChunk("b", tuple(range(6)), 0, is_last=True)
-    )
-    output = StepOutput(
-        sampled=(SampledToken("a", 1), SampledToken("b", 2)),
-        stage_seconds={"indexer_score": 0.2, "topk": 0.05, "attention": 0.5, "moe": 1.5, "other": 0.01},
-    )
-    metrics.observe_step(prefill_step, output)
-    metrics.observe_step(StepPlan(decodes=(DecodeSlot("a", 1, 11),)), StepOutput((SampledToken("a", 3),), {"moe": 9}))
+    stages = {"indexer_score": 0.2, "topk": 0.05, "attention": 0.5, "moe": 1.5, "other": 0.01}
+    metrics.observe_step(step(num_prefill=6, num_decode=1, num_sampled=2, stages=stages))
+    metrics.observe_step(step(num_prefill=0, num_decode=1, num_sampled=1, stages={"moe": 9}))
+    metrics.observe_step(step(num_prefill=4, num_decode=0, num_sampled=0, stages={}, failed=True))  # ran nothing
 
     assert value(metrics, "tessera_prompt_tokens_total") == 6
     assert value(metrics, "tessera_generation_tokens_total") == 3
@@ -170,7 +169,8 @@ async def _run_request(engine: AsyncEngine, metrics: Metrics, request_id: str, p
 def test_counters_match_the_engine_over_concurrent_requests():
     metrics = Metrics(MODEL)
     runner = ScriptedRunner()
-    engine = AsyncEngine(MeteredRunner(runner, metrics), SchedulerConfig(prefill_chunk=8, max_num_seqs=3))
+    engine = AsyncEngine(runner, SchedulerConfig(prefill_chunk=8, max_num_seqs=3))
+    engine.subscribe(metrics.observe_step)
     engine.start()
     prompts = {f"r{i}": list(range(1, 6 + 4 * i)) for i in range(5)}
 
@@ -199,7 +199,8 @@ def test_memory_and_prefill_gauges_move_while_a_long_request_runs_and_return_aft
     metrics = Metrics(MODEL, memory_budget_bytes=10**9)
     runner = ScriptedRunner(step_delay_s=0.01, bytes_per_token=1000)
     config = SchedulerConfig(prefill_chunk=16, max_num_seqs=2, memory_budget_bytes=10**6)
-    engine = AsyncEngine(MeteredRunner(runner, metrics), config)
+    engine = AsyncEngine(runner, config)
+    engine.subscribe(metrics.observe_step)
     engine.start()
     seen = {"kv_cache": 0.0, "in_flight": 0.0, "running": 0.0, "kv_usage": 0.0}
 
@@ -252,7 +253,8 @@ def moved(before: Scrape, after: Scrape, name: str, **labels: str) -> float:
 
 
 def test_one_http_request_moves_the_served_series_by_exactly_its_tokens(tokenizer):
-    """The server's own wiring (routes -> RequestTracker, engine -> MeteredRunner) counts a request once."""
+    """The server's own wiring (routes -> RequestTracker, engine steps -> Metrics.observe_step) counts a request
+    once."""
     with live_server(tokenizer) as server:
         script = server.text_tokens("the answer is forty two")  # ends with EOS: finish_reason "stop"
         server.runner.script("metrics contract", script)
@@ -319,10 +321,11 @@ def test_every_series_carries_model_name_and_the_documented_labels():
     metrics = Metrics(MODEL, {"prefill_chunk": 4096, "api_keys": [], "model": None}, vllm_aliases=True)
     metrics.set_tiling(4096, 1024)
     metrics.set_memory({"weights": 1}, budget_bytes=2)
-    metrics.observe_step(StepPlan(prefill=PrefillChunk("a", (1,), 0, True)), StepOutput((), {"moe": 0.1}))
+    metrics.observe_step(step(num_prefill=1, num_decode=0, num_sampled=0, stages={"moe": 0.1}))
     expected_labels = {
         "tessera_request_success": {"model_name", "finished_reason"},
         "tessera_admission_rejections": {"model_name", "reason"},
+        "tessera_http_errors": {"model_name", "status"},
         "tessera_memory_bytes": {"model_name", "kind"},
         "tessera_prefill_stage_seconds": {"model_name", "stage"},
         "tessera_config": {"model_name", "prefill_chunk", "api_keys", "model"},
@@ -388,14 +391,10 @@ def _values(metrics: Metrics, family_name: str) -> list[tuple]:
                   for s in family.samples if not s.name.endswith("_created"))
 
 
-def _stats(num_running: int, num_waiting: int, reserved: int, budget: int | None):
-    from engine.serving.engine_loop import EngineStats
-
+def _stats(num_running: int, num_waiting: int, reserved: int, budget: int | None) -> EngineStats:
     return EngineStats(
-        num_running=num_running, num_waiting=num_waiting, reserved_cache_bytes=reserved, memory_budget_bytes=budget,
-        num_steps_total=0, num_failed_steps_total=0, num_prefill_tokens_total=0, num_decode_tokens_total=0,
-        last_step_num_tokens=0, last_step_seconds={}, last_stage_seconds={}, memory={"kv_cache": reserved},
-        is_alive=True, is_accepting=True,
+        num_running=num_running, num_waiting=num_waiting, num_unprefilled_tokens=0, reserved_cache_bytes=reserved,
+        memory_budget_bytes=budget, memory={"kv_cache": reserved}, is_alive=True, is_accepting=True,
     )
 
 

@@ -17,7 +17,7 @@ from engine.model.loader import CheckpointError, load_model
 from engine.model.official_format import (
     dequantize_fp4, dequantize_fp8, mxfp4_from_packed, mxfp8_from_blocks, quantize_fp8, random_fp4, storage,
 )
-from engine.model.quantized import QuantizedWeight
+from engine.model.quantized import DENSE_MIN_ROWS, QuantizedWeight, linear, quantize
 from engine.model.safetensors_file import open_tensors, read_header, write_file
 from engine.tools.make_model import make_model, preset_config
 from engine.tools.official_checkpoint import write_official_checkpoint
@@ -176,6 +176,21 @@ def test_weights_dtype_dequantizes_at_load_with_equal_logits(official_dir):
     assert np.abs(a - b).max() <= 1e-4
 
 
+# (not affine: MLX's CPU quantized_matmul computes it as dequantize + gemm, bit-equal to the dense path)
+@pytest.mark.parametrize("mode", ["mxfp8", "mxfp4"])
+def test_many_rows_run_dense_on_the_dequantized_weight_and_few_rows_run_quantized_matmul(mode):
+    mx.random.seed(0)
+    w = quantize(mx.random.normal((96, 128)), mode, 32)
+    x = mx.random.normal((DENSE_MIN_ROWS, 128))
+    dense = x @ w.dequantize(mx.float32).T
+    packed = lambda rows: mx.quantized_matmul(rows, w.values, w.scales, w.biases, transpose=True,  # noqa: E731
+                                              group_size=w.group_size, bits=w.bits, mode=w.mode)
+    # the two paths round differently, so bit equality says which one ran
+    assert not mx.array_equal(dense, packed(x)) and mx.abs(dense - packed(x)).max().item() < 1e-4
+    assert mx.array_equal(linear(x, w), dense)
+    assert mx.array_equal(linear(x[: DENSE_MIN_ROWS - 1], w), packed(x[: DENSE_MIN_ROWS - 1]))
+
+
 def _copy(src, dst):
     shutil.copytree(src, dst)
     return dst
@@ -194,6 +209,13 @@ def test_missing_scale_is_named(official_dir, tmp_path):
     d = _copy(official_dir, tmp_path / "m")
     _rewrite_shard(d, "layers.2.ffn.experts.0.w3.scale", lambda t: t.pop("layers.2.ffn.experts.0.w3.scale"))
     with pytest.raises(CheckpointError, match=r"missing scale 'layers.2.ffn.experts.0.w3.scale' for tensor 'layers.2.ffn.experts.0.w3.weight' I8 \(32, 32\)"):
+        load_model(d)
+
+
+def test_missing_quantized_weight_is_named_with_its_shape(official_dir, tmp_path):
+    d = _copy(official_dir, tmp_path / "m")
+    _rewrite_shard(d, "layers.1.attn.wq_a.weight", lambda t: t.pop("layers.1.attn.wq_a.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'layers.1.attn.wq_a.weight' \(config expects \(32, 64\)\)"):
         load_model(d)
 
 
@@ -246,3 +268,14 @@ def test_make_model_official_from_reviewer_config(tmp_path):
     model = load_model(d, dtype="float32")
     assert model.cfg.moe_intermediate_size == 96 and model.weights["layers.0.ffn.experts.w2"].shape == (3, 256, 96)
     assert np.isfinite(tessera_logits(model, random_tokens(300, 12, 0), 12, 12, None)).all()
+
+
+def test_progress_bar_counts_up_to_the_checkpoint_size(official_dir, monkeypatch, capsys):
+    import engine.model.loader as loader
+
+    monkeypatch.setattr(loader, "PROGRESS_MIN_BYTES", 0)
+    load_model(official_dir)
+    err = capsys.readouterr().err
+    assert "loading weights [" in err
+    final = err.strip().split("\r")[-1]
+    assert "[" + "#" * 40 + "]" in final

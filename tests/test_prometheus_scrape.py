@@ -2,7 +2,7 @@
 the TTFT / ITL / tokens/s / queue queries of a vLLM dashboard against the `vllm:` aliases, must return data.
 
 The server is the real app (create_app, with its own /metrics route and per-request tracking) over the real
-AsyncEngine and a ScriptedRunner (no model) metered as `tessera serve` meters its runner, driven with the openai
+AsyncEngine and a ScriptedRunner (no model), its steps counted as `tessera serve` counts them, driven with the openai
 client over HTTP. Prometheus is Debian's package (`apt-get install prometheus`), started here on
 loopback with a temporary storage dir and killed at the end.
 """
@@ -28,7 +28,7 @@ from engine.serving.engine_loop import AsyncEngine
 from tests.support.fake_runner import ScriptedRunner
 from engine.serving.scheduler import SchedulerConfig
 from server.app import create_app
-from server.metrics import MeteredRunner, Metrics
+from server.metrics import Metrics
 from server.prepare import ModelInfo
 from server.settings import Settings
 from server_harness import free_port, make_tokenizer, serving
@@ -56,6 +56,9 @@ VLLM_DASHBOARD_QUERIES = {
     "KV cache usage": 'vllm:kv_cache_usage_perc{model_name="$model_name"}',
     "finish reasons": 'sum by(finished_reason) (increase(vllm:request_success_total'
                       '{model_name="$model_name"}[$__rate_interval]))',
+    # vLLM v1's prefix-cache counters (this query is ours: hits / queries, in tokens).
+    "prefix cache hit rate": 'sum(rate(vllm:prefix_cache_hits_total{model_name="$model_name"}[$__rate_interval])) '
+                             '/ sum(rate(vllm:prefix_cache_queries_total{model_name="$model_name"}[$__rate_interval]))',
 }
 
 
@@ -75,10 +78,11 @@ def tessera_server(tmp_path: Path) -> Iterator[str]:
     metrics = Metrics.from_settings(settings, MODEL_NAME, max_model_len=4096)
     runner = ScriptedRunner(vocab_size=tokenizer.vocab_size, step_delay_s=0.004, bytes_per_token=BYTES_PER_TOKEN)
     config = SchedulerConfig(prefill_chunk=16, max_num_seqs=2, max_model_len=4096,
-                             memory_budget_bytes=KV_BUDGET_TOKENS * BYTES_PER_TOKEN)
-    engine = AsyncEngine(MeteredRunner(runner, metrics), config)  # no EOS: every request runs to max_tokens
+                             memory_budget_bytes=KV_BUDGET_TOKENS * BYTES_PER_TOKEN,
+                             prefix_cache_bytes=1)  # on, so prefix-cache queries are counted (the script never hits)
+    engine = AsyncEngine(runner, config)  # no EOS: every request runs to max_tokens
     info = ModelInfo(name=MODEL_NAME, root="scripted", max_model_len=4096, created=int(time.time()))
-    app = create_app(settings, engine, tokenizer, info, metrics)  # as serve.build_engine wires it
+    app = create_app(settings, engine, tokenizer, info, metrics)  # attach subscribes the metrics to the engine's steps
     engine.start()
     try:
         with serving(app) as base_url:

@@ -172,3 +172,45 @@ def test_negative_seeds_are_valid_and_distinct():
 def test_no_logprobs_unless_asked():
     s = sample(mx.zeros((1, 4)), [SamplingParams()], [TokenHistory([0])], [RequestRng(0)])[0]
     assert s.logprob is None and s.top_logprobs == ()
+
+
+# ---- allowed-token masks (structured outputs) and min_tokens ---------------------------------------------
+
+
+def _mask(allowed: list[int], vocab: int) -> bytes:
+    bits = np.zeros((vocab + 31) // 32 * 32, dtype=bool)
+    bits[allowed] = True
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
+def test_a_mask_limits_greedy_and_random_draws_to_the_allowed_tokens():
+    row = np.log(np.array(PROBS * 8, dtype=np.float32))  # [40]: token i has probability PROBS[i % 5]
+    allowed = [3, 17, 33]  # probabilities 0.05, 0.1, 0.05: 17 is the best allowed, token 0 the best overall
+    greedy = sample(mx.array(row)[None, :], [SamplingParams(temperature=0.0, logprobs=2)], [TokenHistory([0])],
+                    [RequestRng(0)], [_mask(allowed, 40)])[0]
+    assert greedy.token_id == 17
+    assert {t for t, _ in greedy.top_logprobs} <= set(allowed)  # logprobs of the distribution drawn from
+    logits = mx.broadcast_to(mx.array(row), (500, 40))
+    draws = sample(logits, [SamplingParams(temperature=1.0)] * 500, [TokenHistory([0]) for _ in range(500)],
+                   [RequestRng(seed) for seed in range(500)], [_mask(allowed, 40)] * 500)
+    counts = Counter(d.token_id for d in draws)
+    assert set(counts) == set(allowed) and counts[17] > counts[3]
+
+
+def test_min_tokens_masks_stop_tokens_until_reached():
+    row = np.array([10.0, 0.0, 0.0, 0.0], dtype=np.float32)  # token 0 (the stop token) dominates
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(0,))
+    history = TokenHistory([1])
+    chosen = []
+    for _ in range(3):
+        token = sample(mx.array(row)[None, :], [params], [history], [RequestRng(0)])[0].token_id
+        history.append(token)
+        chosen.append(token)
+    assert chosen[:2] != [0, 0] and 0 not in chosen[:2] and chosen[2] == 0
+
+
+def test_a_grammar_that_can_only_end_wins_over_min_tokens():
+    row = np.zeros(4, dtype=np.float32)
+    params = SamplingParams(temperature=0.0, min_tokens=5, stop_token_ids=(0,))
+    token = sample(mx.array(row)[None, :], [params], [TokenHistory([1])], [RequestRng(0)], [_mask([0], 4)])[0]
+    assert token.token_id == 0

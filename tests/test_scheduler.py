@@ -32,19 +32,13 @@ class Driver:
 
     def schedule(self) -> StepPlan:
         plan = self.scheduler.schedule()
-        for request_id in plan.request_ids:
-            if request_id not in self.runner.live_ids:
-                request = self.scheduler.get(request_id)
-                self.runner.add_request(request_id, request.prompt_ids, request.sampling)
         self.plans.append(plan)
         return plan
 
     def finish_step(self, plan: StepPlan) -> list[RequestEvent]:
-        events = self.scheduler.postprocess(plan, self.runner.execute(plan))
-        for request, _ in events:
-            if request.is_finished:
-                self.runner.release(request.request_id)
-        return events
+        # The runner sets up and releases requests as the plan says; ScriptedRunner refuses a request that
+        # runs before it was added or after it was released, and a release of one it does not hold.
+        return self.scheduler.postprocess(plan, self.runner.execute(plan))
 
     def step(self) -> list[RequestEvent]:
         return self.finish_step(self.schedule())
@@ -260,6 +254,29 @@ def test_abort_while_the_step_runs_drops_its_result():
     events = driver.finish_step(plan)
     assert events_of(events, "a") == []
     assert [type(e) for e in events_of(events, "b")] == [Progress, Token]
+
+
+def test_plans_start_each_request_once_and_release_it_once_after_it_ends():
+    """The plan is the runner's only news of a request: in `new_requests` on its first scheduled step, in
+    `finished_request_ids` on the first plan after it ends, never if it never ran."""
+    driver = Driver(prefill_chunk=8, max_num_seqs=2)
+    driver.add("a", 10, max_tokens=2)
+    driver.add("b", 4, max_tokens=1)
+    driver.add("waits", 4, max_tokens=1)  # max_num_seqs=2: queued behind a and b
+    first = driver.schedule()
+    assert [r.request_id for r in first.new_requests] == ["a"] and first.finished_request_ids == ()
+    assert first.new_requests[0].prompt_ids == tuple(range(1, 11))
+    driver.finish_step(first)
+    driver.scheduler.abort("waits")  # never ran: the runner never hears of it
+    plans = [first]
+    while driver.scheduler.has_work or driver.scheduler.has_finished_to_release:
+        plans.append(driver.schedule())
+        driver.finish_step(plans[-1])
+    started = [r.request_id for plan in plans for r in plan.new_requests]
+    released = [rid for plan in plans for rid in plan.finished_request_ids]
+    assert sorted(started) == sorted(released) == ["a", "b"]
+    assert plans[-1].num_tokens == 0 and plans[-1].finished_request_ids  # the last plan only releases
+    assert not driver.runner.live_ids
 
 
 # ---- finishing -------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from server.cli import build_parser, main, settings_from_args
-from server.settings import DEFAULT_CONFIG_FILE, Settings, load_settings, parse_byte_size
+from server.settings import DEFAULT_CONFIG_FILE, Settings, load_settings
 
 
 @pytest.fixture(autouse=True)
@@ -66,6 +66,24 @@ def test_cli_flags_cover_every_field(tmp_path: Path) -> None:
     assert settings.log_level == "debug"
 
 
+def test_weights_dtype_from_flag_env_and_toml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings().weights_dtype is None  # default: compute on the quantized weights
+    assert _serve_args("--weights-dtype", "bfloat16").weights_dtype == "bfloat16"
+    toml = tmp_path / "t.toml"
+    toml.write_text('weights_dtype = "float32"\n')
+    assert _serve_args("--config", str(toml)).weights_dtype == "float32"
+    monkeypatch.setenv("TESSERA_WEIGHTS_DTYPE", "bfloat16")
+    assert load_settings(toml).weights_dtype == "bfloat16"
+
+
+def test_bad_weights_dtype_is_reported_with_its_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--weights-dtype", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert "weights_dtype (--weights-dtype)" in err and "'bfloat16' or 'float32'" in err
+    assert main(["serve", "--weights-dtype", "bfloat16", "--world", "2"]) == 2
+    assert "weights_dtype is not supported with world > 1" in capsys.readouterr().err
+
+
 def test_env_api_keys_comma_or_json(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TESSERA_API_KEYS", "a, b")
     assert load_settings().api_keys == ["a", "b"]
@@ -88,8 +106,8 @@ def test_env_api_keys_comma_or_json(monkeypatch: pytest.MonkeyPatch) -> None:
     ],
 )
 def test_memory_sizes(text: str | int, expected: int) -> None:
-    assert parse_byte_size(text) == expected
     assert Settings(memory_budget=text).memory_budget == expected
+    assert Settings(max_body_bytes=text).max_body_bytes == expected
 
 
 @pytest.mark.parametrize("text", ["lots", "10XB", "-1GiB", "0", "GiB", True])
@@ -131,3 +149,10 @@ def test_serve_help_shows_every_setting_with_its_description(capsys: pytest.Capt
     assert "7 % slower prefill" in text and "option_strings" not in text
     for name in Settings.model_fields:
         assert "--" + name.replace("_", "-") in text or name == "api_keys"
+
+
+def test_a_prefix_cache_larger_than_the_budget_is_an_error_naming_both_flags() -> None:
+    with pytest.raises(ValidationError, match="--prefix-cache-bytes or raise --memory-budget"):
+        Settings(memory_budget="1GiB", prefix_cache_bytes="2GiB")
+    assert Settings(memory_budget="1GiB", prefix_cache_bytes="2GiB", prefix_cache=False).prefix_cache is False
+    assert Settings(memory_budget="4GiB", prefix_cache_bytes="1GiB").prefix_cache_bytes == 2**30

@@ -2,14 +2,23 @@
 
 The narrow projections (q's low-rank residual, K = V, index head weights) run on every token of
 the step at once; the compressor, the indexer and the mixed attention run per segment, the last two
-in tiles of `tile` query rows (DESIGN.md §3): compress first, then per tile score → top-k → gather
+in tiles of `tile` query rows (docs/ARCHITECTURE.md, "Tiling invariants"): compress first, then per tile score → top-k → gather
 window ∪ selected rows → attend. The wide per-head queries and the output projection run in fixed
 blocks of PROJECTION_ROWS rows as the tiles reach them, so no [chunk, heads, head_dim] tensor exists.
+
+Every product whose per-row result could depend on how many rows it is computed with runs on a
+shape fixed by the row's position, never by the tile: projections in PROJECTION_ROWS blocks of the
+batch, attention in ATTENTION_ROWS blocks of the segment (`attention_blocks`). On a GPU, cuBLAS picks
+its algorithm (tile shape, split-K / stream-K reduction order) from the whole problem — batch count
+and rows included — so the same row computed in a 197-row and in a 3001-row batch can differ in the
+last bits (docs/BENCHMARKS.md, "Issue 12"). The indexer kernels are per row by construction.
+Whether a quantized projection runs dense or quantized (engine/model/quantized.py, DENSE_MIN_ROWS)
+is likewise decided once by the batch's rows (`_for_batch`), never by a tile's or a block's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -17,7 +26,7 @@ from engine.model.cache import LayerCache, owned
 from engine.model.compressor import CompressorWeights, compress
 from engine.model.config import CSA, HCA, WINDOW, ModelConfig
 from engine.model.norms import rms_norm, unweighted_rms_norm
-from engine.model.quantized import Weight, grouped_linear, linear
+from engine.model.quantized import Weight, for_rows, grouped_linear, linear
 from engine.model.rope import apply_rope, cos_sin
 from engine.model.trace import ForwardTrace
 from kernels.indexer import indexer_scores, select_topk
@@ -58,6 +67,15 @@ class SegmentSlice:
 # attention output, the largest chunk-scaled activations, out of memory (one block at a time).
 PROJECTION_ROWS = 256
 
+# Mixed attention runs on blocks of this many query rows of a segment, counted from its first row and
+# cut at its end; a tile that covers only part of a block fills the rest with padding rows (zero
+# queries, no visible rows) so the batched products keep the block's shape. The row's position in
+# the block and the block's shape then depend only on the row and the segment length — not on the
+# tile — which is what makes the GPU's batched gemms give the same bits tiled and untiled. A tile
+# that is a multiple of ATTENTION_ROWS pads nothing (except at the segment's end, the same block
+# either way); other tiles pay for at most two padded blocks each.
+ATTENTION_ROWS = 128
+
 
 @dataclass(frozen=True)
 class _ChunkProjections:
@@ -81,12 +99,23 @@ def attention(
     """x: [T, D] (normed block input), positions: [T] -> [T, D]."""
     rope = cfg.rope_for(layer)
     cos, sin = cos_sin(rope, positions)
+    w = _for_batch(w, x.shape[0], x.dtype)
     chunk = _project_chunk(x, cos, sin, w, cfg, layer)
     queries = _QueryBlocks(chunk.q_residual, cos, sin, w, cfg, layer)
     output = _OutputBlocks(cos, sin, w, cfg)
     for seg in segments:
         _segment_attention(x, chunk, queries, output, seg, w, cfg, layer, tile, timer)
     return output.result()
+
+
+def _for_batch(w: AttentionWeights, rows: int, dtype: mx.Dtype) -> AttentionWeights:
+    """The block-projected weights in the form the whole batch uses (quantized.for_rows by its rows):
+    a large batch dequantizes each once and its PROJECTION_ROWS blocks share the copy, and every
+    row takes the same path however the batch is tiled."""
+    return replace(
+        w, wq_b=for_rows(w.wq_b, rows, dtype), wo_a=for_rows(w.wo_a, rows, dtype), wo_b=for_rows(w.wo_b, rows, dtype),
+        index_wq_b=None if w.index_wq_b is None else for_rows(w.index_wq_b, rows, dtype),
+    )
 
 
 def _project_chunk(
@@ -227,13 +256,14 @@ def _segment_attention(
         timer.boundary("other", keys, *cache.arrays())
     else:
         timer.stage("other", keys, *cache.arrays())
+    context = _TileContext(seg, keys, num_prev, w, cfg, layer, timer)
     running: list[mx.array] = []  # the tile the device is computing while Python builds the next
     for r0 in range(0, seg.length, tile):
         r1 = min(r0 + tile, seg.length)
         q, index_q = queries.rows(lo + r0, lo + r1)
         timer.stage("other", q, *([] if index_q is None else [index_q]))
         index_w = None if chunk.index_w is None else chunk.index_w[lo + r0 : lo + r1]
-        out = _tile_attention(q, index_q, index_w, keys, num_prev, seg, r0, r1, w, cfg, layer, timer)
+        out = _tile_attention(context, q, index_q, index_w, r0, r1)
         built = [out, *output.add(out)]
         if seg.length > 1 and not timer.stage_sync:
             # Tile i+1's graph was built while tile i ran; wait for tile i, then start i+1 without
@@ -263,44 +293,94 @@ def _emit_compressed(x: mx.array, seg: SegmentSlice, w: AttentionWeights, cfg: M
         cache.index_keys.append(keys)
 
 
+@dataclass(frozen=True)
+class _TileContext:
+    """What every tile of one segment at one layer shares."""
+
+    seg: SegmentSlice
+    keys: mx.array  # [Wp + L, hd]: the cached window rows, then this segment's K = V rows
+    num_prev: int  # how many of `keys` came from the cache (Wp)
+    w: AttentionWeights
+    cfg: ModelConfig
+    layer: int
+    timer: ForwardTrace
+
+
 def _tile_attention(
-    q: mx.array,
-    index_q: mx.array | None,
-    index_w: mx.array | None,
-    keys: mx.array,
-    num_prev: int,
-    seg: SegmentSlice,
-    r0: int,
-    r1: int,
-    w: AttentionWeights,
-    cfg: ModelConfig,
-    layer: int,
-    timer: ForwardTrace,
+    ctx: _TileContext, q: mx.array, index_q: mx.array | None, index_w: mx.array | None, r0: int, r1: int
 ) -> mx.array:
     """Query rows [r0, r1) of the segment (q: [t, H, hd]) -> [t, H, hd]."""
-    window = cfg.sliding_window
+    cfg, seg, keys = ctx.cfg, ctx.seg, ctx.keys
     local = mx.arange(r0, r1)  # [t]
-    # Query at local row r sees keys[num_prev + r - window + 1 .. num_prev + r]; earlier ones don't exist.
-    key_idx = num_prev + local[:, None] - (window - 1) + mx.arange(window)[None, :]  # [t, W]
-    groups = [(keys[mx.maximum(key_idx, 0)], key_idx >= 0)]  # window rows [t, W, hd]
-    kind = cfg.layer_types[layer]
+    key_idx = window_key_indices(ctx.num_prev, r0, r1, cfg.sliding_window)  # [t, W]
+    groups = [AttentionGroup(keys[mx.maximum(key_idx, 0)], key_idx >= 0)]  # window rows [t, W, hd]
+    kind = cfg.layer_types[ctx.layer]
     if kind != WINDOW:
-        visible = (seg.start + local + 1) // cfg.compress_ratio(layer)  # [t]: rows from tokens ≤ the query
+        visible = (seg.start + local + 1) // cfg.compress_ratio(ctx.layer)  # [t]: rows from tokens ≤ the query
         compressed = seg.cache.compressed.view()  # [N, hd]
         if kind == CSA:
-            selected, selected_valid = _select(index_q, index_w, r0, seg, visible, cfg, layer, timer)
-            groups.append((compressed[selected], selected_valid))  # [t, k, hd]
+            selected, selected_valid = _select(ctx, index_q, index_w, r0, visible)
+            groups.append(AttentionGroup(compressed[selected], selected_valid))  # [t, k, hd]
         else:
-            groups.append((shared_rows(compressed, r1 - r0), mx.arange(compressed.shape[0])[None, :] < visible[:, None]))
-    out = mixed_attention(q, groups, w.sinks, cfg.head_dim**-0.5)
-    return out
+            groups.append(AttentionGroup(compressed, mx.arange(compressed.shape[0])[None, :] < visible[:, None], shared=True))
+    return blockwise_attention(q, groups, ctx.w.sinks, cfg.head_dim**-0.5, r0, r1, seg.length)
+
+
+def window_key_indices(num_prev: int, r0: int, r1: int, window: int) -> mx.array:
+    """Segment rows [r0, r1) -> [t, W] indices into keys = (cached window ‖ the segment's K): the
+    query at row r sees keys[num_prev + r - window + 1 .. num_prev + r]; negative ones don't exist."""
+    return num_prev + mx.arange(r0, r1)[:, None] - (window - 1) + mx.arange(window)[None, :]
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Rows a tile's queries attend to: per query row (rows [t, R, hd]) or, `shared`, the same
+    [R, hd] for every query (HCA, broadcast without a copy); valid: [t, R] bool."""
+
+    rows: mx.array
+    valid: mx.array
+    shared: bool = False
+
+
+def attention_blocks(r0: int, r1: int, length: int, block: int = ATTENTION_ROWS) -> list[tuple[int, int, int, int]]:
+    """One tile, segment rows [r0, r1) of `length` -> for every ATTENTION_ROWS block it touches
+    (b0, b1, lo, hi): the block [b0, b1) (b0 a multiple of `block`, b1 cut at the segment's end) and
+    the tile's rows in it, [lo, hi). The block depends on the row alone, never on the tile."""
+    return [(b0, min(b0 + block, length), max(b0, r0), min(b0 + block, length, r1))
+            for b0 in range(r0 // block * block, r1, block)]
+
+
+def blockwise_attention(
+    q: mx.array, groups: list[AttentionGroup], sinks: mx.array, scale: float, r0: int, r1: int, length: int
+) -> mx.array:
+    """q: [t, H, hd] of segment rows [r0, r1) -> [t, H, hd], one fixed-shape block at a time."""
+    outs = []
+    for b0, b1, lo, hi in attention_blocks(r0, r1, length):
+        before, after, part = lo - b0, b1 - hi, slice(lo - r0, hi - r0)
+        block_groups = [
+            (shared_rows(g.rows, b1 - b0) if g.shared else _padded(g.rows[part], before, after),
+             _padded(g.valid[part], before, after))
+            for g in groups
+        ]
+        out = mixed_attention(_padded(q[part], before, after), block_groups, sinks, scale)  # [b1 - b0, H, hd]
+        outs.append(out[before : before + hi - lo])
+    return _joined(outs)
+
+
+def _padded(x: mx.array, before: int, after: int) -> mx.array:
+    """x: [n, ...] -> [before + n + after, ...] with zero (False) rows around it: padding rows have
+    no visible rows and contribute nothing, they only keep the block's shape."""
+    if before == 0 and after == 0:
+        return x
+    zeros = lambda n: mx.zeros((n,) + tuple(x.shape[1:]), dtype=x.dtype)  # noqa: E731
+    return mx.concatenate([zeros(before), x, zeros(after)])
 
 
 def _select(
-    index_q: mx.array, index_w: mx.array, r0: int, seg: SegmentSlice, visible: mx.array, cfg: ModelConfig, layer: int,
-    timer: ForwardTrace,
+    ctx: _TileContext, index_q: mx.array, index_w: mx.array, r0: int, visible: mx.array
 ) -> tuple[mx.array, mx.array]:
     """Indexer for one tile: [t, N] scores in one scratch, then top-k -> (rows, valid) [t, k]."""
+    cfg, seg, layer, timer = ctx.cfg, ctx.seg, ctx.layer, ctx.timer
     index_keys = seg.cache.index_keys.view()  # [N, ID]
     if index_keys.shape[0] == 0:
         empty = mx.zeros((index_q.shape[0], 0), dtype=mx.int32)

@@ -1,11 +1,11 @@
-"""Per-sequence, per-layer cache (DESIGN.md §2): window rows, compressed rows, index keys and the
+"""Per-sequence, per-layer cache: window rows, compressed rows, index keys and the
 compressor frontier. The model declares the layout (`SequenceCache.for_model`); accounting of bytes
 lives here too, so the memory plan and the scheduler read one source of truth.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
@@ -51,6 +51,10 @@ class RowBuffer:
             return mx.zeros((0, self.width), dtype=self.dtype)
         return self._data[: self.num_rows]
 
+    def rows(self, start: int, end: int) -> mx.array:
+        """[end - start, width]: a copy of rows [start, end), independent of later appends."""
+        return owned(self.view()[start:end])
+
     def arrays(self) -> list[mx.array]:
         return [] if self._data is None else [self._data]
 
@@ -68,7 +72,7 @@ class RowBuffer:
 class CompressorFrontier:
     """What a compressor carries between calls: the open group's projected rows (fewer than `ratio`,
     gate without the positional bias) and, for the overlapping ratio-4 compressor, the previous
-    window's Ca half (kv and biased gate) — DESIGN.md §2, "the classic bug"."""
+    window's Ca half (kv and biased gate) (docs/ARCHITECTURE.md: transformers' own cached decode gets this wrong)."""
 
     pending_kv: mx.array | None = None  # [n_open, width]
     pending_gate: mx.array | None = None  # [n_open, width]
@@ -147,3 +151,125 @@ class SequenceCache:
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
+
+
+# ---- resumable state (prefix cache, engine/serving/prefix_cache.py) ---------------------------------
+
+
+@dataclass(frozen=True)
+class LayerState:
+    """One layer's cache at some token count, minus its append-only rows: those are only counted.
+
+    The arrays are shared, never copied: the cache replaces its window and frontier arrays at every
+    step instead of writing into them (attention.py, compressor.py), so a reference stays valid."""
+
+    window: mx.array  # [≤ sliding_window - 1, head_dim]
+    compressor: CompressorFrontier | None
+    indexer_compressor: CompressorFrontier | None
+    num_compressed: int
+    num_index_keys: int
+
+    @property
+    def nbytes(self) -> int:
+        frontiers = (self.compressor, self.indexer_compressor)
+        return self.window.nbytes + sum(f.nbytes for f in frontiers if f is not None)
+
+    def arrays(self) -> list[mx.array]:
+        frontiers = (self.compressor, self.indexer_compressor)
+        return [self.window] + [a for f in frontiers if f is not None for a in f.arrays()]
+
+
+@dataclass(frozen=True)
+class ResumeState:
+    """Everything but the rows a sequence needs to continue after its first `num_tokens` tokens."""
+
+    num_tokens: int
+    layers: tuple[LayerState, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    def arrays(self) -> list[mx.array]:
+        return [a for layer in self.layers for a in layer.arrays()]
+
+
+@dataclass(frozen=True)
+class LayerRows:
+    """Rows a layer appended over some span of tokens (empty arrays for a window-only layer)."""
+
+    compressed: mx.array | None  # [n, head_dim]
+    index_keys: mx.array | None  # [n, index_head_dim]
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.compressed, self.index_keys) if a is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+
+def _frontier_copy(frontier: CompressorFrontier | None) -> CompressorFrontier | None:
+    return None if frontier is None else replace(frontier)
+
+
+def resume_state(cache: SequenceCache) -> ResumeState:
+    """The cache's state now (shares its arrays; see LayerState)."""
+    layers = tuple(
+        LayerState(
+            window=layer.window,
+            compressor=_frontier_copy(layer.compressor),
+            indexer_compressor=_frontier_copy(layer.indexer_compressor),
+            num_compressed=layer.compressed.num_rows if layer.compressed else 0,
+            num_index_keys=layer.index_keys.num_rows if layer.index_keys else 0,
+        )
+        for layer in cache.layers
+    )
+    return ResumeState(cache.num_tokens, layers)
+
+
+def rows_between(cache: SequenceCache, start: ResumeState | None, end: ResumeState) -> tuple[LayerRows, ...]:
+    """Copies of the rows each layer appended between two states of this cache (start None: from 0)."""
+    out = []
+    for i, layer in enumerate(cache.layers):
+        lo = start.layers[i] if start is not None else None
+        hi = end.layers[i]
+        compressed = keys = None
+        if layer.compressed is not None:
+            compressed = layer.compressed.rows(lo.num_compressed if lo else 0, hi.num_compressed)
+        if layer.index_keys is not None:
+            keys = layer.index_keys.rows(lo.num_index_keys if lo else 0, hi.num_index_keys)
+        out.append(LayerRows(compressed, keys))
+    return tuple(out)
+
+
+def restored_cache(
+    cfg: ModelConfig, dtype: mx.Dtype, spans: list[tuple[LayerRows, ...]], state: ResumeState, token_ids: list[int]
+) -> SequenceCache:
+    """A fresh cache equal to the one `state` was taken from, given the rows it had appended, span by
+    span from token 0. The rows are copied into the new cache's own buffers (it appends to them);
+    window and frontier are shared (replaced, never written, by the model)."""
+    cache = SequenceCache.for_model(cfg, dtype)
+    for i, layer in enumerate(cache.layers):
+        saved = state.layers[i]
+        layer.window = saved.window
+        if layer.compressed is not None:
+            layer.compressed.append(_joined([span[i].compressed for span in spans]))
+            layer.compressor = _frontier_copy(saved.compressor)
+        if layer.index_keys is not None:
+            layer.index_keys.append(_joined([span[i].index_keys for span in spans]))
+            layer.indexer_compressor = _frontier_copy(saved.indexer_compressor)
+        if (layer.compressed and layer.compressed.num_rows != saved.num_compressed) or (
+            layer.index_keys and layer.index_keys.num_rows != saved.num_index_keys
+        ):
+            raise ValueError(f"layer {i}: the saved spans do not add up to the saved state's rows")
+    cache.num_tokens = state.num_tokens
+    cache.token_ids = list(token_ids[: state.num_tokens])
+    return cache
+
+
+def _joined(parts: list[mx.array]) -> mx.array:
+    parts = [p for p in parts if p.shape[0]]
+    if not parts:
+        return mx.zeros((0, 0))
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)

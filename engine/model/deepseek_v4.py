@@ -1,4 +1,4 @@
-"""DeepSeek V4 forward pass in MLX over a batch of segments (DESIGN.md §2).
+"""DeepSeek V4 forward pass in MLX over a batch of segments (docs/ARCHITECTURE.md).
 
 A step's tokens are one flat batch: embeddings, hyper-connections, projections and MoE run on all
 of them at once; attention splits them back into segments (a prefill chunk, or one decode token of
@@ -41,11 +41,14 @@ class Segment:
 
 
 class DeepseekV4:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, mx.array]) -> None:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, mx.array], layer_ids: range | None = None) -> None:
+        """`layer_ids`: the layers whose weights `weights` holds (None: all). A pipeline stage
+        (engine/parallel/) holds a range of them, and the vocabulary tensors only on its first rank."""
         self.cfg = cfg
         self.weights = weights  # canonical (official) names, see engine/model/weights.py
-        self.layers = [_layer_weights(weights, cfg, i) for i in range(cfg.num_hidden_layers)]
-        self.dtype = weights["embed.weight"].dtype
+        self.layer_ids = range(cfg.num_hidden_layers) if layer_ids is None else layer_ids
+        self.layers = {i: _layer_weights(weights, cfg, i) for i in self.layer_ids}
+        self.dtype = weights["embed.weight"].dtype if "embed.weight" in weights else self.layers[self.layer_ids[0]].attn_norm.dtype
 
     def new_cache(self) -> SequenceCache:
         return SequenceCache.for_model(self.cfg, self.dtype)
@@ -54,35 +57,62 @@ class DeepseekV4:
         self,
         segments: Sequence[Segment],
         tile: int | None = None,
-        all_logits: bool = False,
+        all_logits: bool | Sequence[bool] = False,
         timer: ForwardTrace | None = None,
     ) -> list[mx.array]:
         """Runs every segment's tokens through the model, appending to their caches.
 
-        Returns per segment the logits [L, vocab] (all_logits) or [1, vocab] of its last token.
+        Returns per segment the logits [L, vocab] (all_logits, or all_logits[i] for segment i: prompt logprobs)
+        or [1, vocab] of its last token; the lm head runs only on the rows returned.
         `tile`: indexer/attention query rows per tile (None: the whole segment, the untiled path).
         """
         timer = timer or ForwardTrace(stage_sync=False)  # nobody reads the times: no stage syncs
-        token_ids = mx.array([int(t) for s in segments for t in s.token_ids], dtype=mx.int32)
+        streams = self.embed(segments)
+        streams = self.run_layers(streams, segments, self.layer_ids, tile, timer)
+        advance_caches(segments)
+        if isinstance(all_logits, bool):
+            return self.logits(streams if all_logits else last_rows(streams, segments), segments, all_logits)
+        return self.logits(streams[mx.array(head_rows(segments, all_logits))], segments, all_logits)
+
+    # The three parts of `forward`, public so that a pipeline stage (engine/parallel/) can run its
+    # own layer range between them and pass the streams on.
+
+    def embed(self, segments: Sequence[Segment]) -> mx.array:
+        """The step's tokens -> streams [T, hc, D]: every stream starts as the token's embedding (a
+        broadcast view, gone with the first layer's output)."""
+        embedded = self.weights["embed.weight"][step_token_ids(segments)]  # [T, D]
+        return mx.broadcast_to(embedded[:, None, :], (embedded.shape[0], self.cfg.hc_mult, embedded.shape[1]))
+
+    def run_layers(self, streams: mx.array, segments: Sequence[Segment], layer_ids: range, tile: int | None = None,
+                   timer: ForwardTrace | None = None) -> mx.array:
+        """streams [T, hc, D] through `layer_ids` (a subset of this model's), appending to the segments'
+        caches of those layers; the caches' token counts move only in `advance_caches`."""
+        timer = timer or ForwardTrace(stage_sync=False)
+        token_ids = step_token_ids(segments)
         positions = mx.concatenate([mx.arange(s.cache.num_tokens, s.cache.num_tokens + len(s.token_ids)) for s in segments])
         tile = tile or max(len(s.token_ids) for s in segments)
-        streams = self._embed(token_ids)
         # Evaluating layer by layer bounds a prefill chunk's graph; a decode step's whole graph is small.
         settle = timer.boundary if max(len(s.token_ids) for s in segments) > 1 else timer.stage
-        for i, layer in enumerate(self.layers):
+        for i in layer_ids:
             slices = _slices(segments, i)
-            streams = self._layer(streams, token_ids, positions, slices, layer, i, tile, timer)
+            streams = self._layer(streams, token_ids, positions, slices, self.layers[i], i, tile, timer)
             settle("other", streams)
-        for s in segments:
-            s.cache.num_tokens += len(s.token_ids)
-            s.cache.token_ids.extend(s.token_ids)
-        return self._logits(streams, segments, all_logits)
+        return streams
 
-    def _embed(self, token_ids: mx.array) -> mx.array:
-        """[T] -> [T, hc, D]: every stream starts as the token's embedding (a broadcast view, gone
-        with the first layer's output)."""
-        embedded = self.weights["embed.weight"][token_ids]  # [T, D]
-        return mx.broadcast_to(embedded[:, None, :], (embedded.shape[0], self.cfg.hc_mult, embedded.shape[1]))
+    def logits(self, streams: mx.array, segments: Sequence[Segment], all_logits: bool | Sequence[bool]) -> list[mx.array]:
+        """The last layer's streams -> per segment the logits [L, vocab] (all_logits; streams: all T rows)
+        or [1, vocab] of its last token (streams: `last_rows`, one per segment); with one flag per segment,
+        streams are `head_rows`."""
+        cfg, w = self.cfg, self.weights
+        hidden = head_collapse(streams, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], cfg.hc_eps, cfg.rms_norm_eps)
+        logits = rms_norm(hidden, w["norm.weight"], cfg.rms_norm_eps) @ w["head.weight"].T  # [rows, vocab]
+        wants = [all_logits] * len(segments) if isinstance(all_logits, bool) else list(all_logits)
+        out, offset = [], 0
+        for s, want in zip(segments, wants):
+            size = len(s.token_ids) if want else 1
+            out.append(logits[offset : offset + size])
+            offset += size
+        return out
 
     def _layer(self, streams, token_ids, positions, slices, layer: LayerWeights, i: int, tile: int, timer: ForwardTrace):
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
@@ -96,23 +126,36 @@ class DeepseekV4:
         timer.stage("moe", ffn_out)
         return expand(ffn_out, streams, post, comb)
 
-    def _logits(self, streams: mx.array, segments: Sequence[Segment], all_logits: bool) -> list[mx.array]:
-        cfg, w = self.cfg, self.weights
-        if not all_logits:  # only each segment's last token is sampled
-            ends = mx.array(_segment_ends(segments))
-            streams = streams[ends]
-        hidden = head_collapse(streams, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], cfg.hc_eps, cfg.rms_norm_eps)
-        logits = rms_norm(hidden, w["norm.weight"], cfg.rms_norm_eps) @ w["head.weight"].T  # [rows, vocab]
-        if not all_logits:
-            return [logits[i : i + 1] for i in range(len(segments))]
-        out, offset = [], 0
-        for s in segments:
-            out.append(logits[offset : offset + len(s.token_ids)])
-            offset += len(s.token_ids)
-        return out
+
+def step_token_ids(segments: Sequence[Segment]) -> mx.array:
+    """[T] int32: every segment's tokens, in order (the step's flat batch)."""
+    return mx.array([int(t) for s in segments for t in s.token_ids], dtype=mx.int32)
 
 
-def _segment_ends(segments: Sequence[Segment]) -> list[int]:
+def advance_caches(segments: Sequence[Segment]) -> None:
+    """After every layer of this process ran: the segments' tokens are in their caches."""
+    for s in segments:
+        s.cache.num_tokens += len(s.token_ids)
+        s.cache.token_ids.extend(s.token_ids)
+
+
+def last_rows(streams: mx.array, segments: Sequence[Segment]) -> mx.array:
+    """[T, hc, D] -> [len(segments), hc, D]: each segment's last token, the only one sampled."""
+    return streams[mx.array(segment_ends(segments))]
+
+
+def head_rows(segments: Sequence[Segment], wants_all: Sequence[bool]) -> list[int]:
+    """Rows the lm head runs on: every row of a segment that wants all its logits, else its last row."""
+    rows, offset = [], 0
+    for s, want in zip(segments, wants_all):
+        count = len(s.token_ids) if want else 1
+        rows.extend(range(offset + len(s.token_ids) - count, offset + len(s.token_ids)))
+        offset += len(s.token_ids)
+    return rows
+
+
+def segment_ends(segments: Sequence[Segment]) -> list[int]:
+    """Row of each segment's last token in the step's flat batch."""
     ends, offset = [], 0
     for s in segments:
         offset += len(s.token_ids)

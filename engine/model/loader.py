@@ -18,6 +18,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -30,8 +31,9 @@ from engine.model.official_format import (
 )
 from engine.model.quantized import QuantizedWeight, Weight
 from engine.model.safetensors_file import RawTensor, SafetensorsError, open_tensors
-from engine.model.weights import canonical_name, expected_shapes, expert_key, stacked_expert_names
+from engine.model.weights import canonical_name, expected_shapes, expert_key, layer_of, stacked_expert_names
 
+PROGRESS_MIN_BYTES = 256 * 2**20  # a progress bar only where loading takes noticeable time
 _FLOAT_TAGS = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
 _INT_TAGS = ("I64", "I32")
 
@@ -57,14 +59,29 @@ def load_config(model_dir: Path) -> ModelConfig:
     return config_from_dict(json.loads(config_path.read_text()))
 
 
-def load_model(model_dir: Path, dtype: str | None = None, progress: bool = True, weights_dtype: str | None = None) -> DeepseekV4:
+def load_model(model_dir: Path, dtype: str | None = None, progress: bool = True, weights_dtype: str | None = None,
+               layers: range | None = None, vocab: bool = True) -> DeepseekV4:
     """dtype: compute dtype ("float32" on CPU); None keeps the checkpoint's. weights_dtype: dequantize
-    FP8/FP4/affine weights to this float dtype at load instead of computing on them quantized."""
+    FP8/FP4/affine weights to this float dtype at load instead of computing on them quantized.
+
+    A pipeline stage (engine/parallel/) loads only `layers` (None: all) and, with `vocab`, the model-wide
+    tensors (embedding, head, final norms). Every name is still checked; shapes only where loaded. The
+    shards are memory-mapped, so what is left out is never read into memory."""
     cfg = load_config(model_dir)
+    layers = range(cfg.num_hidden_layers) if layers is None else layers
+    if not (0 <= layers.start < layers.stop <= cfg.num_hidden_layers and layers.step == 1):
+        raise ValueError(f"layer range {layers.start}..{layers.stop} is not a non-empty part of the model's "
+                         f"{cfg.num_hidden_layers} layers")
     raw = _open_all(_weight_files(Path(model_dir)))
-    weights = _convert_all(raw, cfg, LoadOptions(dtype, weights_dtype, progress))
-    mx.eval([a for w in weights.values() for a in (w.arrays() if isinstance(w, QuantizedWeight) else [w])])
-    return DeepseekV4(cfg, weights)
+    wanted = lambda name: _wanted(name, layers, vocab)  # noqa: E731
+    weights = dict(_converted(raw, cfg, LoadOptions(dtype, weights_dtype, progress), wanted))
+    mx.eval([a for w in weights.values() for a in _arrays(w)])
+    return DeepseekV4(cfg, weights, layers)
+
+
+def _wanted(name: str, layers: range, vocab: bool) -> bool:
+    layer = layer_of(name)
+    return vocab if layer is None else layer in layers
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -117,12 +134,12 @@ def _check_names(raw: dict[str, RawTensor], cfg: ModelConfig) -> dict[str, tuple
                 del expected[m]
             expected[stacked] = (len(members), *first)
     ignored = {k for k in raw if k.startswith("mtp.")} | _companions(raw)
+    missing = sorted(set(expected) - set(raw))  # first: a missing weight leaves its scale looking unexpected
+    if missing:
+        raise CheckpointError(_first(f"missing tensor {missing[0]!r} (config expects {expected[missing[0]]})", missing))
     unexpected = sorted(set(raw) - set(expected) - ignored)
     if unexpected:
         raise CheckpointError(_first(f"unexpected tensor {unexpected[0]!r} {raw[unexpected[0]].shape}", unexpected))
-    missing = sorted(set(expected) - set(raw))
-    if missing:
-        raise CheckpointError(_first(f"missing tensor {missing[0]!r}", missing))
     return expected
 
 
@@ -137,32 +154,43 @@ def _mismatch(name: str, got: tuple[int, ...], want: tuple[int, ...], what: str 
 # ---- one tensor -------------------------------------------------------------------------------
 
 
-def _convert_all(raw: dict[str, RawTensor], cfg: ModelConfig, opts: LoadOptions) -> dict[str, Weight]:
-    expected = _check_names(raw, cfg)
+def iter_weights(model_dir: Path, dtype: str | None = None, progress: bool = True,
+                 weights_dtype: str | None = None) -> Iterator[tuple[str, Weight]]:
+    """The checkpoint's weights one at a time, as load_model holds them (a layer's experts stacked into
+    one `layers.N.ffn.experts.wK`), after every name and shape was checked — so a tool such as
+    `tessera convert` can stream a model larger than memory."""
+    cfg = load_config(model_dir)
+    raw = _open_all(_weight_files(Path(model_dir)))
+    yield from _converted(raw, cfg, LoadOptions(dtype, weights_dtype, progress))
+
+
+def _converted(raw: dict[str, RawTensor], cfg: ModelConfig, opts: LoadOptions,
+               wanted: Callable[[str], bool] = lambda name: True) -> Iterator[tuple[str, Weight]]:
+    expected = {name: shape for name, shape in _check_names(raw, cfg).items() if wanted(name)}
     total = sum(raw[n].data.nbytes for n in expected)
-    show = opts.progress and total > 256 * 2**20  # a bar only where loading takes noticeable time
-    weights: dict[str, Weight] = {}
+    show = opts.progress and total > PROGRESS_MIN_BYTES
     experts: dict[str, dict[int, Weight]] = {}
     done = 0
     for i, (name, shape) in enumerate(expected.items()):
         w = _finish(_tensor(raw, name, shape, opts.weights_dtype), opts)
-        key = expert_key(name)
-        if key is None:
-            weights[name] = w
-        else:  # stack a layer's experts as soon as all are read: peak memory stays ~ one layer over
-            group = experts.setdefault(key[0], {})
-            group[key[1]] = w
-            if len(group) == cfg.n_routed_experts:
-                weights[key[0]] = _stack([group[e] for e in sorted(group)])
-                mx.eval(_arrays(weights[key[0]]))
-                del experts[key[0]]
         done += raw[name].data.nbytes
         if show and (i % 64 == 0 or done == total):
             mx.eval(_arrays(w))  # bounds the host copies in flight
             _progress_bar(done, total)
+        key = expert_key(name)
+        if key is None:
+            yield name, w
+            continue
+        # stack a layer's experts as soon as all are read: peak memory stays ~ one layer over
+        group = experts.setdefault(key[0], {})
+        group[key[1]] = w
+        if len(group) == cfg.n_routed_experts:
+            stacked = _stack([group[e] for e in sorted(group)])
+            mx.eval(_arrays(stacked))
+            del experts[key[0]]
+            yield key[0], stacked
     if show:
         print(file=sys.stderr)
-    return weights
 
 
 def _arrays(w: Weight) -> list[mx.array]:

@@ -1,4 +1,4 @@
-"""Memory plan (DESIGN.md §4): bytes of every chunk- and tile-scaled buffer of a prefill, the cache of
+"""Memory plan (`tessera plan`; README.md): bytes of every chunk- and tile-scaled buffer of a prefill, the cache of
 one sequence at N tokens, and the weights — from the model config alone.
 
 The same numbers feed `tessera plan`, admission control (a sequence's cache at its max length) and
@@ -10,15 +10,17 @@ there that adds a [T, N] temporary belongs here too.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from math import prod
 from pathlib import Path
 
-from engine.model.attention import PROJECTION_ROWS
+from engine.model.attention import ATTENTION_ROWS, PROJECTION_ROWS, attention_blocks
 from engine.model.cache import RowBuffer
 from engine.model.config import CSA, HCA, WINDOW, ModelConfig, config_from_dict
 from engine.model.dtypes import DTYPES
-from engine.model.weights import expected_shapes
+from engine.model.official_format import storage
+from engine.model.quantized import DENSE_MIN_ROWS
+from engine.model.weights import expected_shapes, layer_of
 
 GiB = 2**30
 
@@ -42,6 +44,12 @@ class MemoryPlan:
     cache_by_part: dict[str, int]
     weights_bytes: int
     notes: list[str] = field(default_factory=list)
+    weights_format: str = ""  # engine/model/weight_formats.py; "" = every tensor in `dtype`
+    memory_budget: int | None = None  # bytes the machine gives this process (`--memory-budget`)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.memory_budget is None else self.peak_bytes <= self.memory_budget
 
     @property
     def indexer_bytes(self) -> int:
@@ -77,6 +85,7 @@ class MemoryPlan:
             cache_bytes=self.cache_bytes,
             workspace_bytes=self.workspace_bytes,
             peak_bytes=self.peak_bytes,
+            fits=self.fits,
         )
         return out
 
@@ -84,18 +93,22 @@ class MemoryPlan:
 # ---- the plan ----------------------------------------------------------------------------------
 
 
-def make_plan(cfg: ModelConfig, ctx: int, chunk: int, tile: int, dtype: str = "float32") -> MemoryPlan:
+def make_plan(cfg: ModelConfig, ctx: int, chunk: int, tile: int, dtype: str = "float32",
+              quantized_dense: bool = False) -> MemoryPlan:
+    """quantized_dense: the dense projections are held quantized (an official or converted checkpoint),
+    so a large step computes on a transient dequantized copy of one layer's (`dequantized_buffers`)."""
     if not 1 <= tile <= chunk:
         raise ValueError(f"indexer tile ({tile}) must be between 1 and the prefill chunk ({chunk})")
     b = DTYPES[dtype].size
+    chunk_activations = chunk_buffers(cfg, chunk, b) + (dequantized_buffers(cfg, chunk, b) if quantized_dense else [])
     return MemoryPlan(
         ctx=ctx,
         chunk=chunk,
         tile=tile,
         dtype=dtype,
         indexer=indexer_buffers(cfg, ctx, tile),
-        attention=attention_buffers(cfg, ctx, tile, b),
-        chunk_activations=chunk_buffers(cfg, chunk, b),
+        attention=attention_buffers(cfg, ctx, chunk, tile, b),
+        chunk_activations=chunk_activations,
         cache_by_part=cache_bytes_by_part(cfg, ctx, chunk, b),
         weights_bytes=weights_bytes(cfg, b),
     )
@@ -116,32 +129,72 @@ def indexer_buffers(cfg: ModelConfig, ctx: int, tile: int) -> list[Buffer]:
     ]
 
 
-def attention_buffers(cfg: ModelConfig, ctx: int, tile: int, b: int) -> list[Buffer]:
-    """One tile of mixed attention at the widest layer: the tile's queries (projected in fixed
-    blocks, engine/model/attention.py), gathered window ∪ selected rows, or HCA's shared compressed rows;
-    logits and probabilities in fp32 for every head; the output waiting for its projection block."""
+def attention_buffers(cfg: ModelConfig, ctx: int, chunk: int, tile: int, b: int) -> list[Buffer]:
+    """One tile of mixed attention at the widest layer (engine/model/attention.py): the tile's queries
+    (projected in fixed blocks), its gathered window ∪ selected rows (one gather for the whole tile),
+    the zero-padded copies of the blocks it covers only in part, and per ATTENTION_ROWS block the
+    fp32 logits and probabilities for every head, then the output waiting for its projection block.
+    A tile's blocks are one graph, evaluated together at the tile's end, so all of them count."""
     heads, hd, w = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
-    widest = w
-    gathered = w
-    if CSA in cfg.layer_types:
-        k = min(cfg.index_topk, ctx // cfg.compress_rates[CSA])
-        widest, gathered = max(widest, w + k), w + k
-    if HCA in cfg.layer_types:
-        widest = max(widest, w + ctx // cfg.compress_rates[HCA])
+    widest = _widest_row_set(cfg, ctx)
+    gathered = w + min(cfg.index_topk, ctx // cfg.compress_rates[CSA]) if CSA in cfg.layer_types else w
     q_rows = tile + PROJECTION_ROWS  # a tile's blocks can reach one block beyond it
     index_q = cfg.index_n_heads * cfg.index_head_dim if CSA in cfg.layer_types else 0
+    blocks, padded_rows = blocks_per_tile(chunk, tile)
+    block_rows = blocks * ATTENTION_ROWS
     out = [
         Buffer("tile_queries", 2 * q_rows * (heads * hd + index_q) * b,
                "2 × (T + block) × (heads × head_dim + index_heads × index_head_dim) (blocks, joined)"),
         Buffer("gathered_rows", tile * gathered * hd * b, "T × (window + k) × head_dim × dtype"),
-        Buffer("attention_logits", tile * heads * (widest + 1) * 4, "T × heads × (widest row set + sink) × 4"),
-        Buffer("attention_probs", tile * heads * (widest + 1) * 4, "T × heads × (widest row set + sink) × 4"),
+        Buffer("padded_blocks", padded_rows * (gathered + heads) * hd * b,
+               "padded rows (< 2 × 2 × 128) × (window + k + heads) × head_dim × dtype (copies + zeros)"),
+        Buffer("attention_logits", block_rows * heads * (widest + 1) * 4,
+               "blocks × 128 × heads × (widest row set + sink) × 4"),
+        Buffer("attention_probs", block_rows * heads * (widest + 1) * 4,
+               "blocks × 128 × heads × (widest row set + sink) × 4"),
         Buffer("attention_out", q_rows * heads * hd * 4, "(T + block) × heads × head_dim × 4 (awaiting projection)"),
     ]
     if b < 4:  # products come out in the low precision first, and probabilities go back to it
-        out.append(Buffer("attention_lowp_copies", 2 * tile * heads * (widest + 1) * b,
-                          "2 × T × heads × (widest row set + sink) × dtype (product, probs copy)"))
+        out.append(Buffer("attention_lowp_copies", 2 * block_rows * heads * (widest + 1) * b,
+                          "2 × blocks × 128 × heads × (widest row set + sink) × dtype (product, probs copy)"))
     return out
+
+
+def blocks_per_tile(chunk: int, tile: int) -> tuple[int, int]:
+    """(blocks, padded rows): the most ATTENTION_ROWS blocks one tile of a `chunk`-row segment
+    touches, and the most rows its zero-padded block copies take (a block the tile covers only in
+    part is copied whole, next to its zero rows): `attention_blocks` on every tile."""
+    most, most_padded = 0, 0
+    for r0 in range(0, chunk, tile):
+        touched = attention_blocks(r0, min(r0 + tile, chunk), chunk)
+        padded = sum(2 * (b1 - b0) - (hi - lo) for b0, b1, lo, hi in touched if (lo, hi) != (b0, b1))
+        most, most_padded = max(most, len(touched)), max(most_padded, padded)
+    return most, most_padded
+
+
+def attention_call_elements(cfg: ModelConfig, ctx: int) -> int:
+    """Elements of the largest array one attention call makes: an ATTENTION_ROWS block's logits over
+    the widest layer's rows (HCA's compressed rows at `ctx`, or window + top-k) plus the sink."""
+    return ATTENTION_ROWS * cfg.num_attention_heads * (_widest_row_set(cfg, ctx) + 1)
+
+
+def tile_array_elements(cfg: ModelConfig, ctx: int, tile: int) -> int:
+    """Elements of the largest array one tile makes at `ctx`: the indexer's [T, N] scores (CSA) or the
+    gathered window ∪ selected rows [T, window + k, head_dim] (one gather for the whole tile)."""
+    if CSA not in cfg.layer_types:
+        return tile * cfg.sliding_window * cfg.head_dim
+    rows = ctx // cfg.compress_rates[CSA]
+    return tile * max(rows, (cfg.sliding_window + min(cfg.index_topk, rows)) * cfg.head_dim)
+
+
+def _widest_row_set(cfg: ModelConfig, ctx: int) -> int:
+    """Rows a query attends to at the widest layer: the window, plus top-k (CSA) or every compressed row (HCA)."""
+    widest = cfg.sliding_window
+    if CSA in cfg.layer_types:
+        widest = max(widest, cfg.sliding_window + min(cfg.index_topk, ctx // cfg.compress_rates[CSA]))
+    if HCA in cfg.layer_types:
+        widest = max(widest, cfg.sliding_window + ctx // cfg.compress_rates[HCA])
+    return widest
 
 
 def chunk_buffers(cfg: ModelConfig, chunk: int, b: int) -> list[Buffer]:
@@ -160,11 +213,31 @@ def chunk_buffers(cfg: ModelConfig, chunk: int, b: int) -> list[Buffer]:
     ]
 
 
-def cache_bytes_by_part(cfg: ModelConfig, ctx: int, chunk: int | None, b: int) -> dict[str, int]:
+def dequantized_buffers(cfg: ModelConfig, chunk: int, b: int) -> list[Buffer]:
+    """A step of >= DENSE_MIN_ROWS rows runs a layer's FP8-class projections (attention and shared
+    expert) on a dequantized copy made for that step (engine/model/quantized.py); counted as the
+    largest layer's, all live at once (an upper bound: attention's copies die before the MoE's)."""
+    if chunk < DENSE_MIN_ROWS:
+        return []
+    per_layer: dict[int, int] = {}
+    for name, shape in expected_shapes(cfg).items():
+        layer = layer_of(name)
+        if layer is not None and storage(name) == "fp8":
+            per_layer[layer] = per_layer.get(layer, 0) + prod(shape)
+    largest = max(per_layer.values(), default=0)
+    return [Buffer("dequantized_weights", largest * b,
+                   f"one layer's FP8-class projections × dtype (steps of ≥ {DENSE_MIN_ROWS} rows)")]
+
+
+def cache_bytes_by_part(cfg: ModelConfig, ctx: int, chunk: int | None, b: int,
+                        layers: range | None = None) -> dict[str, int]:
     """One sequence's cache after `ctx` tokens prefilled in chunks of `chunk` (row buffers keep spare
-    capacity; `chunk=None` counts rows only, the floor a sequence needs)."""
+    capacity; `chunk=None` counts rows only, the floor a sequence needs). `layers`: only those (a pipeline
+    stage's, engine/parallel/); None: all."""
     parts = {"window": 0, "compressed": 0, "index_keys": 0, "frontier": 0}
     for i, kind in enumerate(cfg.layer_types):
+        if layers is not None and i not in layers:
+            continue
         parts["window"] += min(ctx, cfg.sliding_window - 1) * cfg.head_dim * b
         if kind == WINDOW:
             continue
@@ -205,10 +278,12 @@ def weights_bytes(cfg: ModelConfig, b: int) -> int:
     return total
 
 
-def cache_bytes_at(cfg: ModelConfig, num_tokens: int, b: int) -> int:
-    """Admission control: what one sequence's cache holds at `num_tokens` (rows + one step of slack)."""
-    parts = cache_bytes_by_part(cfg, num_tokens, None, b)
-    slack = sum(RowBuffer.STEP * cfg.head_dim * b for kind in cfg.layer_types if kind != WINDOW)
+def cache_bytes_at(cfg: ModelConfig, num_tokens: int, b: int, layers: range | None = None) -> int:
+    """Admission control: what one sequence's cache holds at `num_tokens` (rows + one step of slack), in
+    `layers` only (None: all)."""
+    parts = cache_bytes_by_part(cfg, num_tokens, None, b, layers)
+    slack = sum(RowBuffer.STEP * cfg.head_dim * b for i, kind in enumerate(cfg.layer_types)
+                if kind != WINDOW and (layers is None or i in layers))
     return sum(parts.values()) + slack
 
 
@@ -224,7 +299,33 @@ V4_FLASH = {
 }
 
 
-def plan_for(model_dir: Path | None, preset: str | None, ctx: int, chunk: int, tile: int, dtype: str | None) -> MemoryPlan:
+def plan_for(model_dir: Path | None, preset: str | None, ctx: int, chunk: int, tile: int, dtype: str | None,
+             weights_format: str | None = None, memory_budget: int | None = None) -> MemoryPlan:
+    """weights_format: count the weights as engine/model/weight_formats.py holds them (None: all in dtype)."""
+    plan = _plan_for(model_dir, preset, ctx, chunk, tile, dtype)
+    if weights_format:
+        from engine.model.weight_formats import QUANTIZED_FORMATS, format_weights_bytes
+
+        cfg = _config_for(model_dir, preset)
+        if weights_format in QUANTIZED_FORMATS:  # every quantized format keeps the dense projections mxfp8
+            plan = replace(plan, chunk_activations=plan.chunk_activations
+                           + dequantized_buffers(cfg, chunk, DTYPES[plan.dtype].size))
+        plan = replace(plan, weights_format=weights_format,
+                       weights_bytes=format_weights_bytes(cfg, weights_format, DTYPES[plan.dtype].size))
+    return replace(plan, memory_budget=memory_budget)
+
+
+def _config_for(model_dir: Path | None, preset: str | None) -> ModelConfig:
+    if model_dir is not None:
+        return config_from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+    if preset == "v4-flash" or preset is None:
+        return config_from_dict(V4_FLASH)
+    from engine.tools.make_model import preset_config
+
+    return preset_config(preset)
+
+
+def _plan_for(model_dir: Path | None, preset: str | None, ctx: int, chunk: int, tile: int, dtype: str | None) -> MemoryPlan:
     if model_dir is not None:
         raw = json.loads((Path(model_dir) / "config.json").read_text())
         cfg = config_from_dict(raw)
@@ -254,7 +355,19 @@ def format_plan(plan: MemoryPlan) -> str:
         f"weights {_gib(plan.weights_bytes)}  cache {_gib(plan.cache_bytes)}  workspace {_gib(plan.workspace_bytes)}",
         f"planned peak: {_gib(plan.peak_bytes)}",
     ]
+    if plan.weights_format:
+        lines.insert(-2, f"weights format: {plan.weights_format} (quantized values + scales as MLX holds them)")
+    if plan.memory_budget is not None:
+        lines.append(fit_line(plan))
     return "\n".join(lines)
+
+
+def fit_line(plan: MemoryPlan) -> str:
+    margin = plan.memory_budget - plan.peak_bytes
+    verdict = "fits" if margin >= 0 else "does NOT fit"
+    word = "headroom" if margin >= 0 else "over by"
+    return (f"{verdict} in {_gib(plan.memory_budget)}: weights {_gib(plan.weights_bytes)} + cache at {plan.ctx:,} "
+            f"{_gib(plan.cache_bytes)} + workspace {_gib(plan.workspace_bytes)} = {_gib(plan.peak_bytes)} ({word} {_gib(abs(margin))})")
 
 
 def _gib(n: int) -> str:

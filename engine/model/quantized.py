@@ -3,7 +3,8 @@
 A `QuantizedWeight` is MLX's packed form (`mx.quantize`'s output): `values` uint32, `scales`
 (uint8 E8M0 for `mxfp4`/`mxfp8`; float for `affine`), `biases` (affine only). `linear(x, w)` is
 `x @ w.T` for a plain array and `mx.quantized_matmul` for a quantized one, so the model code does
-not branch on the format.
+not branch on the format. A projection over many rows (prefill) dequantizes the weight for that batch
+and runs a dense matmul instead (`DENSE_MIN_ROWS`).
 """
 
 from __future__ import annotations
@@ -42,11 +43,6 @@ class QuantizedWeight:
         out = mx.dequantize(self.values, self.scales, self.biases, group_size=self.group_size, bits=self.bits, mode=self.mode)
         return out.astype(dtype)
 
-    def __getitem__(self, index) -> "QuantizedWeight":
-        """Rows of the leading (expert) axis."""
-        b = None if self.biases is None else self.biases[index]
-        return QuantizedWeight(self.values[index], self.scales[index], b, self.mode, self.bits, self.group_size)
-
     def with_float_dtype(self, dtype: mx.Dtype) -> "QuantizedWeight":
         """Affine scales/biases follow the compute dtype (E8M0 scales are bytes and stay)."""
         if self.mode != "affine":
@@ -55,6 +51,19 @@ class QuantizedWeight:
 
 
 Weight = mx.array | QuantizedWeight
+
+# A projection over at least this many rows dequantizes its weight (transiently: for one batch, never a
+# resident float copy) and runs a dense matmul; fewer rows (decode, short chunks) run quantized_matmul on
+# the packed weight. quantized_matmul reads ~2-4x fewer bytes, which is what decode is bound by, but with
+# many rows the product is compute-bound and the quantized gemm kernels are slower than the dense one
+# (the H200 prefilled 0.61x as fast as bf16 with quantized_matmul at 4096 rows, docs/BENCHMARKS.md
+# "Issue 13"); the dequantization, one pass over the weight, is then small next to the gemm. Callers that
+# split a batch into blocks decide once by the batch's rows (`for_rows`), so a row's result never depends
+# on how the batch is tiled. It can depend on the batch's size, in the last bits: the two paths sum in a
+# different order, so a quantized model's row computed in a step below and in one above the threshold
+# (a short last chunk, a resumed prefix, decode beside a large prefill) differs by ~1e-6 of the largest output (float32) —
+# bit-identity across batch compositions holds for plain weights only (a GPU gemm's never does anyway).
+DENSE_MIN_ROWS = 256
 
 
 def quantize(w: mx.array, mode: str, group_size: int) -> QuantizedWeight:
@@ -66,8 +75,19 @@ def quantize(w: mx.array, mode: str, group_size: int) -> QuantizedWeight:
     return QuantizedWeight(parts[0], parts[1], biases, mlx_mode, bits, group_size)
 
 
+def for_rows(w: Weight, rows: int, dtype: mx.Dtype) -> Weight:
+    """The weight a projection over a batch of `rows` rows computes with: dequantized to `dtype` at
+    DENSE_MIN_ROWS rows or more, else as it is. The result is lazy and lives as long as the caller
+    holds it (one layer's step)."""
+    if isinstance(w, QuantizedWeight) and rows >= DENSE_MIN_ROWS:
+        return w.dequantize(dtype)
+    return w
+
+
 def linear(x: mx.array, w: Weight) -> mx.array:
-    """x: [..., in] -> [..., out] against w: [out, in] (plain or quantized)."""
+    """x: [..., in] -> [..., out] against w: [out, in] (plain or quantized; many rows of x dequantize
+    a quantized w for this call, `for_rows`)."""
+    w = for_rows(w, x.size // x.shape[-1], x.dtype)
     if isinstance(w, QuantizedWeight):
         return mx.quantized_matmul(x, w.values, w.scales, w.biases, transpose=True, group_size=w.group_size, bits=w.bits, mode=w.mode)
     return x @ w.T
@@ -75,6 +95,7 @@ def linear(x: mx.array, w: Weight) -> mx.array:
 
 def grouped_linear(x: mx.array, w: Weight, groups: int) -> mx.array:
     """x: [G, B, in] -> [G, B, out / G]: group g through rows [g·out/G, (g+1)·out/G) of w: [out, in]."""
+    w = for_rows(w, x.shape[1], x.dtype)
     if isinstance(w, QuantizedWeight):
         split = QuantizedWeight(
             w.values.reshape(groups, -1, w.values.shape[-1]), w.scales.reshape(groups, -1, w.scales.shape[-1]),

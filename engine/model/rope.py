@@ -1,4 +1,4 @@
-"""V4's interleaved RoPE on the trailing `dim` channels of each head (DESIGN.md §2).
+"""V4's interleaved RoPE on the trailing `dim` channels of each head.
 
 Two tables exist: "main" (window-only layers, plain RoPE) and "compress" (CSA/HCA layers, their
 compressors and the indexer; YaRN in the released models). Frequencies follow transformers'

@@ -3,7 +3,7 @@ top-k, attention, MoE, other) and, when asked, the indexer's selected rows per l
 
 MLX is lazy: a stage's time is only its own if the graph is evaluated at the stage boundary. Two
 kinds of evaluation points exist. `boundary()` always evaluates: the tile loop relies on it to keep
-one tile's scratch alive at a time (DESIGN.md §3), the layer loop to keep one layer's graph.
+one tile's scratch alive at a time (docs/ARCHITECTURE.md, "Tiling invariants"), the layer loop to keep one layer's graph.
 `stage()` evaluates only with `stage_sync` on: each such sync drains the GPU's queue while Python
 builds the next ops, so without it a stage's time is charged to the next point that does evaluate
 (coarser attribution, fewer bubbles).

@@ -122,3 +122,12 @@ def stacked_expert_names(cfg: ModelConfig) -> dict[str, list[str]]:
         for w in ("w1", "w2", "w3"):
             out[f"layers.{i}.ffn.experts.{w}"] = [f"layers.{i}.ffn.experts.{e}.{w}.weight" for e in range(cfg.n_routed_experts)]
     return out
+
+
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+def layer_of(name: str) -> int | None:
+    """`layers.3.attn.wkv.weight` -> 3; None for the model-wide tensors (embedding, head, final norms)."""
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None

@@ -1,11 +1,13 @@
-"""The engine thread and its asyncio bridge (DESIGN.md §1, STYLE.md §5).
+"""The engine thread and its asyncio bridge (docs/ARCHITECTURE.md, "Threads").
 
 `EngineLoop` owns the runner (and so MLX) on one thread and runs `step()` = schedule -> execute ->
 postprocess until there is no work, then sleeps on a condition variable. Other threads only queue requests,
 abort them and read stats; they touch the scheduler under the loop's lock and never touch the runner, so
-`runner.add_request/execute/release` all happen on the engine thread and never overlap.
+every `runner.execute` happens on the engine thread. The plan tells the runner which requests to set up and
+which to drop, so the loop keeps no registry of its own. After every step that ran tokens the loop publishes
+a `StepStats` to its subscribers (the server's metrics are one).
 
-`AsyncEngine` is what the FastAPI side holds: `generate()` yields one request's events
+`AsyncEngine` is what the FastAPI side holds (an `EngineClient`): `generate()` yields one request's events
 (Token | Progress | Done | Error), carried from the engine thread by `loop.call_soon_threadsafe`.
 """
 
@@ -15,10 +17,12 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from typing import AsyncIterator, Callable, Iterable, Sequence
 
-from engine.serving.protocol import AdmissionError, Event, Runner, SamplingParams, StepOutput, StepPlan, is_terminal
+from engine.serving.protocol import (
+    AdmissionError, DecodeSlot, EngineStats, Error, Event, PrefillChunk, Runner, SampledToken, SamplingParams,
+    StepOutput, StepPlan, StepSink, StepStats, is_terminal,
+)
 from engine.serving.request import Request
 from engine.serving.scheduler import RequestEvent, Scheduler, SchedulerConfig
 
@@ -28,48 +32,9 @@ EmitFn = Callable[[str, Event], None]
 """Receives every event, on whichever thread produced it, under the loop's lock: it must not block."""
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    reserved_cache_bytes: int  # admitted requests' caches at max length (KV usage = this / memory_budget_bytes)
-    memory_budget_bytes: int | None
-    num_steps_total: int
-    num_failed_steps_total: int  # steps whose runner raised (their requests got an Error)
-    num_prefill_tokens_total: int
-    num_decode_tokens_total: int
-    last_step_num_tokens: int
-    last_step_seconds: Mapping[str, float]  # schedule, execute, postprocess
-    last_stage_seconds: Mapping[str, float]  # the runner's breakdown of execute (StepOutput.stage_seconds)
-    memory: Mapping[str, int]  # runner.memory_snapshot(), taken on the engine thread after the last step
-    is_alive: bool  # the engine thread is running
-    is_accepting: bool  # False once shutdown began
-
-
-@dataclass
-class _Counters:
-    """Mutable step counters, read into EngineStats under the lock."""
-
-    num_steps_total: int = 0
-    num_failed_steps_total: int = 0
-    num_prefill_tokens_total: int = 0
-    num_decode_tokens_total: int = 0
-    last_step_num_tokens: int = 0
-    last_step_seconds: dict[str, float] = field(default_factory=dict)
-    last_stage_seconds: dict[str, float] = field(default_factory=dict)
-    memory: dict[str, int] = field(default_factory=dict)
-
-    def record(self, plan: StepPlan, output: StepOutput, step_seconds: dict[str, float]) -> None:
-        self.num_steps_total += 1
-        self.num_decode_tokens_total += len(plan.decodes)
-        self.num_prefill_tokens_total += plan.num_tokens - len(plan.decodes)
-        self.last_step_num_tokens = plan.num_tokens
-        self.last_step_seconds = step_seconds
-        self.last_stage_seconds = dict(output.stage_seconds)
-
-
 class EngineLoop:
-    """One thread that owns the runner. `submit`, `abort`, `stats`, `shutdown` may be called from any thread."""
+    """One thread that owns the runner. `submit`, `abort`, `stats`, `subscribe`, `shutdown` may be called from
+    any thread."""
 
     _STOP_GRACE_S = 30.0  # how long shutdown waits for the step in flight after aborting everything
     _IDLE_RETRY_S = 0.01  # guard against spinning if work exists but nothing could be scheduled
@@ -83,15 +48,18 @@ class EngineLoop:
         eos_token_ids: Iterable[int] = (),
     ):
         self._runner = runner
-        self._scheduler = Scheduler(config, runner.cache_bytes_at, eos_token_ids=eos_token_ids)
+        self._scheduler = Scheduler(
+            config, runner.cache_bytes_at, eos_token_ids=eos_token_ids, prefix_match=runner.match_prefix
+        )
         self._emit = emit
         self._cv = threading.Condition()  # guards the scheduler and everything below
-        self._pending_release: list[str] = []  # finished requests whose runner state is still to be released
-        self._counters = _Counters()
+        self._sinks: tuple[StepSink, ...] = ()
+        self._memory: dict[str, int] = {}  # the runner's last memory snapshot
         self._is_accepting = True
         self._is_stopping = False
+        self._is_dead = False  # the engine thread died of an error: terminal, nothing runs any more
+        self._on_death: Callable[[], None] | None = None
         self._thread: threading.Thread | None = None
-        self._registered: set[str] = set()  # engine thread only: requests the runner knows
 
     # ---- any thread ----------------------------------------------------------------------------
 
@@ -101,37 +69,40 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="tessera-engine", daemon=True)
         self._thread.start()
 
+    def on_death(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (on the dying engine thread) if the loop dies of an error, after its requests failed."""
+        self._on_death = callback
+
     def submit(self, request: Request) -> None:
         """Queue a request; raises AdmissionError (nothing queued) if it is refused."""
         with self._cv:
+            if self._is_dead:
+                raise AdmissionError("shutting_down", "the engine has stopped after an internal error")
             if not self._is_accepting:
                 raise AdmissionError("shutting_down", "the server is shutting down and takes no new requests")
             self._scheduler.add(request)
             self._cv.notify_all()
 
     def abort(self, request_id: str) -> None:
-        """End a request now (Done 'abort'); its runner state is released at the start of the next step."""
+        """End a request now (Done 'abort'); its runner state is released by the next plan."""
         with self._cv:
             self._dispatch(self._scheduler.abort(request_id))
             self._cv.notify_all()
 
+    def subscribe(self, sink: StepSink) -> None:
+        with self._cv:
+            self._sinks = (*self._sinks, sink)
+
     def stats(self) -> EngineStats:
         with self._cv:
-            c = self._counters
             return EngineStats(
                 num_running=self._scheduler.num_running,
                 num_waiting=self._scheduler.num_waiting,
+                num_unprefilled_tokens=self._scheduler.num_unprefilled_tokens,
                 reserved_cache_bytes=self._scheduler.num_reserved_bytes,
                 memory_budget_bytes=self._scheduler.config.memory_budget_bytes,
-                num_steps_total=c.num_steps_total,
-                num_failed_steps_total=c.num_failed_steps_total,
-                num_prefill_tokens_total=c.num_prefill_tokens_total,
-                num_decode_tokens_total=c.num_decode_tokens_total,
-                last_step_num_tokens=c.last_step_num_tokens,
-                last_step_seconds=dict(c.last_step_seconds),
-                last_stage_seconds=dict(c.last_stage_seconds),
-                memory=dict(c.memory),
-                is_alive=self._thread is not None and self._thread.is_alive(),
+                memory=dict(self._memory),
+                is_alive=self._thread is not None and self._thread.is_alive() and not self._is_dead,
                 is_accepting=self._is_accepting,
             )
 
@@ -155,31 +126,28 @@ class EngineLoop:
 
     def step(self) -> bool:
         """Run one step: schedule -> execute -> postprocess. False when there was nothing to do."""
-        has_released = self._release_pending()
         started = time.perf_counter()
         with self._cv:
             plan = self._scheduler.schedule()
-            new_requests = [self._scheduler.get(i) for i in plan.request_ids if i not in self._registered]
-        scheduled = time.perf_counter()
         if plan.is_empty:
-            if has_released:
-                self._snapshot_memory()
-            return has_released
+            return False
+        scheduled = time.perf_counter()
         try:
-            self._register(r for r in new_requests if r is not None)
             output = self._runner.execute(plan)
-        except Exception as exc:  # fail this step's requests only; the loop and everyone else go on
-            logger.exception("step failed for requests %s", ", ".join(plan.request_ids))
-            self._fail_plan(plan, exc)
-            return True
+        except Exception as exc:  # find the request(s) that make it fail; everyone else goes on
+            logger.exception("step failed for requests %s; retrying them in halves", ", ".join(plan.request_ids))
+            output = self._isolate_failure(plan, exc)
+            if output is None:
+                self._publish(plan, None, {"schedule": scheduled - started,
+                                           "execute": time.perf_counter() - scheduled})
+                return True
         executed = time.perf_counter()
         with self._cv:
             self._dispatch(self._scheduler.postprocess(plan, output))
-            seconds = {"schedule": scheduled - started, "execute": executed - scheduled}
-            seconds["postprocess"] = time.perf_counter() - executed
-            self._counters.record(plan, output, seconds)
             self._cv.notify_all()  # shutdown waits for the scheduler to drain
-        self._release_pending()
+        seconds = {"schedule": scheduled - started, "execute": executed - scheduled}
+        seconds["postprocess"] = time.perf_counter() - executed
+        self._publish(plan, output, seconds)
         self._snapshot_memory()
         return True
 
@@ -192,59 +160,119 @@ class EngineLoop:
         return num_steps
 
     def _run(self) -> None:
-        self._snapshot_memory()
-        while self._wait_for_work():
+        try:
+            self._snapshot_memory()
+            while self._wait_for_work():
+                try:
+                    has_run = self.step()
+                except Exception:  # a bug outside the runner: fail everything rather than spin on it
+                    logger.exception("engine step failed outside the runner; failing all requests")
+                    with self._cv:
+                        self._dispatch(self._scheduler.fail(self._scheduler.request_ids, "internal engine error"))
+                    has_run = True
+                if not has_run:
+                    with self._cv:
+                        self._cv.wait(self._IDLE_RETRY_S)
+            self._release_finished()
+        except BaseException:  # noqa: B036 — whatever kills the thread, nobody may be left waiting on it
+            logger.critical("the engine thread died; failing every request", exc_info=True)
+            self._die()
+
+    def _die(self) -> None:
+        """Terminal: refuse new requests, end every request with an Error now, tell the owner."""
+        with self._cv:
+            self._is_dead = True
+            self._is_accepting = False
+            self._dispatch(self._scheduler.fail(self._scheduler.request_ids,
+                                                "the engine stopped after an internal error"))
+            self._cv.notify_all()
+        if self._on_death is not None:
             try:
-                has_run = self.step()
-            except Exception:  # a bug outside the runner: fail everything rather than spin on it
-                logger.exception("engine step failed outside the runner; failing all requests")
-                with self._cv:
-                    self._dispatch(self._scheduler.fail(self._scheduler.request_ids, "internal engine error"))
-                has_run = True
-            if not has_run:
-                with self._cv:
-                    self._cv.wait(self._IDLE_RETRY_S)
-        self._release_pending()
-        self._release(list(self._registered))
+                self._on_death()
+            except Exception:
+                logger.exception("engine death callback failed")
 
     def _wait_for_work(self) -> bool:
         """Sleep until there is work or a stop; True to go on stepping."""
         with self._cv:
-            self._cv.wait_for(lambda: self._is_stopping or self._scheduler.has_work or bool(self._pending_release))
+            self._cv.wait_for(
+                lambda: self._is_stopping or self._scheduler.has_work or self._scheduler.has_finished_to_release
+            )
             return not self._is_stopping
 
-    def _register(self, requests: Iterable[Request]) -> None:
-        # A request meets the runner on its first scheduled step, after admission: waiting requests hold no
-        # runner state, matching the scheduler's memory accounting.
-        for request in requests:
-            self._runner.add_request(request.request_id, request.prompt_ids, request.sampling)
-            self._registered.add(request.request_id)
-
-    def _fail_plan(self, plan: StepPlan, exc: Exception) -> None:
-        message = f"internal error while running this request: {type(exc).__name__}: {exc}"
+    def _release_finished(self) -> None:
+        """On stop: one last plan that only releases what finished (shutdown aborted everything)."""
         with self._cv:
-            self._dispatch(self._scheduler.fail(plan.request_ids, message))
-            self._counters.num_failed_steps_total += 1
+            plan = self._scheduler.take_finished()
+        if plan.is_empty:
+            return
+        try:
+            self._runner.execute(plan)
+        except Exception:
+            logger.exception("releasing %s failed", ", ".join(plan.finished_request_ids))
+
+    def _isolate_failure(self, plan: StepPlan, exc: Exception) -> StepOutput | None:
+        """The step raised: re-run its requests in halves until each failing one runs alone, and fail only those.
+
+        Returns the survivors' merged output (postprocess skips the failed requests: they are gone from the
+        scheduler), or None if every request failed. A batch of B costs at most ~2·log2(B) extra runs per
+        culprit. Relies on the Runner contract that a raising `execute` leaves the requests' state as before its
+        tokens ran (runner.py rolls its caches back); the plan's setup and release already happened, so the
+        retries carry tokens only."""
+        sampled: list[SampledToken] = []
+        culprits: dict[str, Exception] = {}
+
+        def retry(sub: StepPlan, error: Exception) -> None:
+            if len(sub.request_ids) == 1:
+                culprits[sub.request_ids[0]] = error
+                return
+            for half in _halves(sub):
+                try:
+                    sampled.extend(self._runner.execute(half).sampled)
+                except Exception as half_error:
+                    retry(half, half_error)
+
+        retry(StepPlan(decodes=plan.decodes, prefill=plan.prefill), exc)
+        for request_id, error in culprits.items():
+            logger.error("request %s fails the step on its own; failing it: %s: %s", request_id,
+                         type(error).__name__, error, exc_info=error)
+        with self._cv:
+            # The client sees a generic message with its request id; the detail (above) stays in the log.
+            for request_id in culprits:
+                self._dispatch(self._scheduler.fail(
+                    [request_id], f"internal error in request {request_id}; the server log has the details"))
             self._cv.notify_all()
-        self._release_pending()
-        self._snapshot_memory()
+        if len(culprits) == len(plan.request_ids):
+            self._snapshot_memory()
+            return None
+        return StepOutput(sampled=tuple(sampled))
 
-    def _release_pending(self) -> bool:
-        """Release the runner state of requests that finished since the last call; True if there were any."""
-        with self._cv:
-            request_ids, self._pending_release = self._pending_release, []
-        self._release(request_ids)
-        return bool(request_ids)
+    def _prefix_cache_counts(self, plan: StepPlan) -> dict[str, int]:
+        if not self._scheduler.config.prefix_cache_bytes:
+            return {}
+        return {
+            "num_prefix_cache_queried_tokens": sum(len(new.prompt_ids) for new in plan.new_requests),
+            "num_prefix_cache_hit_tokens": sum(new.num_cached_tokens for new in plan.new_requests),
+        }
 
-    def _release(self, request_ids: Sequence[str]) -> None:
-        for request_id in request_ids:
-            if request_id not in self._registered:
-                continue  # finished before the runner ever saw it
-            self._registered.discard(request_id)
+    def _publish(self, plan: StepPlan, output: StepOutput | None, seconds: dict[str, float]) -> None:
+        """Hand the step's statistics to every subscriber (a step that only released requests has none)."""
+        if plan.num_tokens == 0:
+            return
+        stats = StepStats(
+            num_prefill_tokens=plan.num_prefill_tokens,
+            num_decode_tokens=plan.num_decode_tokens,
+            num_sampled_tokens=len(output.sampled) if output is not None else 0,
+            stage_seconds=dict(output.stage_seconds) if output is not None else {},
+            step_seconds=seconds,
+            failed=output is None,
+            **self._prefix_cache_counts(plan),
+        )
+        for sink in self._sinks:
             try:
-                self._runner.release(request_id)
+                sink(stats)
             except Exception:
-                logger.exception("runner.release(%r) failed", request_id)
+                logger.exception("step statistics subscriber %r failed", sink)
 
     def _snapshot_memory(self) -> None:
         # On the engine thread: the runner's memory queries touch MLX, which only this thread may.
@@ -254,7 +282,7 @@ class EngineLoop:
             logger.exception("runner.memory_snapshot() failed")
             return
         with self._cv:
-            self._counters.memory = memory
+            self._memory = memory
 
     def _dispatch(self, events: list[RequestEvent]) -> None:
         """Send events (caller holds the lock, so a request's events keep their order across threads)."""
@@ -263,8 +291,18 @@ class EngineLoop:
                 self._emit(request.request_id, event)
             except Exception:
                 logger.exception("event sink failed for %r", request.request_id)
-            if request.is_finished:
-                self._pending_release.append(request.request_id)
+
+
+def _halves(plan: StepPlan) -> tuple[StepPlan, StepPlan]:
+    """A tokens-only plan split into two with about half its requests each (the prefill goes with the second)."""
+    items: list[DecodeSlot | PrefillChunk] = [*plan.decodes, *([plan.prefill] if plan.prefill else [])]
+    middle = len(items) // 2
+
+    def plan_of(part: list[DecodeSlot | PrefillChunk]) -> StepPlan:
+        prefill = next((item for item in part if isinstance(item, PrefillChunk)), None)
+        return StepPlan(decodes=tuple(item for item in part if isinstance(item, DecodeSlot)), prefill=prefill)
+
+    return plan_of(items[:middle]), plan_of(items[middle:])
 
 
 class RequestStream:
@@ -299,12 +337,15 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """The server's handle on the engine: submit/generate, abort, stats, start, shutdown."""
+    """The server's handle on the engine (an `EngineClient`): submit/generate, abort, stats, subscribe, start,
+    shutdown."""
 
     def __init__(self, runner: Runner, config: SchedulerConfig, *, eos_token_ids: Iterable[int] = ()):
         self._streams: dict[str, RequestStream] = {}
         self._streams_lock = threading.Lock()
+        self._death_callbacks: list[Callable[[], None]] = []
         self._engine = EngineLoop(runner, config, self._deliver, eos_token_ids=eos_token_ids)
+        self._engine.on_death(self._fail_open_streams)
 
     def start(self) -> None:
         self._engine.start()
@@ -315,6 +356,10 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self._engine.stats()
+
+    def subscribe(self, sink: StepSink) -> None:
+        """Call `sink` with every step's StepStats, on the engine thread, from now on."""
+        self._engine.subscribe(sink)
 
     def abort(self, request_id: str) -> None:
         """End a request (the client went away). Its cache is released within one step; unknown ids: no-op."""
@@ -349,6 +394,19 @@ class AsyncEngine:
         finally:
             if not stream.is_finished:
                 self.abort(request_id)
+
+    def on_death(self, callback: Callable[[], None]) -> None:
+        """Also call `callback` (on the engine thread) once every open stream got its Error, if the engine dies."""
+        self._death_callbacks.append(callback)
+
+    def _fail_open_streams(self) -> None:
+        # The loop failed what its scheduler held; a stream it never saw (mid-submit) must not wait forever.
+        with self._streams_lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.put_threadsafe(Error("the engine stopped after an internal error"))
+        for callback in self._death_callbacks:
+            callback()
 
     def _deliver(self, request_id: str, event: Event) -> None:
         with self._streams_lock:

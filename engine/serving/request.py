@@ -1,4 +1,5 @@
-"""One request's whole state, as the scheduler sees it (STYLE.md: one object, derived numbers are properties).
+"""One request's whole state, as the scheduler sees it: one object, derived numbers are properties. The engine
+keeps no other per-request record; the runner's cache and the server's stream are keyed by its id.
 
 Token accounting follows vLLM v1: `num_computed_tokens` counts tokens whose keys/values the runner has
 written into the request's cache. A prefill catches it up to the prompt; the chunk that completes the prompt
@@ -29,11 +30,14 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens restored from the prefix cache (None: not looked up yet)
     status: RequestStatus = RequestStatus.WAITING
     admitted_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     finish_reason: FinishReason | None = None
+    reserved_bytes: int = 0  # cache bytes reserved at admission (at its longest), freed when it finishes
+    is_started: bool = False  # a plan has handed it to the runner, so a later plan must release it
 
     def __post_init__(self) -> None:
         self.prompt_ids = tuple(self.prompt_ids)  # any sequence in; immutable inside

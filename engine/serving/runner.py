@@ -3,26 +3,46 @@
 One step = all running decodes plus at most one prefill chunk, run as one flat batch of segments;
 then one token is sampled for every decode and for a prefill chunk that completes its prompt.
 Owns each request's cache, token history and random stream, keyed by request id.
+
+Structured outputs: a request's TokenConstraint mask for this step's token is computed on the host while the
+model step evaluates (`mx.async_eval`), so grammar work overlaps the forward pass instead of following it.
+Prompt logprobs: a prefill chunk of a request that asked for them runs the lm head on all its rows (only
+then), and the chunk's prompt logprobs come back in the StepOutput: no second pass, whatever the chunking.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 
-from engine.model.cache import SequenceCache
+from engine.model.cache import SequenceCache, resume_state
 from engine.model.config import ModelConfig
 from engine.model.dtypes import dtype_name
 from engine.model.loader import load_model
-from engine.model.memory_plan import cache_bytes_at, make_plan
+from engine.model.memory_plan import attention_call_elements, cache_bytes_at, make_plan, tile_array_elements
+from engine.model.quantized import QuantizedWeight
 from engine.model.deepseek_v4 import DeepseekV4, Segment
-from engine.serving.protocol import SampledToken, SamplingParams, StepOutput, StepPlan
+import numpy as np
+
+from engine.serving.prefix_cache import Lineage, PrefixCache, PrefixNode
+from engine.serving.protocol import (
+    PrefillChunk,
+    PromptLogprob,
+    PromptLogprobs,
+    SampledToken,
+    SamplingParams,
+    StepOutput,
+    StepPlan,
+)
 from engine.serving.sampler import RequestRng, TokenHistory, sample
 from engine.model.trace import ForwardTrace
 
+
+logger = logging.getLogger(__name__)
 
 GPU_MAX_SORT_ROWS = 65535
 GPU_MAX_ARRAY_ELEMENTS = 2**31 - 1
@@ -34,12 +54,18 @@ def gpu_limit_errors(cfg: ModelConfig, prefill_chunk: int, indexer_tile: int, ma
     if prefill_chunk > GPU_MAX_SORT_ROWS:
         problems.append(f"prefill_chunk ({prefill_chunk}) must be ≤ {GPU_MAX_SORT_ROWS} on the GPU: MLX's GPU "
                         "sorts (MoE routing) reject more rows in one call")
-    plan = make_plan(cfg, max_context, prefill_chunk, indexer_tile)
-    logits = next(b.nbytes // 4 for b in plan.attention if b.name == "attention_logits")
-    if logits > GPU_MAX_ARRAY_ELEMENTS:
+    tile_elements = tile_array_elements(cfg, max_context, indexer_tile)
+    if tile_elements > GPU_MAX_ARRAY_ELEMENTS:
         problems.append(f"indexer_tile ({indexer_tile}) is too large for max_context {max_context} on the GPU: a "
-                        f"tile's attention logits would have {logits:,} elements, more than MLX's CUDA kernels "
-                        f"index ({GPU_MAX_ARRAY_ELEMENTS:,}; measured: an illegal memory access); use a smaller tile")
+                        f"tile's indexer scores or gathered rows would have {tile_elements:,} elements, more than "
+                        f"MLX's CUDA kernels index ({GPU_MAX_ARRAY_ELEMENTS:,}); use a smaller tile")
+    # Attention logits exist one ATTENTION_ROWS block per call whatever the tile: the largest is one
+    # block's over the widest layer's rows (HCA at max_context).
+    logits = attention_call_elements(cfg, max_context)
+    if logits > GPU_MAX_ARRAY_ELEMENTS:
+        problems.append(f"max_context ({max_context}) is too large for this model on the GPU: one attention "
+                        f"block's logits would have {logits:,} elements, more than MLX's CUDA kernels index "
+                        f"({GPU_MAX_ARRAY_ELEMENTS:,}; measured: an illegal memory access); use a smaller max_context")
     return problems
 
 
@@ -49,6 +75,37 @@ class _Sequence:
     sampling: SamplingParams
     history: TokenHistory
     rng: RequestRng
+    lineage: Lineage
+    prompt_ids: tuple[int, ...]
+
+
+def _restorer(seq: _Sequence) -> Callable[[], None]:
+    """A function that puts a sequence's cache (and its pending prefix state) back to how they are now. The
+    forward pass only appends rows past each buffer's `num_rows` and rebinds windows and compressor frontiers
+    (it never writes into kept arrays), so the counts and references are the whole state."""
+    cache, pending = seq.cache, seq.lineage.pending
+    num_tokens, num_ids = cache.num_tokens, len(cache.token_ids)
+    layers = [
+        (layer, layer.window, layer.compressed.num_rows if layer.compressed else 0,
+         layer.index_keys.num_rows if layer.index_keys else 0,
+         replace(layer.compressor) if layer.compressor else None,
+         replace(layer.indexer_compressor) if layer.indexer_compressor else None)
+        for layer in cache.layers
+    ]
+
+    def restore() -> None:
+        cache.num_tokens = num_tokens
+        del cache.token_ids[num_ids:]
+        seq.lineage.pending = pending
+        for layer, window, num_compressed, num_index_keys, compressor, indexer_compressor in layers:
+            layer.window = window
+            if layer.compressed is not None:
+                layer.compressed.num_rows = num_compressed
+            if layer.index_keys is not None:
+                layer.index_keys.num_rows = num_index_keys
+            layer.compressor, layer.indexer_compressor = compressor, indexer_compressor
+
+    return restore
 
 
 class ModelRunner:
@@ -59,6 +116,7 @@ class ModelRunner:
         indexer_tile: int,
         max_context: int | None = None,
         stage_timing_interval: int = 1,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         if not 1 <= indexer_tile <= prefill_chunk:
             raise ValueError(f"indexer_tile ({indexer_tile}) must be between 1 and prefill_chunk ({prefill_chunk})")
@@ -75,32 +133,127 @@ class ModelRunner:
         self.stage_timing_interval = stage_timing_interval
         self._prefill_steps = 0
         self._sequences: dict[str, _Sequence] = {}
+        # 0 bytes: no prefix cache. Its bytes come out of the memory budget (scheduler.py).
+        self.prefix_cache = PrefixCache(model.cfg, model.dtype, prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        # request -> the cache match_prefix restored for it and the node it came from, until a plan adds it
+        self._restored: dict[str, tuple[SequenceCache, PrefixNode]] = {}
         self._weights_bytes = sum(w.nbytes for w in model.weights.values())
-        self._planned_workspace = make_plan(model.cfg, self.max_context, prefill_chunk, indexer_tile, dtype_name(model.dtype)).workspace_bytes
+        self._planned_workspace = make_plan(model.cfg, self.max_context, prefill_chunk, indexer_tile,
+                                            dtype_name(model.dtype), _quantized_dense(model)).workspace_bytes
+
+    def set_prefix_cache_bytes(self, capacity_bytes: int) -> None:
+        """Size (or turn off, 0) the prefix cache before the first request; the factory knows the budget only
+        after the model is loaded."""
+        if self._sequences:
+            raise RuntimeError("the prefix cache is sized before any request runs")
+        self.prefix_cache = PrefixCache(self.model.cfg, self.model.dtype, capacity_bytes) if capacity_bytes > 0 else None
 
     # ---- Runner protocol -----------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
-        self._sequences[request_id] = _Sequence(self.model.new_cache(), sampling, TokenHistory(prompt_ids), RequestRng(sampling.seed))
+    def match_prefix(self, request_id: str, prompt_ids: Sequence[int]) -> int:
+        """Leading prompt tokens this request starts with from the prefix cache (0: none). Restores them now,
+        into a cache of the request's own, so releases in the coming step cannot evict them first."""
+        if self.prefix_cache is None:
+            return 0
+        node = self.prefix_cache.longest_prefix(prompt_ids)
+        self.prefix_cache.count_query(len(prompt_ids), node.num_tokens if node else 0)
+        if node is None:
+            return 0
+        self._restored[request_id] = (self.prefix_cache.restore(node, prompt_ids), node)
+        return node.num_tokens
 
     def execute(self, plan: StepPlan) -> StepOutput:
+        """Drop the plan's finished requests, set up its new ones, then run its tokens as one batch."""
+        for request_id in plan.finished_request_ids:
+            self.release(request_id)
+        for new in plan.new_requests:
+            self.add_request(new.request_id, new.prompt_ids, new.sampling, new.num_cached_tokens)
+        restores = [_restorer(self._sequences[r]) for r in plan.request_ids if r in self._sequences]
+        try:
+            return self._run(plan)
+        except Exception:
+            # The Runner contract: a failed step leaves its requests as they were, so the engine can re-run
+            # them without the one that fails (engine_loop.EngineLoop._isolate_failure). Sampling state
+            # (history, random stream) only moves after a successful forward.
+            for restore in restores:
+                restore()
+            raise
+
+    def add_request(
+        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, num_cached_tokens: int = 0
+    ) -> None:
+        """Set up one request's cache, history and random stream (a plan's `new_requests` come here); with
+        cached tokens, the cache `match_prefix` restored."""
+        cache, node = self._restored.pop(request_id, (None, None))
+        if num_cached_tokens and (cache is None or cache.num_tokens != num_cached_tokens):
+            raise RuntimeError(
+                f"{request_id!r}: planned to start at token {num_cached_tokens}, no such prefix restored"
+            )
+        if not num_cached_tokens:
+            cache, node = self.model.new_cache(), None
+        lineage = Lineage(node=node)
+        self._sequences[request_id] = _Sequence(
+            cache, sampling, TokenHistory(prompt_ids), RequestRng(sampling.seed), lineage, tuple(prompt_ids)
+        )
+
+    def _run(self, plan: StepPlan) -> StepOutput:
         ids, segments = [], []
         for slot in plan.decodes:
             ids.append(slot.request_id)
             segments.append(Segment(self._sequences[slot.request_id].cache, [slot.token_id]))
         sampled_ids = list(ids)
+        wants_prompt_logprobs = False
         if plan.prefill is not None:
             chunk = plan.prefill
-            segments.append(Segment(self._sequences[chunk.request_id].cache, list(chunk.token_ids)))
+            seq = self._sequences[chunk.request_id]
+            cache = seq.cache
+            if cache.num_tokens != chunk.start:  # a prefix restore and the scheduler disagree: never run on it
+                raise RuntimeError(
+                    f"{chunk.request_id!r}: the chunk starts at token {chunk.start}, its cache holds {cache.num_tokens}"
+                )
+            segments.append(Segment(cache, list(chunk.token_ids)))
+            wants_prompt_logprobs = seq.sampling.prompt_logprobs is not None
             if chunk.is_last:
                 sampled_ids.append(chunk.request_id)
         if not segments:
             return StepOutput()
         timer = ForwardTrace(stage_sync=self._times_stages(plan))
-        logits = self.model.forward(segments, tile=self.indexer_tile, timer=timer)
+        # All rows of the prefill only when its request asked for prompt logprobs (a plain bool otherwise).
+        all_rows = [False] * len(plan.decodes) + [True] if wants_prompt_logprobs else False
+        logits = self.model.forward(segments, tile=self.indexer_tile, all_logits=all_rows, timer=timer)
+        self._save_prefixes(plan)
+        prompt_logprobs = ()
+        if wants_prompt_logprobs:
+            prompt_logprobs = (self._prompt_logprobs(plan.prefill, logits[-1]),)
+            logits[-1] = logits[-1][-1:]  # the last row is what samples
         rows = logits[: len(sampled_ids)]  # the prefill is last: its row only counts when it samples
         sampled = self._sample(sampled_ids, mx.concatenate(rows) if rows else None)
-        return StepOutput(sampled=tuple(sampled), stage_seconds=timer.as_dict())
+        return StepOutput(sampled=tuple(sampled), prompt_logprobs=prompt_logprobs, stage_seconds=timer.as_dict())
+
+    def _prompt_logprobs(self, chunk: PrefillChunk, logits: mx.array) -> PromptLogprobs:
+        """Row j of the chunk's logits [L, V] predicts prompt position chunk.start + j + 1; the last chunk's last
+        row predicts the first output token instead (sampled, not a prompt logprob)."""
+        seq = self._sequences[chunk.request_id]
+        end = min(chunk.start + len(chunk.token_ids), len(seq.prompt_ids) - 1)  # last prompt position predicted
+        num_rows = end - chunk.start
+        if num_rows <= 0:
+            return PromptLogprobs(chunk.request_id, chunk.start + 1, ())
+        rows = logits[:num_rows].astype(mx.float32)  # [n, V]
+        logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)  # raw distribution, as vLLM's prompt logprobs
+        targets = seq.prompt_ids[chunk.start + 1 : end + 1]
+        num_top = min(seq.sampling.prompt_logprobs or 0, rows.shape[1])
+        top_ids = mx.argpartition(-logprobs, num_top - 1, axis=-1)[:, :num_top] if num_top > 0 else None
+        mx.eval(logprobs, *([top_ids] if top_ids is not None else []))
+        values = np.array(logprobs)
+        entries = []
+        for j, target in enumerate(targets):
+            top: tuple[tuple[int, float], ...] = ()
+            if top_ids is not None:
+                ids = np.array(top_ids[j])
+                ids = ids[np.lexsort((ids, -values[j, ids]))]
+                top = tuple((int(i), float(values[j, i])) for i in ids)
+            entries.append(PromptLogprob(int(target), float(values[j, target]), top))
+        return PromptLogprobs(chunk.request_id, chunk.start + 1, tuple(entries))
 
     def _times_stages(self, plan: StepPlan) -> bool:
         if plan.prefill is None or not self.stage_timing_interval:
@@ -108,9 +261,38 @@ class ModelRunner:
         self._prefill_steps += 1
         return (self._prefill_steps - 1) % self.stage_timing_interval == 0  # the first one is timed
 
+    def _save_prefixes(self, plan: StepPlan) -> None:
+        """A prefill chunk ending on a block is saved now (requests behind it may share it at once); a
+        decode's latest block boundary is kept and saved when the request ends (one per request)."""
+        if self.prefix_cache is None:
+            return
+        block = self.prefix_cache.block_tokens
+        for slot in plan.decodes:
+            seq = self._sequences[slot.request_id]
+            if seq.cache.num_tokens % block == 0:
+                seq.lineage.pending = resume_state(seq.cache)
+        if plan.prefill is not None:
+            seq = self._sequences[plan.prefill.request_id]
+            if seq.cache.num_tokens % block == 0:
+                self.prefix_cache.save(seq.cache, seq.lineage)
+
     def release(self, request_id: str) -> None:
-        if self._sequences.pop(request_id, None) is not None:
+        """Drop one request's state; unknown ids are a no-op (a plan's `finished_request_ids` come here). Its
+        last decode block boundary goes into the prefix cache first."""
+        self._restored.pop(request_id, None)
+        seq = self._sequences.pop(request_id, None)
+        if seq is not None:
+            if self.prefix_cache is not None and seq.lineage.pending is not None:
+                self._save_ended(request_id, seq)
             mx.clear_cache()  # give the freed cache back, so memory returns to idle within the step
+
+    def _save_ended(self, request_id: str, seq: _Sequence) -> None:
+        # Releases run at the start of another plan's step: a failed save (the ended request's last step may have
+        # failed while its state was still lazy) loses a cache entry, never that step's requests.
+        try:
+            self.prefix_cache.save(seq.cache, seq.lineage, seq.lineage.pending)
+        except Exception:
+            logger.exception("saving the prefix of ended request %r failed; it is not cached", request_id)
 
     def cache_bytes_at(self, num_tokens: int) -> int:
         return cache_bytes_at(self.model.cfg, num_tokens, self.model.dtype.size)
@@ -119,6 +301,7 @@ class ModelRunner:
         return {
             "weights": self._weights_bytes,
             "kv_cache": sum(s.cache.nbytes for s in self._sequences.values()),
+            "prefix_cache": self.prefix_cache.nbytes if self.prefix_cache else 0,
             "planned_workspace": self._planned_workspace,
             "mlx_active": mx.get_active_memory(),
             "mlx_peak": mx.get_peak_memory(),
@@ -131,10 +314,16 @@ class ModelRunner:
         if logits is None:
             return []
         seqs = [self._sequences[r] for r in request_ids]
-        samples = sample(logits, [s.sampling for s in seqs], [s.history for s in seqs], [s.rng for s in seqs])
+        masks = None
+        if any(s.sampling.constraint is not None for s in seqs):
+            mx.async_eval(logits)  # the model step runs while the host computes the grammar masks
+            masks = [s.sampling.constraint.allowed_mask() if s.sampling.constraint is not None else None for s in seqs]
+        samples = sample(logits, [s.sampling for s in seqs], [s.history for s in seqs], [s.rng for s in seqs], masks)
         out = []
         for request_id, seq, s in zip(request_ids, seqs, samples):
             seq.history.append(s.token_id)
+            if seq.sampling.constraint is not None:
+                seq.sampling.constraint.accept(s.token_id)
             out.append(SampledToken(request_id, s.token_id, s.logprob, s.top_logprobs))
         return out
 
@@ -144,12 +333,21 @@ def default_compute_dtype() -> str:
     return "float32" if mx.default_device() == mx.cpu else None
 
 
+def _quantized_dense(model: DeepseekV4) -> bool:
+    """Whether any non-expert projection is held quantized (its prefill steps dequantize it: memory_plan)."""
+    return any(isinstance(w, QuantizedWeight) and ".experts." not in name for name, w in model.weights.items())
+
+
 def build_runner(
     model_dir: Path,
     prefill_chunk: int,
     indexer_tile: int,
     max_context: int | None = None,
     stage_timing_interval: int = 1,
+    prefix_cache_bytes: int = 0,
+    weights_dtype: str | None = None,
 ) -> ModelRunner:
-    model = load_model(Path(model_dir), dtype=default_compute_dtype())
-    return ModelRunner(model, prefill_chunk, indexer_tile, max_context, stage_timing_interval)
+    """weights_dtype: dequantize a quantized checkpoint's weights to this dtype at load (debugging,
+    `tessera serve --weights-dtype`); None computes on them quantized."""
+    model = load_model(Path(model_dir), dtype=default_compute_dtype(), weights_dtype=weights_dtype)
+    return ModelRunner(model, prefill_chunk, indexer_tile, max_context, stage_timing_interval, prefix_cache_bytes)

@@ -1,6 +1,7 @@
 """Next-token sampling on MLX: logits [B, V] -> one token per row, each row under its own SamplingParams.
 
 Pipeline per row, in vLLM v1's order:
+  allowed-token mask (structured outputs) -> min_tokens (stop tokens masked)                   (`restrict`)
   logit_bias -> repetition penalty -> frequency and presence penalties   (`penalize`: can change the argmax)
   greedy: argmax;  else temperature -> min_p -> top_k -> top_p -> draw   (`warp`)
 
@@ -90,16 +91,20 @@ def sample(
     params: Sequence[SamplingParams],
     histories: Sequence[TokenHistory],
     rngs: Sequence[RequestRng],
+    masks: Sequence[bytes | None] | None = None,
 ) -> list[Sample]:
     """Choose one token per row of `logits` [B, V]. Does not append to the histories: the caller does, once the
-    token is accepted."""
+    token is accepted. `masks[i]`: row i's allowed tokens (TokenConstraint.allowed_mask layout), None: all."""
     num_rows = logits.shape[0]
-    if not (len(params) == len(histories) == len(rngs) == num_rows):
+    masks = masks if masks is not None else [None] * num_rows
+    if not (len(params) == len(histories) == len(rngs) == len(masks) == num_rows):
         raise ValueError(
-            f"{num_rows} logit rows but {len(params)} params, {len(histories)} histories, {len(rngs)} rngs"
+            f"{num_rows} logit rows but {len(params)} params, {len(histories)} histories, {len(rngs)} rngs, "
+            f"{len(masks)} masks"
         )
     logits = logits.astype(mx.float32)
-    rows = [_choose(logits[i], params[i], histories[i], rngs[i]) for i in range(num_rows)]
+    rows = [_choose(restrict(logits[i], params[i], histories[i], masks[i]), params[i], histories[i], rngs[i])
+            for i in range(num_rows)]
     mx.eval([array for row in rows for array in row if array is not None])  # one sync for the whole batch
     return [_to_sample(*row) for row in rows]
 
@@ -108,6 +113,31 @@ def process_logits(row: mx.array, params: SamplingParams, history: TokenHistory)
     """The distribution a row is drawn from, as logits [V] (its log_softmax is what logprobs report)."""
     row = penalize(row, params, history)
     return row if _is_greedy(params) else warp(row, params)
+
+
+# ---- hard restrictions (structured outputs, min_tokens) ------------------------------------------------
+
+
+def restrict(row: mx.array, params: SamplingParams, history: TokenHistory, mask: bytes | None) -> mx.array:
+    """Disallowed tokens become -inf: those outside `mask`, and stop tokens before `min_tokens`. row: [V]."""
+    allowed = None if mask is None else unpack_mask(mask, row.shape[0])  # [V] bool
+    if params.min_tokens and history.num_output_tokens < params.min_tokens and params.stop_token_ids:
+        allowed = np.ones(row.shape[0], dtype=bool) if allowed is None else allowed.copy()
+        stop_ids = np.array([t for t in params.stop_token_ids if 0 <= t < row.shape[0]], dtype=np.int64)
+        kept = allowed.copy()
+        kept[stop_ids] = False
+        allowed = kept if kept.any() else allowed  # a grammar that can only end wins over min_tokens
+    if allowed is None:
+        return row
+    return mx.where(mx.array(allowed), row, -mx.inf)
+
+
+def unpack_mask(mask: bytes, vocab_size: int) -> np.ndarray:
+    """A packed allowed-token bitmask -> [vocab_size] bool (bits past the mask's end: not allowed)."""
+    bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")[:vocab_size].astype(bool)
+    if bits.shape[0] < vocab_size:
+        bits = np.concatenate([bits, np.zeros(vocab_size - bits.shape[0], dtype=bool)])
+    return bits
 
 
 # ---- argmax-changing adjustments ---------------------------------------------------------------------

@@ -1,21 +1,26 @@
 """Which tokens run next: admission, one step's plan, and the bookkeeping after it. No mlx import.
 
-Schedule tokens, not phases (vLLM v1, STYLE.md §2): each step runs every running request that is decoding
+Schedule tokens, not phases (vLLM v1): each step runs every running request that is decoding
 (one token each) and fills the rest of the token budget with at most one prefill chunk, taken from the oldest
 request still prefilling. So a 1M-token prompt delays the others' decoding by at most one chunk per step
-(DESIGN.md §1). Waiting requests are admitted FIFO while `max_num_seqs` and the memory budget allow; the
+(docs/ARCHITECTURE.md). Waiting requests are admitted FIFO while `max_num_seqs` and the memory budget allow; the
 head of the queue is never skipped, so a large request cannot starve behind a stream of small ones.
 
 Memory accounting is kept here (a number per request); the cache itself lives in the runner. A request
-reserves its cache at its longest possible length when it is admitted and frees it when it finishes
-(DESIGN.md §4).
+reserves its cache at its longest possible length when it is admitted and frees it when it finishes.
+
+With a prefix cache (engine/serving/prefix_cache.py) the runner is asked, as a request's first chunk is planned,
+how many leading prompt tokens it can restore; the request starts there, and chunks end on the cache's blocks.
+
+The plan also tells the runner which requests it meets for the first time and which finished since the last
+plan (vLLM's SchedulerOutput), so the scheduler's `Request` objects are the one record of every request.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
 from engine.serving.protocol import (
@@ -25,25 +30,29 @@ from engine.serving.protocol import (
     Error,
     Event,
     FinishReason,
+    NewRequest,
     PrefillChunk,
     Progress,
+    PromptLogprobs,
     SampledToken,
     StepOutput,
     StepPlan,
     Token,
 )
+from engine.serving.prefix_blocks import BLOCK_TOKENS, aligned_chunk_end
 from engine.serving.request import Request, RequestStatus
 
 __all__ = ["AdmissionError", "Scheduler", "SchedulerConfig", "RequestEvent"]
 
 RequestEvent = tuple[Request, Event]
+PrefixMatchFn = Callable[[str, tuple[int, ...]], int]  # (request id, prompt) -> leading tokens the runner restores
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     prefill_chunk: int = 4096
     """Token budget of one step: all decoding requests (one token each) plus at most one prefill chunk of
-    `prefill_chunk - num_decodes` tokens. It bounds the prefill workspace (DESIGN.md §4) and how long a decode
+    `prefill_chunk - num_decodes` tokens. It bounds the prefill workspace (engine/model/memory_plan.py) and how long a decode
     waits behind a prefill. Raise it for prefill throughput, lower it for smoother decoding."""
 
     max_num_seqs: int = 16
@@ -63,6 +72,12 @@ class SchedulerConfig:
     (prompt + max_tokens, capped by max_model_len). Weights and workspace are not in it: the caller subtracts
     them. None: admission is limited by `max_num_seqs` alone."""
 
+    prefix_cache_bytes: int = 0
+    """Bytes of the prefix cache (engine/serving/prefix_cache.py); 0: off. They come out of the memory budget:
+    requests are admitted against `memory_budget_bytes - prefix_cache_bytes`. When on, a prefill chunk ends on
+    a block of BLOCK_TOKENS tokens where it can, and at the prompt's last block boundary, so the runner can
+    save the prefix there."""
+
     def __post_init__(self) -> None:
         _require(self.prefill_chunk >= 1, f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -77,6 +92,17 @@ class SchedulerConfig:
             self.memory_budget_bytes is None or self.memory_budget_bytes > 0,
             f"memory_budget_bytes must be positive or None, got {self.memory_budget_bytes}",
         )
+        _require(self.prefix_cache_bytes >= 0, f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
+        _require(
+            self.memory_budget_bytes is None or self.prefix_cache_bytes < self.memory_budget_bytes,
+            f"prefix_cache_bytes ({self.prefix_cache_bytes}) must be less than the caches' memory budget "
+            f"({self.memory_budget_bytes} bytes): it comes out of that budget; lower prefix_cache_bytes",
+        )
+
+    @property
+    def request_budget_bytes(self) -> int | None:
+        """What the admitted requests' caches may hold: the budget less the prefix cache's share."""
+        return None if self.memory_budget_bytes is None else self.memory_budget_bytes - self.prefix_cache_bytes
 
 
 def _require(condition: bool, message: str) -> None:
@@ -94,15 +120,19 @@ class Scheduler:
         *,
         eos_token_ids: Iterable[int] = (),
         clock: Callable[[], float] = time.monotonic,
+        prefix_match: PrefixMatchFn | None = None,
     ):
         self.config = config
+        # Asked once per request, when its first chunk is scheduled (on the engine thread, right before the
+        # runner meets the request); only with a prefix cache configured.
+        self._prefix_match = prefix_match if config.prefix_cache_bytes > 0 else None
         self._cache_bytes_at = cache_bytes_at  # bytes of one sequence's cache at n tokens (Runner.cache_bytes_at)
         self._eos_token_ids = frozenset(eos_token_ids)
         self._clock = clock
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # admission order: the oldest prefill goes first
         self._requests: dict[str, Request] = {}  # every unfinished request, waiting or running
-        self._reserved_bytes: dict[str, int] = {}  # running request -> cache bytes reserved at admission
+        self._finished_ids: list[str] = []  # started requests finished since the last plan: the runner drops them
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -119,8 +149,18 @@ class Scheduler:
         return bool(self._requests)
 
     @property
+    def has_finished_to_release(self) -> bool:
+        """Requests the runner still holds state for although they finished (the next plan releases them)."""
+        return bool(self._finished_ids)
+
+    @property
     def num_reserved_bytes(self) -> int:
-        return sum(self._reserved_bytes.values())
+        return sum(request.reserved_bytes for request in self._running)
+
+    @property
+    def num_unprefilled_tokens(self) -> int:
+        """Prompt tokens of admitted requests that no prefill chunk has run yet."""
+        return sum(request.num_remaining_prompt_tokens for request in self._running)
 
     @property
     def request_ids(self) -> tuple[str, ...]:
@@ -168,7 +208,7 @@ class Scheduler:
 
     def _check_memory(self, request: Request) -> None:
         """Refuse a request whose cache alone, at its longest, exceeds the whole budget: waiting cannot help."""
-        budget = self.config.memory_budget_bytes
+        budget = self.config.request_budget_bytes
         if budget is None:
             return
         num_bytes = self._reservation_bytes(request)
@@ -176,7 +216,8 @@ class Scheduler:
             raise AdmissionError(
                 "never_fits",
                 f"this request's cache at its maximum length ({self.max_num_tokens(request)} tokens: prompt + "
-                f"max_tokens) needs {num_bytes} bytes, more than the whole memory budget ({budget} bytes). "
+                f"max_tokens) needs {num_bytes} bytes, more than the whole memory budget ({budget} bytes"
+                f"{' after the prefix cache' if self.config.prefix_cache_bytes else ''}). "
                 "Lower max_tokens or shorten the prompt.",
             )
 
@@ -189,7 +230,7 @@ class Scheduler:
     def _can_admit(self, request: Request) -> bool:
         if self.num_running >= self.config.max_num_seqs:
             return False
-        budget = self.config.memory_budget_bytes
+        budget = self.config.request_budget_bytes
         if budget is None:
             return True
         return self.num_reserved_bytes + self._reservation_bytes(request) <= budget
@@ -198,18 +239,36 @@ class Scheduler:
         """FIFO: admit from the head of the queue while it fits; never skip the head."""
         while self._waiting and self._can_admit(self._waiting[0]):
             request = self._waiting.popleft()
-            self._reserved_bytes[request.request_id] = self._reservation_bytes(request)
+            request.reserved_bytes = self._reservation_bytes(request)
             request.admit(self._clock())
             self._running.append(request)
 
     # ---- one step's plan -----------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        """The next step: every decoding request, then at most one prefill chunk in the remaining budget."""
+        """The next step: every decoding request, then at most one prefill chunk in the remaining budget; the
+        requests it starts and the ones that finished since the last plan."""
         self._admit_waiting()
         decodes = self._schedule_decodes()
         prefill = self._schedule_prefill(self.config.prefill_chunk - len(decodes))
-        return StepPlan(decodes=decodes, prefill=prefill)
+        plan = StepPlan(decodes=decodes, prefill=prefill)
+        return replace(self.take_finished(), decodes=decodes, prefill=prefill, new_requests=self._start(plan.request_ids))
+
+    def take_finished(self) -> StepPlan:
+        """A plan that only releases what finished since the last plan (alone: the engine's last act)."""
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return StepPlan(finished_request_ids=finished)
+
+    def _start(self, request_ids: Iterable[str]) -> tuple[NewRequest, ...]:
+        # A request meets the runner on its first scheduled step, after admission: waiting requests hold no
+        # runner state, matching the memory accounting above.
+        new = []
+        for request_id in request_ids:
+            request = self._requests[request_id]
+            if not request.is_started:
+                request.is_started = True
+                new.append(NewRequest(request_id, request.prompt_ids, request.sampling, request.num_cached_tokens or 0))
+        return tuple(new)
 
     def _schedule_decodes(self) -> tuple[DecodeSlot, ...]:
         # A request decodes from the step after its prompt completes; it feeds its last sampled token.
@@ -223,8 +282,15 @@ class Scheduler:
         request = next((r for r in self._running if not r.is_prefill_done), None)
         if request is None or token_budget < 1:
             return None
+        if request.num_cached_tokens is None:
+            # Prompt logprobs come out of the prefill itself: a request asking for them prefills every token.
+            match = self._prefix_match if request.sampling.prompt_logprobs is None else None
+            request.num_cached_tokens = match(request.request_id, request.prompt_ids) if match else 0
+            request.num_computed_tokens = request.num_cached_tokens
         start = request.num_computed_tokens
         end = start + min(request.num_remaining_prompt_tokens, token_budget)
+        if self.config.prefix_cache_bytes:
+            end = aligned_chunk_end(start, end, request.num_prompt_tokens, BLOCK_TOKENS)
         return PrefillChunk(
             request.request_id, request.prompt_ids[start:end], start, is_last=end == request.num_prompt_tokens
         )
@@ -243,15 +309,20 @@ class Scheduler:
                 request.num_computed_tokens += 1
                 events += self._accept_sample(request, sampled.get(slot.request_id))
         if plan.prefill is not None:
-            events += self._advance_prefill(plan.prefill, sampled)
+            prompt_logprobs = {entry.request_id: entry for entry in output.prompt_logprobs}
+            events += self._advance_prefill(plan.prefill, sampled, prompt_logprobs.get(plan.prefill.request_id))
         return events
 
-    def _advance_prefill(self, chunk: PrefillChunk, sampled: dict[str, SampledToken]) -> list[RequestEvent]:
+    def _advance_prefill(self, chunk: PrefillChunk, sampled: dict[str, SampledToken],
+                         prompt_logprobs: PromptLogprobs | None) -> list[RequestEvent]:
         request = self._requests.get(chunk.request_id)
         if request is None:
             return []
         request.num_computed_tokens += len(chunk.token_ids)
-        events: list[RequestEvent] = [(request, Progress(request.num_computed_tokens, request.num_prompt_tokens))]
+        events: list[RequestEvent] = [(request, prompt_logprobs)] if prompt_logprobs is not None else []
+        events.append((request, Progress(
+            request.num_computed_tokens, request.num_prompt_tokens, request.num_cached_tokens or 0
+        )))
         if chunk.is_last:
             events += self._accept_sample(request, sampled.get(chunk.request_id))
         return events
@@ -304,7 +375,9 @@ class Scheduler:
         elif request.is_waiting:
             self._waiting.remove(request)
         del self._requests[request.request_id]
-        self._reserved_bytes.pop(request.request_id, None)
+        request.reserved_bytes = 0
+        if request.is_started:
+            self._finished_ids.append(request.request_id)
         request.finish(reason, self._clock())
         if event is None:
             event = Done(reason, request.num_prompt_tokens, request.num_output_tokens, request.timings)

@@ -10,6 +10,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.model.dtypes import DTYPES
+from engine.tools.check_limits import (
+    KERNEL_MAX_DIFFERING_ROWS, KERNEL_MAX_REL_DIFF, PARALLEL_MAX_ABS_DIFF, REFERENCE_MAX_ABS_DIFF,
+    REFERENCE_MIN_TOP1_AGREEMENT, ConsistencyLimits,
+)
 
 if TYPE_CHECKING:  # the handlers import the bench (and the model loader) only when a bench runs
     from engine.tools.bench import RunOptions, Setting
@@ -73,6 +77,10 @@ def _register_check(subparsers) -> None:
     ref.add_argument("--tile", type=int, default=None)
     ref.add_argument("--decode", type=int, default=0)
     ref.add_argument("--seed", type=int, default=0)
+    ref.add_argument("--max-abs-diff", type=float, default=REFERENCE_MAX_ABS_DIFF,
+                     help=f"fail (exit 1) if any logit differs by more (default: {REFERENCE_MAX_ABS_DIFF})")
+    ref.add_argument("--min-top1-agreement", type=float, default=REFERENCE_MIN_TOP1_AGREEMENT,
+                     help=f"fail (exit 1) if fewer positions agree on the top token (default: {REFERENCE_MIN_TOP1_AGREEMENT})")
     ref.add_argument("--json", action="store_true")
     _add_reference_weight_args(ref)
     ref.set_defaults(func=_check_reference)
@@ -84,41 +92,116 @@ def _register_check(subparsers) -> None:
     con.add_argument("--tile", type=int, required=True)
     con.add_argument("--seed", type=int, default=0)
     con.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    limits = ConsistencyLimits()
+    con.add_argument("--max-untiled-diff", type=float, default=limits.untiled_diff,
+                     help=f"fail if tiled and untiled logits differ by more (default: {limits.untiled_diff})")
+    con.add_argument("--max-whole-sequence-diff", type=float, default=limits.whole_sequence_diff,
+                     help="fail if a decoded position's logits differ from a fresh whole-sequence prefill by more "
+                          f"(default: {limits.whole_sequence_diff}; bf16 needs about 0.1)")
+    con.add_argument("--max-differing-selections", type=int, default=limits.differing_selections,
+                     help=f"fail if more indexer selections differ (default: {limits.differing_selections})")
     con.add_argument("--json", action="store_true")
     con.set_defaults(func=_check_consistency)
-    ker = sub.add_parser("kernels", help="device kernels vs their references (selections, scores, tile invariance)")
+    par = sub.add_parser("parallel", help="the replay on a local world of pipeline ranks vs one process (logits, selections)")
+    par.add_argument("--model", type=Path, required=True)
+    par.add_argument("--world", type=int, default=2, help="number of ranks (each a local process)")
+    par.add_argument("--tokens", type=int, required=True, help="prompt tokens N, prefilled in chunks")
+    par.add_argument("--chunk", type=int, required=True)
+    par.add_argument("--tile", type=int, required=True)
+    par.add_argument("--decode", type=int, default=4, help="decode steps M after the prompt")
+    par.add_argument("--seed", type=int, default=0)
+    par.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    par.add_argument("--backend", default=None, choices=["ring", "nccl"], help="default: nccl on CUDA, else ring")
+    par.add_argument("--max-abs-diff", type=float, default=PARALLEL_MAX_ABS_DIFF,
+                     help=f"fail if any logit differs from one process's by more (default: {PARALLEL_MAX_ABS_DIFF})")
+    par.add_argument("--json", action="store_true")
+    par.set_defaults(func=_check_parallel)
+    pc = sub.add_parser("prefix-cache", help="a turn restored from the prefix cache vs the same request without it")
+    pc.add_argument("--model", type=Path, required=True)
+    pc.add_argument("--fill", type=_setting, default="96:32", metavar="C:T", help="chunk:tile of the turn that fills the cache")
+    pc.add_argument("--reuse", type=_setting, default="64:7", metavar="C:T", help="chunk:tile of the turns that reuse it")
+    pc.add_argument("--prompt-tokens", type=int, default=300)
+    pc.add_argument("--seed", type=int, default=0)
+    pc.add_argument("--json", action="store_true")
+    pc.set_defaults(func=_check_prefix_cache)
+    ker = sub.add_parser("kernels", help="device kernels vs their references (selections, scores, tile invariance); "
+                                         "exit 2 where there is no CUDA device")
+    ker.add_argument("--max-rel-diff", type=float, default=KERNEL_MAX_REL_DIFF,
+                     help=f"fail if kernel scores differ from the reference by more, relative (default: {KERNEL_MAX_REL_DIFF})")
+    ker.add_argument("--max-differing-rows", type=int, default=KERNEL_MAX_DIFFERING_ROWS,
+                     help="fail if more query rows select other rows than the reference "
+                          f"(default: {KERNEL_MAX_DIFFERING_ROWS})")
     ker.add_argument("--json", action="store_true")
     ker.set_defaults(func=_check_kernels)
+    gpu = sub.add_parser("gpu", help="on a CUDA machine: kernel checks + tiled-vs-untiled matrix over awkward shapes; "
+                                     "exits 1 on any difference")
+    gpu.add_argument("--model", type=Path, default=None, help="checkpoint (default: a flash-attn, 3-layer one in a temp dir)")
+    gpu.add_argument("--shape", action="append", default=None, metavar="CTX:CHUNK:TILE", help="replace the built-in matrix")
+    gpu.add_argument("--dtype", action="append", default=None, choices=list(DTYPES), help="default: bfloat16 and float32")
+    gpu.add_argument("--rows", type=int, default=3001, help="query rows of the row-invariance checks")
+    gpu.add_argument("--allow-cpu", action="store_true", help="run without CUDA (the reference path) instead of failing")
+    gpu.add_argument("--json", action="store_true")
+    gpu.add_argument("--out", type=Path, default=None, help="also write the report as JSON to this file")
+    gpu.set_defaults(func=_check_gpu)
+
+
+def _verdict(report: dict, failures: list[str], as_json: bool) -> int:
+    """Print the report with its verdict; exit status 1 if any threshold was exceeded."""
+    _print_report({**report, "passed": not failures, "failures": failures}, as_json)
+    for failure in failures:
+        print(f"FAIL: {failure}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 def _check_kernels(args) -> int:
-    from kernels.device_checks import check_indexer_kernel
+    from kernels import device_checks
 
-    report = check_indexer_kernel()
-    _print_report(report, args.json)
-    return 0
+    report = device_checks.check_indexer_kernel()
+    if report.get("kernel") == device_checks.UNAVAILABLE:
+        _print_report(report, args.json)
+        print("error: no CUDA device here: the kernels were not checked", file=sys.stderr)
+        return 2
+    return _verdict(report, device_checks.kernel_failures(report, args.max_rel_diff, args.max_differing_rows), args.json)
+
+
+def _check_gpu(args) -> int:
+    from engine.tools.gpu_check import check_gpu_command
+
+    return check_gpu_command(args.model, args.shape, args.dtype, args.allow_cpu, args.json, args.rows, args.out)
 
 
 def _check_reference(args) -> int:
-    from engine.tools.reference_check import ReferenceUnavailable, check_reference
+    from engine.tools import reference_check
 
     if args.against is not None:
         return _check_against(args)
     try:
-        report = check_reference(args.model, args.tokens, args.chunk, args.tile, args.decode, args.seed, args.weights_dtype)
-    except ReferenceUnavailable as exc:
+        report = reference_check.check_reference(args.model, args.tokens, args.chunk, args.tile, args.decode, args.seed,
+                                                 args.weights_dtype)
+    except reference_check.ReferenceUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    _print_report(report.as_dict(), args.json)
-    return 0
+    return _verdict(report.as_dict(), report.failures(args.max_abs_diff, args.min_top1_agreement), args.json)
 
 
 def _check_consistency(args) -> int:
-    from engine.tools.consistency import check_consistency
+    from engine.tools import consistency
 
-    report = check_consistency(args.model, args.ctx, args.decode, args.chunk, args.tile, args.seed, args.dtype)
-    _print_report(report.as_dict(), args.json)
-    return 0 if report.differing_selections == 0 else 1
+    report = consistency.check_consistency(args.model, args.ctx, args.decode, args.chunk, args.tile, args.seed,
+                                           args.dtype)
+    limits = ConsistencyLimits(args.max_untiled_diff, args.max_whole_sequence_diff, args.max_differing_selections)
+    return _verdict(report.as_dict(), consistency.consistency_failures(report, limits), args.json)
+
+
+def _check_prefix_cache(args) -> int:
+    from engine.tools.prefix_check import check_prefix_cache
+
+    report = check_prefix_cache(
+        args.model, (args.fill.chunk, args.fill.tile), (args.reuse.chunk, args.reuse.tile), args.prompt_tokens, args.seed
+    )
+    differing = [f"{case['name']}: tokens or logprobs differ from the engine without the cache"
+                 for case in report["cases"] if not case["identical"]]
+    return _verdict(report, differing, args.json)
 
 
 def _add_reference_weight_args(p: argparse.ArgumentParser) -> None:
@@ -168,6 +251,18 @@ def _human_bytes(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
+def _check_parallel(args) -> int:
+    from engine.parallel.check import check_parallel, parallel_failures
+
+    try:
+        report = check_parallel(args.model, args.world, args.tokens, args.chunk, args.tile, args.decode, args.seed,
+                                args.dtype, args.backend)
+    except (ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return _verdict(report.as_dict(), parallel_failures(report, args.max_abs_diff), args.json)
+
+
 def _register_plan(subparsers) -> None:
     p = subparsers.add_parser("plan", help="memory plan: chunk-scaled buffers, cache at N, weights")
     p.add_argument("--model", type=Path, default=None, help="model directory (or --preset)")
@@ -177,15 +272,42 @@ def _register_plan(subparsers) -> None:
     p.add_argument("--tile", type=int, default=None, help="indexer tile (default: = chunk, the untiled path)")
     p.add_argument("--dtype", default=None, choices=list(DTYPES))
     p.add_argument("--json", action="store_true")
+    _add_plan_weight_args(p)
     p.set_defaults(func=_plan)
+
+
+def _add_plan_weight_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", default=None, metavar="FORMAT",
+                   choices=["official", "affine4", "affine8", "mxfp4", "bfloat16", "float32", "float16"],
+                   help="count the weights in this format (official FP8/FP4, a `tessera convert` format, or plain); "
+                        "default: every tensor in --dtype")
+    p.add_argument("--memory-budget", type=_bytes_arg, default=None, metavar="SIZE",
+                   help="memory for this process, e.g. 141GiB, 192GB: says whether weights + cache + workspace fit "
+                        "(exit status 1 when they do not)")
+
+
+def _bytes_arg(text: str) -> int:
+    """'141GiB' / '192GB' / '80G' / '1.5TiB' / '1000000' -> bytes (argparse turns errors into usage)."""
+    units = {"": 1, "B": 1, "K": 2**10, "KIB": 2**10, "KB": 10**3, "M": 2**20, "MIB": 2**20, "MB": 10**6,
+             "G": 2**30, "GIB": 2**30, "GB": 10**9, "T": 2**40, "TIB": 2**40, "TB": 10**12}
+    number = text.strip().rstrip("bBiIkKmMgGtT")
+    unit = text.strip()[len(number):].upper()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value <= 0:
+        raise argparse.ArgumentTypeError(f"--memory-budget {text!r}: expected a size like 141GiB, 192GB or 80G")
+    return int(value * units[unit])
 
 
 def _plan(args) -> int:
     from engine.model.memory_plan import format_plan, plan_for
 
-    plan = plan_for(args.model, args.preset, args.ctx, args.chunk, args.tile or args.chunk, args.dtype)
+    plan = plan_for(args.model, args.preset, args.ctx, args.chunk, args.tile or args.chunk, args.dtype,
+                    args.weights, args.memory_budget)
     print(json.dumps(plan.as_dict(), indent=2) if args.json else format_plan(plan))
-    return 0
+    return 1 if plan.fits is False else 0
 
 
 def _register_bench(subparsers) -> None:
@@ -218,6 +340,17 @@ def _register_bench(subparsers) -> None:
                      help="evaluate every stage on its own for a per-stage split (attention, indexer, MoE, other)")
     dec.add_argument("--json", action="store_true")
     dec.set_defaults(func=_bench_decode)
+    mt = sub.add_parser("multiturn", help="turn 2 of a conversation: time to first token with and without the prefix cache")
+    mt.add_argument("--model", type=Path, required=True)
+    mt.add_argument("--ctx", type=int, required=True, help="turn 2's prompt length in tokens")
+    mt.add_argument("--new", type=int, default=256, help="tokens turn 2 adds after turn 1's prompt and reply")
+    mt.add_argument("--reply", type=int, default=32, help="tokens of turn 1's reply")
+    mt.add_argument("--chunk", type=int, default=4096)
+    mt.add_argument("--tile", type=int, default=1024)
+    mt.add_argument("--rounds", type=int, default=2, help="rounds of (cold, cached) in alternating order")
+    mt.add_argument("--dtype", default=None, choices=list(DTYPES))
+    mt.add_argument("--json", action="store_true")
+    mt.set_defaults(func=_bench_multiturn)
     idx = sub.add_parser("indexer", help="indexer scoring throughput vs the device's bf16 matmul rate")
     idx.add_argument("--tile", type=int, default=1024)
     idx.add_argument("--rows", type=int, default=262144, help="compressed rows N (ctx / 4)")
@@ -282,6 +415,20 @@ def _bench_decode(args) -> int:
     options = DecodeOptions(chunk=args.chunk, tile=args.tile, steps=args.steps, stage_sync=args.stage_sync)
     report = bench_decode(load_for_bench(args.model, args.dtype), args.ctx, args.batch, options)
     _print_report(report, args.json)
+    return 0
+
+
+def _bench_multiturn(args) -> int:
+    from engine.tools.bench_multiturn import bench_multiturn
+
+    if not 0 < args.new and 0 < args.reply and args.new + args.reply < args.ctx:
+        print("error: --new and --reply must be positive and leave turn 1 a prompt (new + reply < ctx)", file=sys.stderr)
+        return 2
+    result = bench_multiturn(args.model, args.ctx, args.new, args.reply, args.chunk, args.tile, args.rounds, args.dtype)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print_report({k: v for k, v in result.items() if k != "runs"}, False)
     return 0
 
 

@@ -2,7 +2,8 @@
 with (C, T) and decode M tokens, then compare with (a) the untiled prefill (T = C) and the same
 decodes — selected rows and logits — and (b) a fresh whole-sequence prefill at every decoded
 position. On CPU in float32 with a row-invariant BLAS every difference is exactly zero
-(DESIGN.md §3); OpenBLAS's gemm is not row-invariant, so across chunk sizes a few ulps appear.
+(docs/ARCHITECTURE.md, "Tiling invariants"); OpenBLAS's gemm is not row-invariant, so across chunk sizes a few
+ulps appear. `consistency_failures` applies the thresholds of engine/tools/check_limits.py.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 
 from engine.model.loader import load_model
 from engine.model.deepseek_v4 import DeepseekV4
+from engine.tools.check_limits import ConsistencyLimits
 from engine.tools.replay import random_tokens, run_sequence
 from engine.serving.runner import default_compute_dtype
 
@@ -37,6 +39,18 @@ class ConsistencyReport:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def consistency_failures(report: ConsistencyReport, limits: ConsistencyLimits) -> list[str]:
+    """One line per exceeded threshold (empty: the check passed)."""
+    checks = [
+        ("untiled_max_abs_diff", report.untiled_max_abs_diff, limits.untiled_diff, "--max-untiled-diff"),
+        ("whole_sequence_max_abs_diff", report.whole_sequence_max_abs_diff, limits.whole_sequence_diff,
+         "--max-whole-sequence-diff"),
+        ("differing_selections", report.differing_selections, limits.differing_selections,
+         "--max-differing-selections"),
+    ]
+    return [f"{name} = {value} exceeds {flag} {limit}" for name, value, limit, flag in checks if value > limit]
 
 
 def differing(a: dict, b: dict, keys=None) -> tuple[int, int]:

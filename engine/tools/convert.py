@@ -6,6 +6,9 @@ projections the official format keeps in FP8 (attention, indexer `wq_b`, shared 
 else keeps its stored dtype. Quantized tensors are written as MLX holds them: `<name>` uint32 values,
 `<name>.scales` (uint8 E8M0 for mx formats, float for affine) and `<name>.biases` (affine); experts
 stacked per layer as `layers.N.ffn.experts.wK` [E, out, in]. engine/model/loader.py reads them back.
+
+The source is streamed (loader.iter_weights): memory holds one layer's experts and one output shard,
+not the model, so a checkpoint can be converted on the machine it is meant to fit.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from engine.model.loader import load_model
+from engine.model.loader import iter_weights
 from engine.model.official_format import storage
 from engine.model.quantized import QuantizedWeight, Weight, quantize
 from engine.model.safetensors_file import ShardedWriter
@@ -55,13 +58,13 @@ def convert(src: Path, dst: Path, quant: str, group_size: int | None = None, den
     if group not in (32, 64, 128):
         raise ConvertError(f"--group-size: MLX quantizes in groups of 32, 64 or 128; got {group}")
     src, dst = Path(src), Path(dst)
-    model = load_model(src)
     dst.mkdir(parents=True, exist_ok=True)
     writer = ShardedWriter(dst, shard_bytes)
-    for name, w in model.weights.items():
+    for name, w in iter_weights(src):  # streamed: one tensor (one layer's experts) in memory at a time
         target = _requantize(name, w, quant, group) if _selected(name, dense) else w
         for key, tag, array in _stored(name, target):
             writer.add(key, tag, array)
+        del w, target
     written = writer.close()
     _write_config(src, dst, quant, group, dense)
     before = sum(f.stat().st_size for f in src.glob("*.safetensors"))
@@ -79,7 +82,9 @@ def _requantize(name: str, w: Weight, quant: str, group: int) -> QuantizedWeight
         return w  # official FP4 experts are already mxfp4 in groups of 32: the bytes stay
     if w.shape[-1] % group:
         raise ConvertError(f"tensor {name!r} {w.shape}: input dimension is not a multiple of --group-size {group}")
-    full = w.dequantize(mx.float32) if isinstance(w, QuantizedWeight) else w.astype(mx.float32)
+    # FP8/FP4 values are exact in bf16, and bf16 affine scales/biases are what the plan counts;
+    # a plain source keeps its own dtype (fp32 weights get fp32 scales)
+    full = w.dequantize(mx.bfloat16) if isinstance(w, QuantizedWeight) else w
     q = quantize(full, quant, group)
     mx.eval(q.arrays())
     return q

@@ -3,12 +3,21 @@ generated deterministically on first start so `tessera serve` works with no argu
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
-from engine.tools.make_model import make_model
+from engine.model.weights import expected_shapes
+from engine.tools.make_model import preset_config, write_checkpoint
+from engine.tools.tokenizer_train import train_tokenizer
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_PRESET, DEFAULT_SEED = "tiny", 0
 _COMPLETE = ".complete"
@@ -25,10 +34,18 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     if (target / _COMPLETE).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("no --model given: generating the default model (a random-weight V4 '%s', seed %d) in %s; this "
+                "happens once, later starts reuse it", DEFAULT_PRESET, DEFAULT_SEED, target)
+    started = time.monotonic()
     # Build beside the target and rename, so a crash mid-way never leaves a half-written model.
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        make_model(staging, DEFAULT_PRESET, seed=DEFAULT_SEED, with_tokenizer=True)
+        with _heartbeat(started):
+            cfg = preset_config(DEFAULT_PRESET)
+            logger.info("[1/2] writing random weights (%d tensors)", len(expected_shapes(cfg)))
+            write_checkpoint(staging, cfg, DEFAULT_SEED)
+            logger.info("[2/2] training the byte-level tokenizer (vocabulary %d)", cfg.vocab_size)
+            train_tokenizer(staging, vocab_size=cfg.vocab_size, seed=DEFAULT_SEED)
         (staging / _COMPLETE).write_text("ok\n")
         if target.exists():
             shutil.rmtree(target)
@@ -36,4 +53,23 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+    logger.info("default model ready in %.1f s: %s", time.monotonic() - started, target)
     return target
+
+
+@contextmanager
+def _heartbeat(started: float, every_s: float = 5.0) -> Iterator[None]:
+    """A log line every `every_s` while the model is generated, so a slow first start never looks hung."""
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            logger.info("... still generating the default model (%.0f s)", time.monotonic() - started)
+
+    thread = threading.Thread(target=beat, name="default-model-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()

@@ -2,7 +2,7 @@
 
 Every parameter and buffer is randomized at a scale that keeps activations O(1) — transformers'
 default init leaves norms at 1, sinks/biases/`ape` at 0 and `tid2eid` all zeros, which hides bugs
-(DESIGN.md §2). Same preset, overrides and seed -> byte-identical files.
+(docs/ARCHITECTURE.md). Same preset, overrides and seed -> byte-identical files.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import numpy as np
 from engine.model.config import CSA, HCA, WINDOW, ModelConfig, config_from_dict
 from engine.model.dtypes import DTYPES
 from engine.model.weights import expected_shapes
+from engine.tools.random_init import random_value
 
 _YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
 
@@ -68,23 +69,7 @@ def preset_config(preset: str, **overrides: Any) -> ModelConfig:
 
 def random_weights(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {name: _init(name, shape, cfg, rng) for name, shape in expected_shapes(cfg).items()}
-
-
-def _init(name: str, shape: tuple[int, ...], cfg: ModelConfig, rng: np.random.Generator) -> np.ndarray:
-    leaf = name.rsplit(".", 1)[-1] if not name.endswith(".weight") else name.rsplit(".", 2)[-2]
-    if name.endswith("gate.tid2eid"):  # distinct experts per token
-        return np.argsort(rng.random((shape[0], cfg.n_routed_experts)), axis=1)[:, : shape[1]].astype(np.int64)
-    if name == "embed.weight":
-        return rng.standard_normal(shape, dtype=np.float32)
-    if leaf in ("norm", "q_norm", "attn_norm", "ffn_norm") or name == "norm.weight":
-        return (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
-    if name.endswith(("_scale",)):
-        return (1.0 + 0.2 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
-    if name.endswith(("_base", "attn_sink", ".ape", "gate.bias")):
-        return (0.5 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
-    fan_in = shape[-1]
-    return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)).astype(np.float32)
+    return {name: random_value(name, shape, cfg, rng) for name, shape in expected_shapes(cfg).items()}
 
 
 def write_checkpoint(out_dir: Path, cfg: ModelConfig, seed: int = 0, dtype: str = "float32") -> Path:

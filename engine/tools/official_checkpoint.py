@@ -18,6 +18,7 @@ from engine.model.config import ModelConfig
 from engine.model.official_format import QUANTIZATION_CONFIG, quantize_fp8, random_fp4, storage
 from engine.model.safetensors_file import ShardedWriter
 from engine.model.weights import expected_shapes
+from engine.tools.random_init import random_value
 
 SHARD_BYTES = 4 * 2**30
 
@@ -30,14 +31,12 @@ def to_bf16_bits(x: np.ndarray) -> np.ndarray:
 
 def official_tensors(name: str, shape: tuple[int, ...], cfg: ModelConfig, rng: np.random.Generator) -> dict[str, tuple[str, np.ndarray]]:
     """One checkpoint tensor (+ its `.scale`) as stored: name -> (safetensors dtype tag, bytes-array)."""
-    from engine.tools.make_model import _init
-
     kind = storage(name)
     scale_name = name[: -len(".weight")] + ".scale"
     if kind == "fp4":
         packed, scale = random_fp4(shape, rng)
         return {name: ("I8", packed), scale_name: ("F8_E8M0", scale)}
-    value = _init(name, shape, cfg, rng)
+    value = random_value(name, shape, cfg, rng)
     if kind == "fp8":
         codes, scale = quantize_fp8(name, value)
         return {name: ("F8_E4M3", codes), scale_name: ("F8_E8M0", scale)}

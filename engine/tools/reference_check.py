@@ -1,6 +1,6 @@
 """`tessera check reference`: Tessera's logits against transformers' full forward of the same
-checkpoint (DESIGN.md §2: the reference is the cache-free forward; transformers' cached CSA decode
-is known to deviate, so it is never used here).
+checkpoint (the reference is the cache-free forward; transformers' cached CSA decode is known to deviate,
+so it is never used here — docs/ARCHITECTURE.md).
 
 Tessera runs the tokens as a user's server would: prefill in chunks of C (indexer tiles of T), then
 M single-token decode steps; every logit row is compared with the full forward at that position.
@@ -16,6 +16,7 @@ import numpy as np
 
 from engine.model.loader import load_model
 from engine.model.deepseek_v4 import DeepseekV4
+from engine.tools.check_limits import REFERENCE_MAX_ABS_DIFF, REFERENCE_MIN_TOP1_AGREEMENT
 from engine.tools.replay import random_tokens, run_sequence
 
 
@@ -38,6 +39,17 @@ class ReferenceReport:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def failures(self, max_abs_diff: float = REFERENCE_MAX_ABS_DIFF,
+                 min_top1_agreement: float = REFERENCE_MIN_TOP1_AGREEMENT) -> list[str]:
+        """One line per exceeded threshold (empty: the check passed)."""
+        out = []
+        if self.max_abs_diff > max_abs_diff:
+            out.append(f"max_abs_diff = {self.max_abs_diff} (at position {self.worst_position}) exceeds "
+                       f"--max-abs-diff {max_abs_diff}")
+        if self.top1_agreement < min_top1_agreement:
+            out.append(f"top1_agreement = {self.top1_agreement} is below --min-top1-agreement {min_top1_agreement}")
+        return out
+
 
 def tessera_logits(model: DeepseekV4, tokens: list[int], num_prefill: int, chunk: int, tile: int | None) -> np.ndarray:
     """Prefill tokens[:num_prefill] in chunks, then decode the rest one by one -> [len(tokens), vocab]."""
@@ -55,7 +67,10 @@ def reference_logits(model_dir: Path, tokens: list[int]) -> np.ndarray:
         ) from exc
     # An FP8/FP4 checkpoint loads dequantized on the CPU but keeps its BF16 tensors BF16; the cast
     # is exact and makes the whole forward float32.
-    model = DeepseekV4ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).float().eval()
+    try:
+        model = DeepseekV4ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).float().eval()
+    except ImportError as exc:  # FP8 checkpoints need accelerate in transformers' loader
+        raise ReferenceUnavailable(f"transformers cannot load {model_dir}: {exc} (pip install 'tessera[test]')") from exc
     with torch.no_grad():
         return model(torch.tensor([tokens]), use_cache=False).logits[0].float().numpy()
 

@@ -10,7 +10,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from engine.model.cache import resume_state
 from engine.model.deepseek_v4 import DeepseekV4, Segment
+from engine.serving.prefix_blocks import aligned_chunk_end
+from engine.serving.prefix_cache import Lineage, PrefixCache
 from engine.model.trace import ForwardTrace
 
 
@@ -37,3 +40,45 @@ def run_sequence(model: DeepseekV4, tokens: list[int], num_prefill: int, chunk: 
 
 def _host(logits: mx.array) -> np.ndarray:
     return np.array(logits.astype(mx.float32))  # numpy has no bfloat16
+
+
+@dataclass(frozen=True)
+class CachedRun:
+    logits: np.ndarray  # [len(tokens) - num_cached, vocab]: the rows this run computed
+    num_cached: int  # leading tokens restored from the prefix cache
+
+
+def run_with_prefix_cache(
+    model: DeepseekV4, prefix_cache: PrefixCache, tokens: list[int], num_prefill: int, chunk: int, tile: int | None
+) -> CachedRun:
+    """`run_sequence` through a prefix cache, as the server runs it: restore the longest cached prefix
+    of the prompt, prefill the rest in chunks that end on blocks (saving each such end), decode (the
+    last block boundary reached is saved at the end)."""
+    prompt = tokens[:num_prefill]
+    node = prefix_cache.longest_prefix(prompt)
+    cache = prefix_cache.restore(node, prompt) if node else model.new_cache()
+    lineage, rows = Lineage(node=node), []
+    for lo, hi in block_chunks(cache.num_tokens, num_prefill, chunk, prefix_cache.block_tokens):
+        rows.append(_host(model.forward([Segment(cache, prompt[lo:hi])], tile=tile, all_logits=True)[0]))
+        if hi % prefix_cache.block_tokens == 0:
+            prefix_cache.save(cache, lineage)
+    for token in tokens[num_prefill:]:
+        rows.append(_host(model.forward([Segment(cache, [token])])[0]))
+        if cache.num_tokens % prefix_cache.block_tokens == 0:
+            lineage.pending = resume_state(cache)
+    if lineage.pending is not None:
+        prefix_cache.save(cache, lineage, lineage.pending)
+    return CachedRun(np.concatenate(rows), node.num_tokens if node else 0)
+
+
+def block_chunks(start: int, end: int, chunk: int, block: int) -> list[tuple[int, int]]:
+    """Prefill spans [lo, hi) of at most `chunk` tokens from start to end, each ending on a block
+    boundary when it can (a chunk shorter than a block ends where it must), and one ending at the
+    prompt's last block boundary."""
+    spans, lo = [], start
+    while lo < end:
+        hi = min(lo + chunk, end)
+        hi = aligned_chunk_end(lo, hi, end, block)
+        spans.append((lo, hi))
+        lo = hi
+    return spans

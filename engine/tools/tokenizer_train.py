@@ -1,6 +1,6 @@
 """Train the embedded default's tokenizer: a small byte-level BPE with DeepSeek-V4's special tokens.
 
-Used by the random-weight default model (DESIGN.md §5), so it must work offline and be reproducible:
+Used by the random-weight default model (README.md), so it must work offline and be reproducible:
 the corpus is the Python standard library's own source (always installed), picked as a seeded sample
 of a sorted file list, and the output files are byte-identical for the same inputs (same Python
 stdlib, vocab size and seed).
@@ -31,7 +31,7 @@ SPECIAL_TOKENS: tuple[tuple[str, bool], ...] = (
     ("｜DSML｜", False),  # id 6
 )
 
-DEFAULT_MODEL_MAX_LENGTH = 1_048_576  # V4's positions (DESIGN.md §2)
+DEFAULT_MODEL_MAX_LENGTH = 1_048_576  # V4's positions
 
 # Characters of training text per vocabulary entry (at least _MIN_CORPUS_CHARS): enough distinct words
 # for every merge, and about a second of training for a 2k vocab on two cores.

@@ -12,11 +12,25 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from engine.serving.protocol import DecodeSlot, PrefillChunk, SampledToken, SamplingParams, StepOutput, StepPlan
+from engine.serving.protocol import (
+    DecodeSlot,
+    PrefillChunk,
+    PromptLogprob,
+    PromptLogprobs,
+    SampledToken,
+    SamplingParams,
+    StepOutput,
+    StepPlan,
+)
 
 
 class InjectedFailure(RuntimeError):
     """What ScriptedRunner raises when `fail_when` says so."""
+
+
+class InjectedCrash(BaseException):
+    """What ScriptedRunner raises when `crash_when` says so: not an Exception, so nothing in the engine loop
+    handles it and its thread dies (as with a fatal error the loop cannot survive)."""
 
 
 @dataclass
@@ -40,6 +54,7 @@ class ScriptedRunner:
     vocab_size: int = 1000
     step_delay_s: float = 0.0
     fail_when: Callable[[StepPlan], bool] | None = None
+    crash_when: Callable[[StepPlan], bool] | None = None
     bytes_per_token: int = 1024
     executed_plans: list[StepPlan] = field(default_factory=list, init=False)
     added_ids: list[str] = field(default_factory=list, init=False)
@@ -49,6 +64,9 @@ class ScriptedRunner:
 
     # ---- Runner protocol ---------------------------------------------------------------------------
 
+    def match_prefix(self, request_id: str, prompt_ids: Sequence[int]) -> int:
+        return 0  # no prefix cache
+
     def add_request(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
         with self._lock:
             if request_id in self._sequences:
@@ -57,6 +75,17 @@ class ScriptedRunner:
             self.added_ids.append(request_id)
 
     def execute(self, plan: StepPlan) -> StepOutput:
+        """As a real runner: release the plan's finished requests, add its new ones, run its tokens. Plans that
+        only release are not recorded in `executed_plans` (they run no step a metric would count)."""
+        for request_id in plan.finished_request_ids:
+            self.release(request_id)
+        for new in plan.new_requests:
+            self.add_request(new.request_id, new.prompt_ids, new.sampling)
+        if plan.num_tokens == 0:
+            return StepOutput()
+        return self._run(plan)
+
+    def _run(self, plan: StepPlan) -> StepOutput:
         started = time.perf_counter()
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
@@ -64,14 +93,34 @@ class ScriptedRunner:
             self.executed_plans.append(plan)
             if self.fail_when is not None and self.fail_when(plan):
                 raise InjectedFailure(f"injected failure in a step running {', '.join(plan.request_ids)}")
+            if self.crash_when is not None and self.crash_when(plan):
+                raise InjectedCrash(f"injected crash in a step running {', '.join(plan.request_ids)}")
             sampled = [self._decode(slot) for slot in plan.decodes]
+            prompt_logprobs = ()
             if plan.prefill is not None:
+                prompt_logprobs = self._prompt_logprobs(plan.prefill)
                 sampled += self._prefill(plan.prefill)
-        return StepOutput(sampled=tuple(sampled), stage_seconds={"other": time.perf_counter() - started})
+        return StepOutput(sampled=tuple(sampled), prompt_logprobs=prompt_logprobs,
+                          stage_seconds={"other": time.perf_counter() - started})
+
+    def _prompt_logprobs(self, chunk: PrefillChunk) -> tuple[PromptLogprobs, ...]:
+        """Plausible prompt logprobs (position p: -p / 10) for the chunk's positions, when asked for."""
+        seq = self._sequence(chunk.request_id)
+        num_top = seq.sampling.prompt_logprobs
+        if num_top is None:
+            return ()
+        end = min(chunk.start + len(chunk.token_ids), len(seq.prompt_ids) - 1)
+        entries = []
+        for position in range(chunk.start + 1, end + 1):
+            token_id = seq.prompt_ids[position]
+            top = tuple(((token_id + i + 1) % self.vocab_size, -0.01 * (i + 1)) for i in range(num_top))
+            entries.append(PromptLogprob(token_id, -position / 10, top))
+        return (PromptLogprobs(chunk.request_id, chunk.start + 1, tuple(entries)),)
 
     def release(self, request_id: str) -> None:
         with self._lock:
-            self._sequences.pop(request_id, None)
+            if self._sequences.pop(request_id, None) is None:
+                raise RuntimeError(f"request {request_id!r} released but never added, or released twice")
             self.released_ids.append(request_id)
 
     def cache_bytes_at(self, num_tokens: int) -> int:

@@ -1,0 +1,56 @@
+"""What rank 0 tells the other ranks each step, as plain data (JSON bytes over mx.distributed).
+
+A follower needs no sampling state: only which requests get a cache, which are released, and the step plan
+(token ids and their order), which it runs through its layers exactly as rank 0 does.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from engine.serving.protocol import DecodeSlot, PrefillChunk, StepPlan
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    added: tuple[str, ...] = ()  # the plan's new requests, set up before it runs
+    released: tuple[str, ...] = ()  # the plan's finished requests, dropped first
+    plan: StepPlan = StepPlan()  # its tokens: decodes and the prefill chunk
+    stop: bool = False  # the server is shutting down: exit after this message
+
+    @classmethod
+    def of(cls, plan: StepPlan) -> "StepMessage":
+        """What followers need of a plan: ids only for new requests (prompts and sampling stay on rank 0)."""
+        return cls(tuple(n.request_id for n in plan.new_requests), plan.finished_request_ids,
+                   StepPlan(plan.decodes, plan.prefill))
+
+    def encode(self) -> bytes:
+        plan = {"decodes": [[d.request_id, d.token_id, d.position] for d in self.plan.decodes]}
+        if self.plan.prefill is not None:
+            p = self.plan.prefill
+            plan["prefill"] = [p.request_id, list(p.token_ids), p.start, p.is_last]
+        return json.dumps({"added": self.added, "released": self.released, "plan": plan, "stop": self.stop}).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> "StepMessage":
+        raw = json.loads(data)
+        decodes = tuple(DecodeSlot(r, t, p) for r, t, p in raw["plan"]["decodes"])
+        prefill = raw["plan"].get("prefill")
+        chunk = None if prefill is None else PrefillChunk(prefill[0], tuple(prefill[1]), prefill[2], prefill[3])
+        return cls(tuple(raw["added"]), tuple(raw["released"]), StepPlan(decodes, chunk), raw["stop"])
+
+
+def send_bytes(data: bytes, dst: int, group: mx.distributed.Group) -> None:
+    """Length first ([1] int32), then the bytes ([n] uint8): the receiver must know the shape to receive."""
+    mx.eval(mx.distributed.send(mx.array([len(data)], dtype=mx.int32), dst, group=group))
+    mx.eval(mx.distributed.send(mx.array(np.frombuffer(data, dtype=np.uint8)), dst, group=group))
+
+
+def recv_bytes(src: int, group: mx.distributed.Group) -> bytes:
+    length = mx.distributed.recv((1,), mx.int32, src, group=group)
+    n = int(length.item())
+    return bytes(np.array(mx.distributed.recv((n,), mx.uint8, src, group=group)))

@@ -1,0 +1,64 @@
+"""A pipeline stage: this rank's layers of the model, with the hyper-connection streams passed rank to rank.
+
+Every rank sees the same step (the same segments: token ids and cache lengths) and holds the caches of its
+own layers only. Rank 0 embeds the tokens and runs its layers; rank r receives the streams [T, hc, D] from
+r - 1, runs its layers and sends them on; the last rank sends them back to rank 0 (only each segment's last
+row unless every logit row is wanted), which owns the head and returns the logits. The others return None.
+The model's own `forward` is the same three parts (embed, run_layers, logits) in one process, so a split
+run does the same arithmetic on the same shapes: its logits equal one process's.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+
+from engine.model.cache import SequenceCache
+from engine.model.deepseek_v4 import DeepseekV4, Segment, advance_caches, last_rows
+from engine.model.trace import ForwardTrace
+
+
+class PipelineStage:
+    """Quacks like DeepseekV4 where the runner and the replay use it (cfg, dtype, weights, new_cache, forward)."""
+
+    def __init__(self, model: DeepseekV4, group: mx.distributed.Group) -> None:
+        if group.size() < 2:
+            raise ValueError("a pipeline needs at least 2 ranks")
+        self.model, self.group = model, group
+        self.rank, self.world = group.rank(), group.size()
+        self.cfg, self.dtype, self.weights = model.cfg, model.dtype, model.weights
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    def new_cache(self) -> SequenceCache:
+        return self.model.new_cache()  # other ranks' layers stay empty: they never get a row here
+
+    def forward(self, segments: Sequence[Segment], tile: int | None = None, all_logits: bool = False,
+                timer: ForwardTrace | None = None) -> list[mx.array] | None:
+        """As DeepseekV4.forward on rank 0; None on the other ranks (they hold no head)."""
+        timer = timer or ForwardTrace()
+        num_tokens = sum(len(s.token_ids) for s in segments)
+        if self.is_first:
+            streams = self.model.embed(segments)
+        else:
+            streams = timer.boundary("other", self._recv(num_tokens, self.rank - 1))
+        streams = self.model.run_layers(streams, segments, self.model.layer_ids, tile, timer)
+        if self.rank == self.world - 1 and not all_logits:
+            streams = last_rows(streams, segments)  # only what rank 0 samples goes back
+        self._send(streams, (self.rank + 1) % self.world)
+        advance_caches(segments)
+        if not self.is_first:
+            return None
+        rows = num_tokens if all_logits else len(segments)
+        streams = timer.boundary("other", self._recv(rows, self.world - 1))
+        return self.model.logits(streams, segments, all_logits)
+
+    def _send(self, streams: mx.array, dst: int) -> None:
+        mx.eval(mx.distributed.send(streams, dst, group=self.group))
+
+    def _recv(self, rows: int, src: int) -> mx.array:
+        shape = (rows, self.cfg.hc_mult, self.cfg.hidden_size)  # streams: [rows, hc, D]
+        return mx.distributed.recv(shape, self.dtype, src, group=self.group)

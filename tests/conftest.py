@@ -1,0 +1,31 @@
+"""Suite-wide hook: in the strict run (TESSERA_STRICT_SKIPS=1, set by .ci/run) a skip that is not on
+tests/skip_allowlist.txt fails the session (tests/support/skip_policy.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.support.skip_policy import STRICT_ENV, load_allowlist, unexpected_skips
+
+_skipped: list[tuple[str, str]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped and not hasattr(report, "wasxfail"):  # an expected failure is not a skip
+        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _skipped.append((report.nodeid, reason))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if os.environ.get(STRICT_ENV) != "1":
+        return
+    unexpected = unexpected_skips(_skipped, load_allowlist())
+    if unexpected:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        lines = [f"{len(unexpected)} skipped tests are not on tests/skip_allowlist.txt ({STRICT_ENV}=1):"]
+        lines += [f"  {node_id}: {reason}" for node_id, reason in unexpected]
+        if reporter is not None:
+            reporter.write_line("\n".join(lines), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,0 +1,41 @@
+"""The CUDA kernels against their plain-MLX references, on the device they run on. Skipped where MLX has no
+CUDA device (an allowed skip: tests/skip_allowlist.txt); on a CUDA machine `pytest tests/test_kernels_cuda.py`
+is the pass/fail form of `tessera check kernels`, with the same thresholds (engine/tools/check_limits.py)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kernels import device_checks, indexer_cuda, topk_cuda
+from kernels.cuda import on_cuda
+from kernels.indexer import indexer_scores_reference, select_topk_reference
+
+pytestmark = pytest.mark.skipif(not on_cuda(), reason="needs a CUDA device (MLX's CUDA build)")
+
+
+def test_check_kernels_report_is_within_every_threshold():
+    report = device_checks.check_indexer_kernel()
+    assert report.get("kernel") != device_checks.UNAVAILABLE, report
+    assert device_checks.kernel_failures(report) == [], report
+
+
+@pytest.mark.parametrize("t,n", [(1, 7), (37, 1000), (256, 4099)])
+def test_indexer_kernel_equals_the_reference_on_exact_inputs(t, n):
+    """Integer-valued bf16 inputs: every product and sum is exact in fp32, so any difference is a bug."""
+    rng = np.random.default_rng(t)
+    q, w, keys, visible = device_checks._inputs(rng, t, n, 64, 128, integer=True)
+    got = indexer_cuda.indexer_scores_kernel(q, w, keys, visible, 1.0)
+    want = indexer_scores_reference(q, w, keys, visible, 1.0)
+    assert mx.array_equal(got, want).item()
+
+
+@pytest.mark.parametrize("t,n,k", [(8, 100, 16), (64, 5000, 512), (16, 600, 512)])
+def test_topk_kernel_selects_the_reference_rows_with_ties(t, n, k):
+    scores, visible = device_checks._tie_scores(np.random.default_rng(n), t, n)
+    scores, visible = mx.array(scores), mx.array(visible)
+    got_rows, got_valid = topk_cuda.select_topk_kernel(scores, visible, k)
+    want_rows, want_valid = select_topk_reference(scores, visible, k)
+    assert mx.array_equal(got_valid, want_valid).item()
+    assert mx.array_equal(got_rows, want_rows).item()  # as `check kernels` compares them
