@@ -328,6 +328,17 @@ def _register_bench(subparsers) -> None:
     cmp.add_argument("--settings", nargs="+", required=True, type=_setting, metavar="C:T", help="chunk:tile pairs")
     cmp.add_argument("--json", action="store_true")
     cmp.set_defaults(func=_bench_compare)
+    mt = sub.add_parser("multiturn", help="turn 2 of a conversation: time to first token with and without the prefix cache")
+    mt.add_argument("--model", type=Path, required=True)
+    mt.add_argument("--ctx", type=int, required=True, help="turn 2's prompt length in tokens")
+    mt.add_argument("--new", type=int, default=256, help="tokens turn 2 adds after turn 1's prompt and reply")
+    mt.add_argument("--reply", type=int, default=32, help="tokens of turn 1's reply")
+    mt.add_argument("--chunk", type=int, default=4096)
+    mt.add_argument("--tile", type=int, default=1024)
+    mt.add_argument("--rounds", type=int, default=2, help="rounds of (cold, cached) in alternating order")
+    mt.add_argument("--dtype", default=None, choices=list(DTYPES))
+    mt.add_argument("--json", action="store_true")
+    mt.set_defaults(func=_bench_multiturn)
     dec = sub.add_parser("decode", help="B sequences prefilled to N tokens, then batched decode steps against a bytes floor")
     dec.add_argument("--model", type=Path, required=True)
     dec.add_argument("--ctx", type=_positive, required=True, help="tokens in each sequence's cache before decoding")
@@ -340,17 +351,6 @@ def _register_bench(subparsers) -> None:
                      help="evaluate every stage on its own for a per-stage split (attention, indexer, MoE, other)")
     dec.add_argument("--json", action="store_true")
     dec.set_defaults(func=_bench_decode)
-    mt = sub.add_parser("multiturn", help="turn 2 of a conversation: time to first token with and without the prefix cache")
-    mt.add_argument("--model", type=Path, required=True)
-    mt.add_argument("--ctx", type=int, required=True, help="turn 2's prompt length in tokens")
-    mt.add_argument("--new", type=int, default=256, help="tokens turn 2 adds after turn 1's prompt and reply")
-    mt.add_argument("--reply", type=int, default=32, help="tokens of turn 1's reply")
-    mt.add_argument("--chunk", type=int, default=4096)
-    mt.add_argument("--tile", type=int, default=1024)
-    mt.add_argument("--rounds", type=int, default=2, help="rounds of (cold, cached) in alternating order")
-    mt.add_argument("--dtype", default=None, choices=list(DTYPES))
-    mt.add_argument("--json", action="store_true")
-    mt.set_defaults(func=_bench_multiturn)
     idx = sub.add_parser("indexer", help="indexer scoring throughput vs the device's bf16 matmul rate")
     idx.add_argument("--tile", type=int, default=1024)
     idx.add_argument("--rows", type=int, default=262144, help="compressed rows N (ctx / 4)")
@@ -399,6 +399,20 @@ def _bench_compare(args) -> int:
     return 0
 
 
+def _bench_multiturn(args) -> int:
+    from engine.tools.bench_multiturn import bench_multiturn
+
+    if not 0 < args.new and 0 < args.reply and args.new + args.reply < args.ctx:
+        print("error: --new and --reply must be positive and leave turn 1 a prompt (new + reply < ctx)", file=sys.stderr)
+        return 2
+    result = bench_multiturn(args.model, args.ctx, args.new, args.reply, args.chunk, args.tile, args.rounds, args.dtype)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print_report({k: v for k, v in result.items() if k != "runs"}, False)
+    return 0
+
+
 def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
@@ -415,20 +429,6 @@ def _bench_decode(args) -> int:
     options = DecodeOptions(chunk=args.chunk, tile=args.tile, steps=args.steps, stage_sync=args.stage_sync)
     report = bench_decode(load_for_bench(args.model, args.dtype), args.ctx, args.batch, options)
     _print_report(report, args.json)
-    return 0
-
-
-def _bench_multiturn(args) -> int:
-    from engine.tools.bench_multiturn import bench_multiturn
-
-    if not 0 < args.new and 0 < args.reply and args.new + args.reply < args.ctx:
-        print("error: --new and --reply must be positive and leave turn 1 a prompt (new + reply < ctx)", file=sys.stderr)
-        return 2
-    result = bench_multiturn(args.model, args.ctx, args.new, args.reply, args.chunk, args.tile, args.rounds, args.dtype)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        _print_report({k: v for k, v in result.items() if k != "runs"}, False)
     return 0
 
 
