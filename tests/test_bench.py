@@ -9,24 +9,15 @@ import sys
 
 import pytest
 
-from engine.model.attention import PROJECTION_ROWS
-from engine.model.config import CSA, HCA, WINDOW
 from engine.model.loader import load_model
 from engine.tools import bench
 from engine.tools.bench import RunOptions, bench_with_model
 from engine.tools.make_model import make_model
-
-# top-k 16 of up to ~100 visible rows; HCA ratio 32 so a 400-token run crosses 12 of its
-# boundaries and 100 of the ratio-4 ones; window 16.
-OVERRIDES = dict(layer_types=[WINDOW, CSA, HCA, CSA], num_hidden_layers=4, compress_rates={CSA: 4, HCA: 32})
-CTX = 403
-# A chunk longer than one projection block, so tiles straddle the blocks' boundaries.
-CHUNK = PROJECTION_ROWS + 64
-
+from tests.support.tiling_model import make_tiling_model
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("tiling"), "tiny", seed=11, with_tokenizer=False, **OVERRIDES)
+    return make_tiling_model(tmp_path_factory.mktemp("tiling"))
 
 
 @pytest.fixture(scope="module")
