@@ -22,6 +22,7 @@ from server.metrics import Metrics
 from server.schemas import ChatCompletionRequest, SamplingFields
 from server.settings import Settings
 from server.structured_output import GrammarCompiler
+from server.version import system_fingerprint
 
 T = TypeVar("T")
 
@@ -36,6 +37,10 @@ class ModelInfo:
     root: str  # where it came from (model directory)
     max_model_len: int
     created: int  # unix time the server loaded it
+
+    @property
+    def system_fingerprint(self) -> str:
+        return system_fingerprint(self.root)
 
 
 @dataclass(frozen=True)

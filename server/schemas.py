@@ -423,6 +423,7 @@ class ChatCompletion(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    system_fingerprint: str | None = None  # server/version.py: always set; OpenAI always sends it
     choices: list[ChatChoice]
     usage: Usage
 
@@ -446,6 +447,7 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str | None = None  # server/version.py: always set; OpenAI always sends it
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
@@ -462,6 +464,7 @@ class Completion(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str | None = None  # server/version.py: always set; OpenAI always sends it
     choices: list[CompletionChoice]
     usage: Usage | None = None
 

@@ -168,3 +168,24 @@ def test_every_4xx_is_counted_by_reason(server: LiveServer) -> None:
     post(server, "/v1/chat/completions", {**chat("x"), "model": "nope"})
     after = (count("400", "unsupported_parameter"), count("401", "invalid_api_key"), count("404", "model_not_found"))
     assert [a - b for a, b in zip(after, before)] == [1, 1, 1]
+
+
+def test_every_completion_object_and_chunk_carries_one_system_fingerprint(server: LiveServer) -> None:
+    # OpenAI sends `system_fingerprint` on chat.completion(.chunk) and text_completion; llama.cpp's and vLLM's
+    # suites read the key directly (KeyError before).
+    server.runner.script("fingerprint", server.text_tokens("a b c"))
+    bodies = [post(server, "/v1/chat/completions", chat("fingerprint")).json(),
+              post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": "fingerprint", "max_tokens": 4}).json()]
+    bodies += stream_chunks(server, "/v1/chat/completions", chat("fingerprint", stream_options={"include_usage": True}))
+    bodies += stream_chunks(server, "/v1/completions", {"model": MODEL_NAME, "prompt": "fingerprint", "max_tokens": 4})
+    fingerprints = {body["system_fingerprint"] for body in bodies}
+    assert len(fingerprints) == 1
+    (fingerprint,) = fingerprints
+    assert isinstance(fingerprint, str) and fingerprint.startswith("fp_") and len(fingerprint) == 13
+
+
+def test_system_fingerprint_changes_with_the_checkpoint() -> None:
+    from server.version import system_fingerprint
+
+    assert system_fingerprint("/models/a") == system_fingerprint("/models/a")
+    assert system_fingerprint("/models/a") != system_fingerprint("/models/b")
