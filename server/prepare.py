@@ -154,7 +154,9 @@ def _no_room(max_model_len: int, num_prompt_tokens: int, prompt_param: str) -> A
 def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise invalid_request(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param=param)
+        # The size in words too: clients (vLLM's suite among them) look for it to tell the user the bound.
+        raise invalid_request(f"token id {bad} is outside the vocabulary of {vocab_size} tokens "
+                              f"(ids 0..{vocab_size - 1})", param=param)
 
 
 def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int, prompt_param: str,
