@@ -10,6 +10,7 @@ import pytest
 from kernels import indexer, indexer_cuda
 from kernels.indexer import indexer_scores_reference, mask_invisible, select_topk_reference, select_topk_threshold
 from kernels.sparse_attention import mixed_attention_reference, shared_rows
+from tests.equivalence.row_invariant_blas import row_invariant_blas
 
 
 def _valid_rows(selection):
@@ -45,6 +46,7 @@ def test_indexer_reference_equals_per_head_formula():
 
 
 @pytest.mark.parametrize("num_q,num_keys", [(1, 1), (1, 333), (1, 4096), (5, 200)])
+@row_invariant_blas
 def test_indexer_all_heads_at_once_is_bit_identical_to_the_head_loop(monkeypatch, num_q, num_keys):
     """Decode scores every head in one gemm; prefill tiles loop over heads: a query row must get
     the same bits either way, or decode would select different rows than a prefill of the same

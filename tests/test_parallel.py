@@ -17,6 +17,7 @@ from engine.model.loader import load_model
 from engine.model.memory_plan import cache_bytes_at, cache_bytes_by_part
 from engine.parallel.layout import split_layers
 from engine.parallel.serving import max_stage_cache_bytes
+from engine.parallel.transport import TRANSPORT_ENV
 from engine.tools.make_model import make_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,8 +74,11 @@ def test_a_stage_cache_holds_what_the_plan_says(tiny_dir):
     assert rows_only == sum(cache_bytes_by_part(model.cfg, 300, None, 4, range(2, 4)).values())
 
 
-def _check_parallel(model_dir: Path, *args: str) -> tuple[int, dict]:
+def _check_parallel(model_dir: Path, *args: str, transport: str | None = None) -> tuple[int, dict]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop(TRANSPORT_ENV, None)
+    if transport is not None:  # forced; by default the ring backend moves streams point to point
+        env[TRANSPORT_ENV] = transport
     env.pop("LD_PRELOAD", None)  # exactness: the same (reference) BLAS in every process
     proc = subprocess.run([sys.executable, "-m", "engine.tools.commands", "check", "parallel", "--model", str(model_dir),
                            *args, "--json"], env=env, capture_output=True, text=True, timeout=600)
@@ -82,13 +86,16 @@ def _check_parallel(model_dir: Path, *args: str) -> tuple[int, dict]:
     return proc.returncode, json.loads(proc.stdout.splitlines()[-1])
 
 
+@pytest.mark.parametrize("transport", ["p2p", "collective"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_check_parallel_equals_one_process(tiny_dir, world):
+def test_check_parallel_equals_one_process(tiny_dir, world, transport):
+    """Both transports (engine/parallel/transport.py): send/recv, and the all_gather hops that NCCL needs."""
     # 100 tokens > ratio 4 × top-k 16: the indexer really chooses; chunk 32 / tile 8: chunked and tiled.
     code, report = _check_parallel(tiny_dir, "--world", str(world), "--tokens", "100", "--chunk", "32",
-                                   "--tile", "8", "--decode", "3")
+                                   "--tile", "8", "--decode", "3", transport=transport)
     assert code == 0 and report["passed"], report
-    assert report["max_abs_diff"] <= 1e-5
+    assert report["transport"] == transport
+    assert report["max_abs_diff"] == 0.0  # the same arithmetic on the same shapes, only moved between processes
     assert report["differing_selections"] == 0
     assert report["compared_selections"] == 2 * 103  # 2 CSA layers × (100 prompt + 3 decode) positions
     assert report["layers_per_rank"] == [[r.start, r.stop] for r in split_layers(4, world).ranges]

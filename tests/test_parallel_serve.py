@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from engine.parallel.serving import RANK_LOST_EXIT_CODE
+from engine.parallel.transport import TRANSPORT_ENV
 from engine.tools.make_model import make_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,9 +41,12 @@ def _free_port() -> int:
 
 
 @contextmanager
-def _server(model_dir: Path, world: int, log: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+def _server(model_dir: Path, world: int, log: Path, transport: str | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop(TRANSPORT_ENV, None)
+    if transport is not None:  # forced (what NCCL gets); by default the ring backend uses send/recv
+        env[TRANSPORT_ENV] = transport
     env.pop("LD_PRELOAD", None)  # exactness: the same BLAS in every process
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir), "--world", str(world),
@@ -116,9 +120,10 @@ def expected(model_dir, tmp_path_factory):
         return [_complete(base, p) for p in PROMPTS]
 
 
-def test_two_ranks_answer_as_one_process_and_stop_together(model_dir, expected, tmp_path):
+@pytest.mark.parametrize("transport", ["p2p", "collective"])
+def test_two_ranks_answer_as_one_process_and_stop_together(model_dir, expected, tmp_path, transport):
     log = tmp_path / "world2.log"
-    with _server(model_dir, 2, log) as (proc, base):
+    with _server(model_dir, 2, log, transport) as (proc, base):
         _assert_same([_complete(base, p) for p in PROMPTS], expected)
         # Both at once: steps that mix one request's decodes with the other's prefill chunk. The reference
         # BLAS is row-invariant, so each request's logits do not depend on what shares its step.
@@ -132,6 +137,8 @@ def test_two_ranks_answer_as_one_process_and_stop_together(model_dir, expected, 
         assert proc.wait(timeout=30) == 0
     assert not _is_running(follower)
     assert "all ranks stopped" in log.read_text()
+    for rank in (0, 1):
+        assert f"rank {rank} moves streams and steps by {transport}" in log.read_text()
 
 
 def test_under_mlx_launch_every_rank_runs_tessera_serve(model_dir, expected, tmp_path):

@@ -25,6 +25,7 @@ from engine.tools.check_limits import PARALLEL_MAX_ABS_DIFF
 class ParallelReport:
     world: int
     backend: str
+    transport: str  # how the ranks moved streams: "p2p" (send/recv) or "collective" (engine/parallel/transport.py)
     tokens: int
     chunk: int
     tile: int
@@ -69,7 +70,7 @@ def check_parallel(model_dir: Path, world: int, tokens: int, chunk: int, tile: i
     num_diff, num_compared = differing(single.selections, split_selections)
     max_diff = float(np.abs(single.logits - split_logits).max()) if single.logits.shape == split_logits.shape else float("inf")
     return ParallelReport(
-        world=world, backend=local.backend, tokens=tokens, chunk=chunk, tile=tile, decode=decode,
+        world=world, backend=local.backend, transport=parts[0]["transport"], tokens=tokens, chunk=chunk, tile=tile, decode=decode,
         layers_per_rank=[part["layers"] for part in parts],
         weights_bytes_per_rank=[part["weights_bytes"] for part in parts],
         single_process_weights_bytes=sum(w.nbytes for w in model.weights.values()),
@@ -135,13 +136,15 @@ def _worker(args: argparse.Namespace) -> int:
     from engine.parallel.launch import init_group
     from engine.parallel.layout import split_layers
     from engine.parallel.pipeline import PipelineStage
+    from engine.parallel.transport import make_transport
     from engine.tools.replay import random_tokens
 
     group = init_group(args.backend)
     rank = group.rank()
     cfg = load_config(args.model)
     layers = split_layers(cfg.num_hidden_layers, group.size()).layers_of(rank)
-    stage = PipelineStage(load_model(args.model, dtype=args.dtype, layers=layers, vocab=rank == 0), group)
+    model = load_model(args.model, dtype=args.dtype, layers=layers, vocab=rank == 0)
+    stage = PipelineStage(model, group, make_transport(group, args.backend))
     ids = random_tokens(cfg.vocab_size, args.tokens + args.decode, args.seed)
     cache, trace, rows = stage.new_cache(), ForwardTrace(record_selections=True), []
     mx.eval(mx.distributed.all_sum(mx.array([1]), group=group))  # every rank loaded: time the replay only
@@ -154,7 +157,7 @@ def _worker(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - started
     if rank == 0:
         np.save(args.out / "logits.npy", np.concatenate([np.array(r[0].astype(mx.float32)) for r in rows]))
-    part = {"layers": [layers.start, layers.stop], "seconds": seconds, "weights_bytes": sum(w.nbytes for w in stage.weights.values()),
+    part = {"layers": [layers.start, layers.stop], "transport": stage.transport.name, "seconds": seconds, "weights_bytes": sum(w.nbytes for w in stage.weights.values()),
             "selections": [[layer, pos, list(sel)] for (layer, pos), sel in trace.selections.items()]}
     (args.out / f"rank{rank}.json").write_text(json.dumps(part))
     return 0

@@ -35,7 +35,7 @@ def _exit_when_orphaned(poll_s: float = 0.5) -> None:
 def follow(model_dir: Path, indexer_tile: int, backend: str, world: int | None = None) -> int:
     """Join the world, load this rank's layers and follow rank 0 until it says stop (0) or is lost (1)."""
     group = init_group(backend) if world is None else join_launched_world(world, backend)
-    stage = load_stage(model_dir, group)
+    stage = load_stage(model_dir, group, backend)
     try:
         return run_follower(stage, indexer_tile)
     except RuntimeError as exc:  # MLX's transport: a peer was lost

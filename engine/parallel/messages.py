@@ -1,4 +1,5 @@
-"""What rank 0 tells the other ranks each step, as plain data (JSON bytes over mx.distributed).
+"""What rank 0 tells the other ranks each step, as plain data (JSON bytes, broadcast by the Transport of
+engine/parallel/transport.py).
 
 A follower needs no sampling state: only which requests get a cache, which are released, and the step plan
 (token ids and their order), which it runs through its layers exactly as rank 0 does.
@@ -8,9 +9,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-
-import mlx.core as mx
-import numpy as np
 
 from engine.serving.protocol import DecodeSlot, PrefillChunk, StepPlan
 
@@ -43,14 +41,3 @@ class StepMessage:
         chunk = None if prefill is None else PrefillChunk(prefill[0], tuple(prefill[1]), prefill[2], prefill[3])
         return cls(tuple(raw["added"]), tuple(raw["released"]), StepPlan(decodes, chunk), raw["stop"])
 
-
-def send_bytes(data: bytes, dst: int, group: mx.distributed.Group) -> None:
-    """Length first ([1] int32), then the bytes ([n] uint8): the receiver must know the shape to receive."""
-    mx.eval(mx.distributed.send(mx.array([len(data)], dtype=mx.int32), dst, group=group))
-    mx.eval(mx.distributed.send(mx.array(np.frombuffer(data, dtype=np.uint8)), dst, group=group))
-
-
-def recv_bytes(src: int, group: mx.distributed.Group) -> bytes:
-    length = mx.distributed.recv((1,), mx.int32, src, group=group)
-    n = int(length.item())
-    return bytes(np.array(mx.distributed.recv((n,), mx.uint8, src, group=group)))

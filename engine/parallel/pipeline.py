@@ -2,7 +2,7 @@
 
 Every rank sees the same step (the same segments: token ids and cache lengths) and holds the caches of its
 own layers only. Rank 0 embeds the tokens and runs its layers; rank r receives the streams [T, hc, D] from
-r - 1, runs its layers and sends them on; the last rank sends them back to rank 0 (only each segment's last
+r - 1, runs its layers and sends them on (through a Transport, engine/parallel/transport.py); the last rank sends them back to rank 0 (only each segment's last
 row unless every logit row is wanted), which owns the head and returns the logits. The others return None.
 The model's own `forward` is the same three parts (embed, run_layers, logits) in one process, so a split
 run does the same arithmetic on the same shapes: its logits equal one process's.
@@ -17,15 +17,16 @@ import mlx.core as mx
 from engine.model.cache import SequenceCache
 from engine.model.deepseek_v4 import DeepseekV4, Segment, advance_caches, last_rows
 from engine.model.trace import ForwardTrace
+from engine.parallel.transport import Transport
 
 
 class PipelineStage:
     """Quacks like DeepseekV4 where the runner and the replay use it (cfg, dtype, weights, new_cache, forward)."""
 
-    def __init__(self, model: DeepseekV4, group: mx.distributed.Group) -> None:
+    def __init__(self, model: DeepseekV4, group: mx.distributed.Group, transport: Transport) -> None:
         if group.size() < 2:
             raise ValueError("a pipeline needs at least 2 ranks")
-        self.model, self.group = model, group
+        self.model, self.group, self.transport = model, group, transport
         self.rank, self.world = group.rank(), group.size()
         self.cfg, self.dtype, self.weights = model.cfg, model.dtype, model.weights
 
@@ -38,27 +39,27 @@ class PipelineStage:
 
     def forward(self, segments: Sequence[Segment], tile: int | None = None, all_logits: bool = False,
                 timer: ForwardTrace | None = None) -> list[mx.array] | None:
-        """As DeepseekV4.forward on rank 0; None on the other ranks (they hold no head)."""
+        """As DeepseekV4.forward on rank 0; None on the other ranks (they hold no head).
+
+        Every rank walks the hops 0…W-1 in order (hop h: rank h → h + 1, the last back to rank 0): rank r
+        receives at hop r - 1, runs its layers and sends at hop r; the collective transport also needs it
+        at the hops in between (docs/PARALLEL.md)."""
         timer = timer or ForwardTrace()
         num_tokens = sum(len(s.token_ids) for s in segments)
-        if self.is_first:
-            streams = self.model.embed(segments)
-        else:
-            streams = timer.boundary("other", self._recv(num_tokens, self.rank - 1))
-        streams = self.model.run_layers(streams, segments, self.model.layer_ids, tile, timer)
-        if self.rank == self.world - 1 and not all_logits:
-            streams = last_rows(streams, segments)  # only what rank 0 samples goes back
-        self._send(streams, (self.rank + 1) % self.world)
+        streams = self.model.embed(segments) if self.is_first else None
+        for hop in range(self.world):
+            last_hop = hop == self.world - 1
+            rows = len(segments) if last_hop and not all_logits else num_tokens  # what rank 0 samples goes back
+            payload = None
+            if hop == self.rank:
+                payload = self.model.run_layers(streams, segments, self.model.layer_ids, tile, timer)
+                if last_hop and not all_logits:
+                    payload = last_rows(payload, segments)
+            shape = (rows, self.cfg.hc_mult, self.cfg.hidden_size)  # streams: [rows, hc, D]
+            received = self.transport.hop(hop, payload, shape, self.dtype)
+            if received is not None:
+                streams = timer.boundary("other", received)
         advance_caches(segments)
         if not self.is_first:
             return None
-        rows = num_tokens if all_logits else len(segments)
-        streams = timer.boundary("other", self._recv(rows, self.world - 1))
         return self.model.logits(streams, segments, all_logits)
-
-    def _send(self, streams: mx.array, dst: int) -> None:
-        mx.eval(mx.distributed.send(streams, dst, group=self.group))
-
-    def _recv(self, rows: int, src: int) -> mx.array:
-        shape = (rows, self.cfg.hc_mult, self.cfg.hidden_size)  # streams: [rows, hc, D]
-        return mx.distributed.recv(shape, self.dtype, src, group=self.group)

@@ -2,8 +2,8 @@
 
 Rank 0's runner is the ordinary ModelRunner over a PipelineStage (engine/parallel/pipeline.py); before
 each step it sends the followers a StepMessage (the plan's finished and new request ids and its tokens),
-passed rank to rank along the pipeline. A follower keeps its layers' caches per request and runs each plan
-through its layers, in the order ModelRunner.execute puts the segments (decodes, then the prefill chunk).
+broadcast by the stage's transport (engine/parallel/transport.py). A follower keeps its layers' caches per
+request and runs each plan through its layers, in the order ModelRunner.execute puts the segments (decodes, then the prefill chunk).
 
 Failure is loud: a follower process that exits is seen by RankWatch within 0.2 s and rank 0 exits with
 an error (the pipeline cannot go on without its layers). Any step that raises on rank 0 (a lost peer makes
@@ -34,8 +34,9 @@ from engine.model.memory_plan import cache_bytes_at
 from engine.parallel.launch import (RankWatch, init_group, join_world, launched_world, new_local_world, spawn_rank,
                                     stop_processes)
 from engine.parallel.layout import StageLayout, split_layers
-from engine.parallel.messages import StepMessage, recv_bytes, send_bytes
+from engine.parallel.messages import StepMessage
 from engine.parallel.pipeline import PipelineStage
+from engine.parallel.transport import make_transport
 from engine.serving.protocol import StepOutput, StepPlan
 from engine.serving.runner import ModelRunner, default_compute_dtype
 
@@ -90,18 +91,15 @@ class PipelineRunner:
             self._tell(StepMessage(stop=True))
 
     def _tell(self, message: StepMessage) -> None:
-        send_bytes(message.encode(), 1, self._stage.group)
+        self._stage.transport.broadcast_bytes(message.encode())
 
 
 def run_follower(stage: PipelineStage, indexer_tile: int) -> int:
-    """A follower's life: receive each step from the previous rank, pass it on, run it; until `stop`."""
+    """A follower's life: receive each step from rank 0 (the transport's broadcast), run it; until `stop`."""
     caches: dict[str, SequenceCache] = {}
     weights_bytes = sum(w.nbytes for w in stage.weights.values())
     while True:
-        data = recv_bytes(stage.rank - 1, stage.group)
-        if stage.rank + 1 < stage.world:
-            send_bytes(data, stage.rank + 1, stage.group)
-        message = StepMessage.decode(data)
+        message = StepMessage.decode(stage.transport.broadcast_bytes(None))
         if message.stop:
             return 0
         for request_id in message.released:  # in ModelRunner.execute's order: drop, then set up, then run
@@ -138,12 +136,14 @@ def plan_segments(plan: StepPlan, caches: dict[str, SequenceCache]) -> list[Segm
     return segments
 
 
-def load_stage(model_dir: Path, group: mx.distributed.Group) -> PipelineStage:
+def load_stage(model_dir: Path, group: mx.distributed.Group, backend: str) -> PipelineStage:
     cfg = load_config(model_dir)
     layers = split_layers(cfg.num_hidden_layers, group.size()).layers_of(group.rank())
     model = load_model(model_dir, dtype=default_compute_dtype(), layers=layers, vocab=group.rank() == 0)
     logger.info("rank %d holds layers %d..%d", group.rank(), layers.start, layers.stop - 1)
-    return PipelineStage(model, group)
+    transport = make_transport(group, backend)
+    logger.info("rank %d moves streams and steps by %s", group.rank(), transport.name)
+    return PipelineStage(model, group, transport)
 
 
 def build_pipeline_runner(model_dir: Path, world: int, prefill_chunk: int, indexer_tile: int,
@@ -158,7 +158,7 @@ def build_pipeline_runner(model_dir: Path, world: int, prefill_chunk: int, index
         group = join_launched_world(world, launched[1])
         if group.rank() != 0:
             raise RuntimeError(f"rank {group.rank()} builds no runner: it follows rank 0 (engine/parallel/follower.py)")
-        runner = _rank_0_runner(load_stage(Path(model_dir), group), *shape)
+        runner = _rank_0_runner(load_stage(Path(model_dir), group, launched[1]), *shape)
         atexit.register(_shut_down, runner, None, {})  # the launcher owns the processes (and stops all if one fails)
         return runner
     local = new_local_world(world, backend)
@@ -169,7 +169,7 @@ def build_pipeline_runner(model_dir: Path, world: int, prefill_chunk: int, index
         logger.info("started rank %d (pid %d)", rank, proc.pid)
     watch = RankWatch(followers, lambda rank, code: _rank_lost(rank, code, followers))
     try:
-        runner = _rank_0_runner(load_stage(Path(model_dir), join_world(local, 0)), *shape)
+        runner = _rank_0_runner(load_stage(Path(model_dir), join_world(local, 0), local.backend), *shape)
     except BaseException:
         watch.expect_exit()
         stop_processes(list(followers.values()), grace_s=0)

@@ -1,6 +1,7 @@
 """Batched decode is the single-sequence decode: sequences of different lengths decoded together
 in one step give bit-identical logits (float32, MLX's bundled row-invariant BLAS) to each decoded
-alone, step after step, and leave identical caches behind."""
+alone, step after step, and leave identical caches behind — decode steps evaluate once, with no
+per-sequence or per-layer synchronisation (engine/model/attention.py), and the result must not move."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from engine.model.deepseek_v4 import Segment
 from engine.model.loader import load_model
 from engine.tools.make_model import make_model
 from engine.tools.replay import random_tokens
+from tests.equivalence.row_invariant_blas import row_invariant_blas
 
 OVERRIDES = dict(layer_types=[WINDOW, CSA, HCA, CSA], num_hidden_layers=4, compress_rates={CSA: 4, HCA: 32})
 # Lengths below and above the window (16), top-k (16 rows = 64 tokens) and HCA boundaries (32).
@@ -30,6 +32,7 @@ def _prefilled(model, length: int, seed: int):
     return cache
 
 
+@row_invariant_blas
 def test_batched_decode_equals_each_sequence_decoded_alone(model):
     steps = 6
     batched = [_prefilled(model, n, seed) for seed, n in enumerate(LENGTHS)]
