@@ -188,8 +188,11 @@ def sampling_params(body: SamplingFields, *, max_tokens: int, num_logprobs: int 
     `constraint` makes each choice its own grammar state (structured outputs)."""
     bias = body.logit_bias or {}
     check_token_ids(list(bias), vocab_size, param="logit_bias")
+    requested_stops = tuple(dict.fromkeys(body.stop_token_ids or ()))
+    check_token_ids(requested_stops, vocab_size, param="stop_token_ids")
     # EOS as a stop token id: min_tokens masks stop ids (the scheduler ends on EOS either way).
-    stop_ids = (eos_token_id,) if eos_token_id is not None and body.min_tokens and not body.ignore_eos else ()
+    eos_stop = (eos_token_id,) if eos_token_id is not None and body.min_tokens and not body.ignore_eos else ()
+    stop_ids = requested_stops + tuple(t for t in eos_stop if t not in requested_stops)
     return SamplingParams(
         temperature=body.temperature,
         top_p=body.top_p,

@@ -189,3 +189,26 @@ def test_system_fingerprint_changes_with_the_checkpoint() -> None:
 
     assert system_fingerprint("/models/a") == system_fingerprint("/models/a")
     assert system_fingerprint("/models/a") != system_fingerprint("/models/b")
+
+
+def test_stop_token_ids_end_the_answer_before_that_token(server: LiveServer) -> None:
+    # vLLM's extension (its suite sends it through the openai SDK's extra_body); OpenAI has no equivalent.
+    tokens = server.text_tokens("alpha beta gamma", end=False)
+    stop_at = tokens[2]
+    server.runner.script("stop ids", tokens)
+    body = post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": "stop ids", "max_tokens": len(tokens),
+                                            "stop_token_ids": [stop_at]}).json()
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["text"] == server.tokenizer.decode(tokens[:2])  # the stop token is not in the text
+    assert body["usage"]["completion_tokens"] == 3  # but it was generated
+    free = post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": "stop ids", "max_tokens": len(tokens)})
+    assert free.json()["choices"][0]["text"] == server.tokenizer.decode(tokens)
+
+
+@pytest.mark.parametrize("bad", [-1, 10**9])
+def test_stop_token_ids_outside_the_vocabulary_are_400(server: LiveServer, bad: int) -> None:
+    response = post(server, "/v1/chat/completions", chat("bad stop ids", stop_token_ids=[bad]))
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "stop_token_ids" and str(bad) in error["message"]
