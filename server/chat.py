@@ -62,6 +62,7 @@ class _Meta:
     id: str
     created: int
     model: str
+    system_fingerprint: str
 
 
 async def create_chat_completion(
@@ -83,7 +84,7 @@ async def create_chat_completion(
                                      eos_token_id=served.tokenizer.eos_token_id, constraint=constraint))
         for i in range(body.n)
     ]
-    meta = _Meta(new_response_id("chatcmpl"), int(time.time()), served.info.name)
+    meta = _Meta(new_response_id("chatcmpl"), int(time.time()), served.info.name, served.info.system_fingerprint)
     runs = start_runs(served, inflight, meta.id, choices, body.stop_strings, body.skip_special_tokens)
     if body.stream:
         await until_disconnected(request, open_runs(runs))
@@ -91,7 +92,7 @@ async def create_chat_completion(
                             served.metrics.http_error, body.include_usage)
     outputs = await until_disconnected(request, _complete(runs))
     return ChatCompletion(
-        id=meta.id, created=meta.created, model=meta.model,
+        id=meta.id, created=meta.created, model=meta.model, system_fingerprint=meta.system_fingerprint,
         choices=[_choice(i, pieces, body, thinking, served.tokenizer) for i, pieces in enumerate(outputs)],
         usage=Usage.of(len(prompt_ids), sum(run.num_generated_tokens for run in runs), runs[0].num_cached_tokens),
     )
@@ -199,7 +200,8 @@ class _StreamedChoice:
 async def _chunks(runs: list[ChoiceRun], body: ChatCompletionRequest, thinking: bool, tokenizer: Tokenizer,
                   meta: _Meta) -> AsyncIterator[Chunk]:
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=usage)
+        return ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model,
+                                   system_fingerprint=meta.system_fingerprint, choices=choices, usage=usage)
 
     def usage() -> Usage:
         return Usage.of(runs[0].num_prompt_tokens, sum(run.num_generated_tokens for run in runs),

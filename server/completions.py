@@ -77,7 +77,8 @@ async def create_completion(
     response_id = new_response_id("cmpl")
     runs = start_runs(served, inflight, response_id, _choices(body, served, prompts), body.stop_strings,
                       body.skip_special_tokens)
-    head = Completion(id=response_id, created=int(time.time()), model=served.info.name, choices=[])
+    head = Completion(id=response_id, created=int(time.time()), model=served.info.name,
+                      system_fingerprint=served.info.system_fingerprint, choices=[])
     num_prompt_tokens = sum(len(ids) for ids, _ in prompts)
     if body.stream:
         await until_disconnected(request, open_runs(runs))

@@ -22,6 +22,7 @@ from server.metrics import Metrics
 from server.schemas import ChatCompletionRequest, SamplingFields
 from server.settings import Settings
 from server.structured_output import GrammarCompiler
+from server.version import system_fingerprint
 
 T = TypeVar("T")
 
@@ -36,6 +37,10 @@ class ModelInfo:
     root: str  # where it came from (model directory)
     max_model_len: int
     created: int  # unix time the server loaded it
+
+    @property
+    def system_fingerprint(self) -> str:
+        return system_fingerprint(self.root)
 
 
 @dataclass(frozen=True)
@@ -149,7 +154,9 @@ def _no_room(max_model_len: int, num_prompt_tokens: int, prompt_param: str) -> A
 def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise invalid_request(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param=param)
+        # The size in words too: clients (vLLM's suite among them) look for it to tell the user the bound.
+        raise invalid_request(f"token id {bad} is outside the vocabulary of {vocab_size} tokens "
+                              f"(ids 0..{vocab_size - 1})", param=param)
 
 
 def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int, prompt_param: str,
@@ -181,8 +188,11 @@ def sampling_params(body: SamplingFields, *, max_tokens: int, num_logprobs: int 
     `constraint` makes each choice its own grammar state (structured outputs)."""
     bias = body.logit_bias or {}
     check_token_ids(list(bias), vocab_size, param="logit_bias")
+    requested_stops = tuple(dict.fromkeys(body.stop_token_ids or ()))
+    check_token_ids(requested_stops, vocab_size, param="stop_token_ids")
     # EOS as a stop token id: min_tokens masks stop ids (the scheduler ends on EOS either way).
-    stop_ids = (eos_token_id,) if eos_token_id is not None and body.min_tokens and not body.ignore_eos else ()
+    eos_stop = (eos_token_id,) if eos_token_id is not None and body.min_tokens and not body.ignore_eos else ()
+    stop_ids = requested_stops + tuple(t for t in eos_stop if t not in requested_stops)
     return SamplingParams(
         temperature=body.temperature,
         top_p=body.top_p,

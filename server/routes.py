@@ -6,10 +6,6 @@ Inference routes (/v1/*, /tokenize, /detokenize) sit behind the API-key check in
 
 from __future__ import annotations
 
-import importlib.metadata
-from functools import lru_cache
-from pathlib import Path
-
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
@@ -32,6 +28,7 @@ from server.schemas import (
     VersionInfo,
 )
 from server.state import AppState
+from server.version import tessera_version
 from server.workers import json_body
 
 router = APIRouter()
@@ -145,21 +142,3 @@ async def ready(request: Request) -> JSONResponse:
 @router.get("/version", response_model=VersionInfo)
 async def version() -> VersionInfo:
     return VersionInfo(version=tessera_version())
-
-
-@lru_cache(maxsize=1)
-def tessera_version() -> str:
-    """The installed package's version; from pyproject.toml when running from a source tree."""
-    try:
-        return importlib.metadata.version("tessera")
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
-    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
-    try:
-        return tomllib.loads(pyproject.read_text())["project"]["version"]
-    except (OSError, KeyError, ValueError):
-        return "unknown"

@@ -5,7 +5,7 @@ Requests forbid unknown fields: a parameter Tessera does not implement is a 400 
 `null` counts as not sent, as in OpenAI's API. Parameters Tessera knows but supports only partly
 (`modalities`, `best_of`, …) are declared and rejected by value in `unsupported_values()`.
 Extensions beyond OpenAI follow vLLM's names: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-skip_special_tokens, stream_options.continuous_usage_stats, chat_template_kwargs.
+stop_token_ids, skip_special_tokens, stream_options.continuous_usage_stats, chat_template_kwargs.
 Fields SDKs send that change no output (`store`, `metadata`, `service_tier`, `user`, `prompt_cache_key`,
 `verbosity`, `safety_identifier`) are accepted and logged at debug level (`log_no_op_fields`).
 """
@@ -78,6 +78,7 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None  # ids checked against the vocabulary in server/prepare.py
     skip_special_tokens: bool = True
     # No-ops (NO_OP_FIELDS): accepted, logged at debug.
     user: str | None = None
@@ -423,6 +424,7 @@ class ChatCompletion(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    system_fingerprint: str | None = None  # server/version.py: always set; OpenAI always sends it
     choices: list[ChatChoice]
     usage: Usage
 
@@ -446,6 +448,7 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str | None = None  # server/version.py: always set; OpenAI always sends it
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
@@ -462,6 +465,7 @@ class Completion(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str | None = None  # server/version.py: always set; OpenAI always sends it
     choices: list[CompletionChoice]
     usage: Usage | None = None
 

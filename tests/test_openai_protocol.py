@@ -168,3 +168,47 @@ def test_every_4xx_is_counted_by_reason(server: LiveServer) -> None:
     post(server, "/v1/chat/completions", {**chat("x"), "model": "nope"})
     after = (count("400", "unsupported_parameter"), count("401", "invalid_api_key"), count("404", "model_not_found"))
     assert [a - b for a, b in zip(after, before)] == [1, 1, 1]
+
+
+def test_every_completion_object_and_chunk_carries_one_system_fingerprint(server: LiveServer) -> None:
+    # OpenAI sends `system_fingerprint` on chat.completion(.chunk) and text_completion; llama.cpp's and vLLM's
+    # suites read the key directly (KeyError before).
+    server.runner.script("fingerprint", server.text_tokens("a b c"))
+    bodies = [post(server, "/v1/chat/completions", chat("fingerprint")).json(),
+              post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": "fingerprint", "max_tokens": 4}).json()]
+    bodies += stream_chunks(server, "/v1/chat/completions", chat("fingerprint", stream_options={"include_usage": True}))
+    bodies += stream_chunks(server, "/v1/completions", {"model": MODEL_NAME, "prompt": "fingerprint", "max_tokens": 4})
+    fingerprints = {body["system_fingerprint"] for body in bodies}
+    assert len(fingerprints) == 1
+    (fingerprint,) = fingerprints
+    assert isinstance(fingerprint, str) and fingerprint.startswith("fp_") and len(fingerprint) == 13
+
+
+def test_system_fingerprint_changes_with_the_checkpoint() -> None:
+    from server.version import system_fingerprint
+
+    assert system_fingerprint("/models/a") == system_fingerprint("/models/a")
+    assert system_fingerprint("/models/a") != system_fingerprint("/models/b")
+
+
+def test_stop_token_ids_end_the_answer_before_that_token(server: LiveServer) -> None:
+    # vLLM's extension (its suite sends it through the openai SDK's extra_body); OpenAI has no equivalent.
+    tokens = server.text_tokens("alpha beta gamma", end=False)
+    stop_at = tokens[2]
+    server.runner.script("stop ids", tokens)
+    body = post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": "stop ids", "max_tokens": len(tokens),
+                                            "stop_token_ids": [stop_at]}).json()
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["text"] == server.tokenizer.decode(tokens[:2])  # the stop token is not in the text
+    assert body["usage"]["completion_tokens"] == 3  # but it was generated
+    free = post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": "stop ids", "max_tokens": len(tokens)})
+    assert free.json()["choices"][0]["text"] == server.tokenizer.decode(tokens)
+
+
+@pytest.mark.parametrize("bad", [-1, 10**9])
+def test_stop_token_ids_outside_the_vocabulary_are_400(server: LiveServer, bad: int) -> None:
+    response = post(server, "/v1/chat/completions", chat("bad stop ids", stop_token_ids=[bad]))
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "stop_token_ids" and str(bad) in error["message"]

@@ -138,7 +138,9 @@ def test_null_counts_as_not_sent(server: LiveServer) -> None:
 
 
 def test_out_of_vocabulary_ids_are_400(server: LiveServer) -> None:
-    assert_error(post(server, CHAT, chat(logit_bias={"999999": 1})), 400, "invalid_request_error", "logit_bias")
+    error = assert_error(post(server, CHAT, chat(logit_bias={"999999": 1})), 400, "invalid_request_error",
+                         "logit_bias")
+    assert "999999" in error["message"] and f"{server.tokenizer.vocab_size} tokens" in error["message"]
     assert_error(post(server, COMPLETIONS, completion(prompt=[1, 2, 999999])), 400, "invalid_request_error", "prompt")
     assert_error(post(server, "/detokenize", {"tokens": [-1]}), 400, "invalid_request_error", "tokens")
 
