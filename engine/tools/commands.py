@@ -70,6 +70,15 @@ def _make_model(args) -> int:
 def _register_check(subparsers) -> None:
     p = subparsers.add_parser("check", help="numerical checks of a checkpoint")
     sub = p.add_subparsers(dest="check", required=True)
+    _register_check_reference(sub)
+    _register_check_consistency(sub)
+    _register_check_parallel(sub)
+    _register_check_prefix_cache(sub)
+    _register_check_kernels(sub)
+    _register_check_gpu(sub)
+
+
+def _register_check_reference(sub) -> None:
     ref = sub.add_parser("reference", help="Tessera vs transformers' full forward (needs the test extra)")
     ref.add_argument("--model", type=Path, required=True)
     ref.add_argument("--tokens", type=int, required=True)
@@ -84,6 +93,9 @@ def _register_check(subparsers) -> None:
     ref.add_argument("--json", action="store_true")
     _add_reference_weight_args(ref)
     ref.set_defaults(func=_check_reference)
+
+
+def _register_check_consistency(sub) -> None:
     con = sub.add_parser("consistency", help="tiled/chunked prefill + decode vs untiled and whole-sequence runs")
     con.add_argument("--model", type=Path, required=True)
     con.add_argument("--ctx", type=int, required=True)
@@ -102,6 +114,9 @@ def _register_check(subparsers) -> None:
                      help=f"fail if more indexer selections differ (default: {limits.differing_selections})")
     con.add_argument("--json", action="store_true")
     con.set_defaults(func=_check_consistency)
+
+
+def _register_check_parallel(sub) -> None:
     par = sub.add_parser("parallel", help="the replay on a local world of pipeline ranks vs one process (logits, selections)")
     par.add_argument("--model", type=Path, required=True)
     par.add_argument("--world", type=int, default=2, help="number of ranks (each a local process)")
@@ -116,6 +131,9 @@ def _register_check(subparsers) -> None:
                      help=f"fail if any logit differs from one process's by more (default: {PARALLEL_MAX_ABS_DIFF})")
     par.add_argument("--json", action="store_true")
     par.set_defaults(func=_check_parallel)
+
+
+def _register_check_prefix_cache(sub) -> None:
     pc = sub.add_parser("prefix-cache", help="a turn restored from the prefix cache vs the same request without it")
     pc.add_argument("--model", type=Path, required=True)
     pc.add_argument("--fill", type=_setting, default="96:32", metavar="C:T", help="chunk:tile of the turn that fills the cache")
@@ -124,6 +142,9 @@ def _register_check(subparsers) -> None:
     pc.add_argument("--seed", type=int, default=0)
     pc.add_argument("--json", action="store_true")
     pc.set_defaults(func=_check_prefix_cache)
+
+
+def _register_check_kernels(sub) -> None:
     ker = sub.add_parser("kernels", help="device kernels vs their references (selections, scores, tile invariance); "
                                          "exit 2 where there is no CUDA device")
     ker.add_argument("--max-rel-diff", type=float, default=KERNEL_MAX_REL_DIFF,
@@ -133,6 +154,9 @@ def _register_check(subparsers) -> None:
                           f"(default: {KERNEL_MAX_DIFFERING_ROWS})")
     ker.add_argument("--json", action="store_true")
     ker.set_defaults(func=_check_kernels)
+
+
+def _register_check_gpu(sub) -> None:
     gpu = sub.add_parser("gpu", help="on a CUDA machine: kernel checks + tiled-vs-untiled matrix over awkward shapes; "
                                      "exits 1 on any difference")
     gpu.add_argument("--model", type=Path, default=None, help="checkpoint (default: a flash-attn, 3-layer one in a temp dir)")
