@@ -373,6 +373,8 @@ def _register_bench(subparsers) -> None:
     dec.add_argument("--dtype", default=None, choices=list(DTYPES))
     dec.add_argument("--stage-sync", action="store_true",
                      help="evaluate every stage on its own for a per-stage split (attention, indexer, MoE, other)")
+    dec.add_argument("--compile", choices=["on", "off"], default=None,
+                     help="compiled model functions (engine/model/compiled.py); default: TESSERA_COMPILE (on unless 0)")
     dec.add_argument("--json", action="store_true")
     dec.set_defaults(func=_bench_decode)
     idx = sub.add_parser("indexer", help="indexer scoring throughput vs the device's bf16 matmul rate")
@@ -450,6 +452,10 @@ def _bench_decode(args) -> int:
     if args.tile > args.chunk:
         print(f"error: --tile ({args.tile}) must be at most --chunk ({args.chunk})", file=sys.stderr)
         return 2
+    if args.compile is not None:
+        from engine.model.compiled import set_compile_enabled
+
+        set_compile_enabled(args.compile == "on")
     options = DecodeOptions(chunk=args.chunk, tile=args.tile, steps=args.steps, stage_sync=args.stage_sync)
     report = bench_decode(load_for_bench(args.model, args.dtype), args.ctx, args.batch, options)
     _print_report(report, args.json)
