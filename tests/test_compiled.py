@@ -130,3 +130,29 @@ def test_environment_switch_rejects_other_values():
     env = {**os.environ, compiled.ENV_VAR: "off"}
     out = subprocess.run([sys.executable, "-c", "import engine.model.compiled"], env=env, capture_output=True, text=True)
     assert out.returncode != 0 and "TESSERA_COMPILE must be 0 (off) or 1 (on)" in out.stderr
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("hashed", [False, True], ids=["learned", "hash"])
+def test_moe_gives_the_same_bits_compiled_and_plain(dtype, hashed):
+    from engine.model.moe import MoEWeights, moe
+
+    experts, dim, inner, vocab, top_k = 6, 32, 24, 50, 2
+    keys = iter(mx.random.split(mx.random.key(7), 10))
+    normal = lambda shape: (mx.random.normal(shape, key=next(keys)) * 0.3).astype(dtype)  # noqa: E731
+    w = MoEWeights(
+        router=normal((experts, dim)),
+        correction_bias=None if hashed else normal((experts,)),
+        tid2eid=mx.random.randint(0, experts, (vocab, top_k), key=next(keys)) if hashed else None,
+        w1=normal((experts, inner, dim)), w2=normal((experts, dim, inner)), w3=normal((experts, inner, dim)),
+        shared_w1=normal((inner, dim)), shared_w2=normal((dim, inner)), shared_w3=normal((inner, dim)),
+    )
+    for rows in (1, 7, 3):
+        x = mx.random.normal((rows, dim), key=mx.random.key(rows)).astype(dtype) * 4  # large enough to hit the clamps
+        ids = mx.arange(rows) % vocab
+        outs = []
+        for enabled in (True, False):
+            compiled.set_compile_enabled(enabled)
+            outs.append(moe(x, ids, w, top_k, 1.5, 0.7))
+        assert outs[0].shape == (rows, dim) and outs[0].dtype == dtype
+        assert mx.array_equal(outs[0], outs[1]).item(), f"{rows} rows"
