@@ -13,7 +13,8 @@ from functools import cached_property
 
 import mlx.core as mx
 
-from engine.model.compiled import shapeless
+from engine.model.compiled import compile_enabled, shapeless
+from kernels import sinkhorn as sinkhorn_kernels
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,8 @@ def hyper_weights(streams: mx.array, w: HyperWeights, sinkhorn_iters: int, hc_ep
     num_tokens, hc, _ = streams.shape
     logits = _mix_logits(streams.reshape(num_tokens, -1), w.fn, w.scale_per_mix, w.base, norm_eps)  # [T, (2 + hc)·hc]
     comb_logits = logits[:, 2 * hc :].reshape(num_tokens, hc, hc)
-    pre, post, comb = _coefficients(logits[:, :hc], logits[:, hc : 2 * hc], comb_logits, sinkhorn_iters, hc_eps)
-    return post, comb, _collapse(pre, streams)
+    pre, post, comb = _coefficients(logits[:, :hc], logits[:, hc : 2 * hc], comb_logits, hc_eps)
+    return post, _sinkhorn(comb, sinkhorn_iters, hc_eps), _collapse(pre, streams)
 
 
 @shapeless
@@ -51,21 +52,22 @@ def _mix_logits(flat: mx.array, fn: mx.array, scale: mx.array, base: mx.array, n
 
 
 @shapeless
-def _coefficients(pre_logits: mx.array, post_logits: mx.array, comb_logits: mx.array, iters: int, hc_eps: float):
-    """[T, hc], [T, hc], [T, hc, hc] -> pre [T, hc], post [T, hc], comb [T, hc, hc] (doubly stochastic)."""
+def _coefficients(pre_logits: mx.array, post_logits: mx.array, comb_logits: mx.array, hc_eps: float):
+    """[T, hc], [T, hc], [T, hc, hc] -> pre [T, hc], post [T, hc], comb [T, hc, hc] (before Sinkhorn)."""
     pre = mx.sigmoid(pre_logits) + hc_eps
     post = 2 * mx.sigmoid(post_logits)
-    comb = sinkhorn(mx.softmax(comb_logits, axis=-1, precise=True) + hc_eps, iters, hc_eps)
-    return pre, post, comb
+    return pre, post, mx.softmax(comb_logits, axis=-1, precise=True) + hc_eps
 
 
-def sinkhorn(comb: mx.array, iters: int, eps: float) -> mx.array:
-    """Alternate column and row normalization (columns first, as the reference does)."""
-    comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(axis=-1, keepdims=True) + eps)
-        comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
-    return comb
+_sinkhorn_compiled = shapeless(sinkhorn_kernels.sinkhorn_reference)
+
+
+def _sinkhorn(comb: mx.array, iters: int, eps: float) -> mx.array:
+    """[T, hc, hc] -> doubly stochastic: one CUDA kernel where supported (compilation on), else the
+    reference, compiled when compilation is on (kernels/sinkhorn.py)."""
+    if compile_enabled() and sinkhorn_kernels.is_supported(comb):
+        return sinkhorn_kernels.sinkhorn_kernel(comb, iters, eps)
+    return _sinkhorn_compiled(comb, iters, eps)
 
 
 @shapeless
