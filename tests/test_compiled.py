@@ -156,3 +156,29 @@ def test_moe_gives_the_same_bits_compiled_and_plain(dtype, hashed):
             outs.append(moe(x, ids, w, top_k, 1.5, 0.7))
         assert outs[0].shape == (rows, dim) and outs[0].dtype == dtype
         assert mx.array_equal(outs[0], outs[1]).item(), f"{rows} rows"
+
+
+def _reference_rope(x, cos, sin):
+    half = cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.ndim - 2) + (half,)
+    cos, sin = cos.reshape(shape), sin.reshape(shape)
+    nope, rope = x[..., : -2 * half], x[..., -2 * half :]
+    pairs = rope.reshape(*rope.shape[:-1], half, 2).astype(mx.float32)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = mx.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1).reshape(rope.shape).astype(x.dtype)
+    return mx.concatenate([nope, rotated], axis=-1)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("enabled", [True, False], ids=["compiled", "plain"])
+def test_rope_gives_the_reference_bits_for_every_shape(dtype, enabled):
+    from engine.model.rope import apply_rope
+
+    compiled.set_compile_enabled(enabled)
+    for step, shape in enumerate([(1, 8, 48), (5, 8, 48), (3, 48), (9, 2, 48), (1, 48)]):
+        x = mx.random.normal(shape, key=mx.random.key(step)).astype(dtype)
+        cos, sin = (mx.random.normal((shape[0], 16), key=mx.random.key(100 + step + k)) for k in range(2))
+        got = apply_rope(x, cos, sin)
+        assert got.shape == x.shape and got.dtype == dtype
+        assert mx.array_equal(got, _reference_rope(x, cos, sin)).item(), shape
+        assert mx.array_equal(apply_rope(got, cos, -sin)[..., :16], x[..., :16]).item()  # the nope channels pass through
