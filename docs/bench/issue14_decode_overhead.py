@@ -6,8 +6,8 @@ computes (docs/BENCHMARKS.md, "Issue 14: decode overhead (hyper-connections, com
 python docs/bench/issue14_decode_overhead.py MODEL_DIR OUT.jsonl [--ctx 65536] [--steps 16] [--no-quantized]
 
 MODEL_DIR: `make-model --preset flash-width --format official` (on the H200). The model runs first
-dequantized to bf16 (as docs/bench/issue14_h200.py does), then as loaded (FP8 dense, FP4 experts)
-if the time budget allows. First the Sinkhorn kernel is checked against its reference (bit-equal);
+"dequantized" (quantized weights dequantized to bf16, as docs/bench/issue14_h200.py does; a plain
+checkpoint runs as it is), then "as-loaded" (FP8 dense, FP4 experts) if the time budget allows. First the Sinkhorn kernel is checked against its reference (bit-equal);
 if it fails it is switched off and the run goes on. Per model: prefill batch 1 to --ctx (chunk 4096,
 tile 1024), count the graph nodes of one decode step per arm, then rounds of --steps timed steps
 each (2 warm-up steps per round, not timed) in the order A B C C B A, A = compiled + kernel,
@@ -29,6 +29,7 @@ import mlx.core as mx
 
 from engine.model.compiled import compile_enabled, set_compile_enabled
 from engine.model.deepseek_v4 import DeepseekV4, Segment
+from engine.model.dtypes import dtype_name
 from engine.model.loader import load_model
 from engine.model.trace import ForwardTrace
 from engine.tools.bench_decode import DecodeOptions, _decode_step, _prefill, cache_bytes_read, copy_bandwidth, weights_bytes_touched
@@ -60,7 +61,7 @@ def main() -> None:
     model = _dequantized_model(loaded, mx.bfloat16)
     _log(f"loaded + dequantized in {time.perf_counter() - start:.1f} s")
     emit("sinkhorn_kernel_check", **check_sinkhorn_kernel())
-    run_model(model, "bf16-dequantized", args, emit)
+    run_model(model, "dequantized", args, emit)
     del model
     if args.no_quantized:
         emit("skipped", model="as-loaded", reason="--no-quantized")
@@ -76,7 +77,7 @@ def run_model(model: DeepseekV4, name: str, args, emit) -> None:
     t0 = time.perf_counter()
     cache = _prefill(model, random_tokens(model.cfg.vocab_size, args.ctx, seed=0), DecodeOptions(args.chunk, args.tile))
     mx.synchronize()
-    emit("prefill", model=name, ctx=args.ctx, seconds=time.perf_counter() - t0)
+    emit("prefill", model=name, dtype=dtype_name(model.dtype), ctx=args.ctx, seconds=time.perf_counter() - t0)
     ids = [1]
     nodes = {}
     for arm in ARMS:  # node counts of one (then evaluated) step each
