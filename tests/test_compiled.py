@@ -99,21 +99,20 @@ def test_sinkhorn_output_is_doubly_stochastic():
     assert mx.allclose(comb.sum(axis=-2), mx.ones((7, HC)), atol=1e-3).item()
 
 
-def test_the_switch_really_changes_the_graph():
+def test_the_switch_really_changes_the_graph(tmp_path):
     """Compiled: the Sinkhorn's epsilon add and division are one fused primitive per half-step."""
     streams = mx.random.normal((3, HC, WIDTH), key=mx.random.key(4))
     w = _weights(mx.float32, 2)
     counts = {}
     for enabled in (True, False):
         compiled.set_compile_enabled(enabled)
-        counts[enabled] = _node_count(hyper.hyper_weights(streams, w, ITERS, EPS, EPS))
+        counts[enabled] = _node_count(hyper.hyper_weights(streams, w, ITERS, EPS, EPS), tmp_path / "step.dot")
     assert counts[True] < counts[False] * 0.6, counts
 
 
-def _node_count(arrays, path="/tmp/tessera-test-compiled.dot") -> int:
-    mx.export_to_dot(path, *arrays)
-    with open(path) as f:
-        return f.read().count("shape=rectangle")
+def _node_count(arrays, path) -> int:
+    mx.export_to_dot(str(path), *arrays)
+    return path.read_text().count("shape=rectangle")
 
 
 @pytest.mark.parametrize("value,expected", [("0", "False"), ("1", "True"), (None, "True")])
