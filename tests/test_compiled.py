@@ -181,3 +181,22 @@ def test_rope_gives_the_reference_bits_for_every_shape(dtype, enabled):
         assert got.shape == x.shape and got.dtype == dtype
         assert mx.array_equal(got, _reference_rope(x, cos, sin)).item(), shape
         assert mx.array_equal(apply_rope(got, cos, -sin)[..., :16], x[..., :16]).item()  # the nope channels pass through
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+def test_norms_give_the_same_bits_compiled_and_plain_for_every_shape(dtype):
+    from engine.model.norms import rms_norm, unweighted_rms_norm
+
+    weight = mx.random.normal((48,), key=mx.random.key(1)).astype(dtype)
+    for step, shape in enumerate([(1, 48), (7, 48), (3, 8, 48), (1, 48)]):
+        x = (mx.random.normal(shape, key=mx.random.key(step)) * 3).astype(dtype)
+        outs = {}
+        for enabled in (True, False):
+            compiled.set_compile_enabled(enabled)
+            outs[enabled] = (rms_norm(x, weight, EPS), unweighted_rms_norm(x, EPS))
+        x32 = x.astype(mx.float32)
+        want = (x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + EPS)).astype(dtype)
+        for a, b in zip(outs[True], outs[False]):
+            assert a.shape == shape and a.dtype == dtype and mx.array_equal(a, b).item(), shape
+        assert mx.array_equal(outs[True][1], want).item()
+        assert mx.allclose(outs[True][0].astype(mx.float32), (want.astype(mx.float32) * weight.astype(mx.float32)), rtol=1e-2).item()
