@@ -187,8 +187,8 @@ def test_rope_gives_the_reference_bits_for_every_shape(dtype, enabled):
 def test_norms_give_the_same_bits_compiled_and_plain_for_every_shape(dtype):
     from engine.model.norms import rms_norm, unweighted_rms_norm
 
-    weight = mx.random.normal((48,), key=mx.random.key(1)).astype(dtype)
-    for step, shape in enumerate([(1, 48), (7, 48), (3, 8, 48), (1, 48)]):
+    for step, shape in enumerate([(1, 48), (7, 48), (3, 8, 48), (2, 64), (1, 48)]):  # rows, rank and width change
+        weight = mx.random.normal((shape[-1],), key=mx.random.key(1)).astype(dtype)
         x = (mx.random.normal(shape, key=mx.random.key(step)) * 3).astype(dtype)
         outs = {}
         for enabled in (True, False):
