@@ -9,20 +9,24 @@ Every timed iteration is `mx.eval(out); mx.synchronize()` after warm-ups; a sett
 median of its iterations over two rounds run in A B ... B A order. TFLOP/s counts the useful work
 only: 3 gemms of 2·D·I FLOP per (token, expert) pair plus the shared expert's per token. The matmul
 reference runs the same FLOP as dense gemms of the same shapes ([P + T, D] @ [D, I] twice,
-[P + T, I] @ [I, D] once) and one [24,576 × 4,096] @ [4,096 × 2,048]; `fraction_of_matmul` divides by
-the faster of the two.
+[P + T, I] @ [I, D] once) and one [P, D] @ [D, I] gemm (full size: [24,576 × 4,096] @ [4,096 × 2,048]);
+`fraction_of_matmul` divides by the faster of the two. "_one_block" settings switch the padded
+layout's overflow block off (one capacity for all experts), to show what the overflow block buys.
+Optional parts (the row sweep, moe() as served) are skipped once --budget-s has passed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import mlx.core as mx
 
+from engine.model import moe as moe_mod
 from engine.model.moe import MoEWeights, moe, routed_experts, swiglu
 from engine.model.quantized import QuantizedWeight, quantize
 
@@ -85,6 +89,14 @@ def routing(s: Size, rows: int, kind: str, seed: int) -> tuple[mx.array, mx.arra
     return experts, weights
 
 
+def plan_summary(s: Size, experts: mx.array, w: MoEWeights) -> dict:
+    """The padded layout's plan for this routing: rows computed vs pairs (the padding overhead)."""
+    flat = experts.reshape(-1)
+    _, plan = moe_mod.padded_slots(flat, mx.argsort(flat), s.experts, moe_mod.OVERFLOW_ROW_COST["plain"])
+    return {"capacity": plan.capacity, "overflow_experts": len(plan.overflow), "overflow_capacity": plan.overflow_capacity,
+            "rows_computed": plan.rows(s.experts), "pairs": flat.size, "one_block_rows": s.experts * moe_mod._round_up(routing_stats(s, experts)["max_count"])}
+
+
 def routing_stats(s: Size, experts: mx.array) -> dict:
     counts = mx.zeros((s.experts,), dtype=mx.int32).at[experts.reshape(-1)].add(1)
     top = mx.sort(counts)[::-1]
@@ -103,6 +115,26 @@ def dequantized_block(x, experts, weights, wq: MoEWeights) -> mx.array:
     """mxfp4 experts dequantized to x's dtype inside the step (all E at once), then the padded layout."""
     deq = {name: getattr(wq, name).dequantize(x.dtype) for name in ("w1", "w2", "w3")}
     return block(x, experts, weights, MoEWeights(**{**wq.__dict__, **deq}), "padded")
+
+
+@contextlib.contextmanager
+def one_block() -> Iterator[None]:
+    """The padded layout without its overflow block: every expert's block sized by the busiest one."""
+    saved = dict(moe_mod.OVERFLOW_ROW_COST)
+    moe_mod.OVERFLOW_ROW_COST.update({k: 1e9 for k in saved})  # finite: 0 overflow rows must cost 0
+    try:
+        yield
+    finally:
+        moe_mod.OVERFLOW_ROW_COST.update(saved)
+
+
+def one_block_call(fn: Callable[[], mx.array]) -> Callable[[], mx.array]:
+    def run() -> mx.array:
+        with one_block():
+            out = fn()
+            mx.eval(out)  # inside: the graph is built (and its plan made) with the overflow block off
+        return out
+    return run
 
 
 def time_it(fn: Callable[[], mx.array], iters: int, warmup: int) -> list[float]:
@@ -144,6 +176,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10, help="timed iterations per setting per round (>= 10 on the GPU)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
+    p.add_argument("--budget-s", type=float, default=120.0, help="skip the optional parts after this many seconds")
     args = p.parse_args()
     s = SIZES[args.size]
     on_gpu = mx.default_device() == mx.gpu
@@ -162,11 +195,13 @@ def main() -> None:
             emit(out, what="routing", routing=kind, rows=s.rows, **routing_stats(s, experts))
             settings = {
                 "matmul_moe_shapes": (shaped, shaped_flop),
-                "matmul_24576x4096x2048": (one, one_flop),
+                "matmul_one_gemm": (one, one_flop),
                 "bf16_gathered": (lambda: block(x, experts, weights, plain, "gathered"), flop),
                 "bf16_padded": (lambda: block(x, experts, weights, plain, "padded"), flop),
+                "bf16_padded_one_block": (one_block_call(lambda: block(x, experts, weights, plain, "padded")), flop),
                 "mxfp4_gathered": (lambda: block(x, experts, weights, fp4, "gathered"), flop),
                 "mxfp4_padded": (lambda: block(x, experts, weights, fp4, "padded"), flop),
+                "mxfp4_padded_one_block": (one_block_call(lambda: block(x, experts, weights, fp4, "padded")), flop),
                 "mxfp4_dequantize_padded": (lambda: dequantized_block(x, experts, weights, fp4), flop),
             }
             order = list(settings) + list(settings)[::-1]  # A B ... B A
@@ -174,13 +209,17 @@ def main() -> None:
             for name in order:
                 times[name].append(time_it(settings[name][0], args.iters, args.warmup))
             rates = {n: settings[n][1] / median(sum(t, [])) / 1e12 for n, t in times.items()}
-            ref = max(rates["matmul_moe_shapes"], rates["matmul_24576x4096x2048"])
+            ref = max(rates["matmul_moe_shapes"], rates["matmul_one_gemm"])
             for name, rounds in times.items():
                 emit(out, what="moe_layout", routing=kind, setting=name, rows=s.rows, ms_median=1e3 * median(sum(rounds, [])),
                      ms_round_medians=[1e3 * median(r) for r in rounds], tflops=rates[name],
                      fraction_of_matmul=rates[name] / ref, matmul_ref_tflops=ref)
-        sweep(out, s, plain, fp4, dtype, args)
-        full_block(out, s, plain, x, args)
+            emit(out, what="padded_plan", routing=kind, **plan_summary(s, experts, plain), elapsed_s=time.perf_counter() - t0)
+        for part in (lambda: full_block(out, s, plain, x, args), lambda: sweep(out, s, plain, fp4, dtype, args)):
+            if time.perf_counter() - t0 > args.budget_s:
+                emit(out, what="skipped_optional_part", elapsed_s=time.perf_counter() - t0)
+                continue
+            part()
         emit(out, what="done", seconds=time.perf_counter() - t0)
 
 
