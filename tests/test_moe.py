@@ -92,6 +92,19 @@ def test_quantized_layouts_match_dequantized_loop(mode, monkeypatch):
         np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5 * scale, err_msg=layout)
 
 
+def test_dequantized_expert_groups_match_the_loop(monkeypatch):
+    base = _weights()
+    w = MoEWeights(**{**base.__dict__, **{n: quantize(getattr(base, n), "mxfp4", 32) for n in ("w1", "w2", "w3")}})
+    mx.random.seed(8)
+    x = mx.random.normal((80, DIM))
+    experts = _skewed_experts(80)
+    _, weights = route(x, None, w, TOP_K, 1.5)
+    ref = reference_routed_experts(x, experts, weights, w, LIMIT)  # the loop runs on dequantized weights too
+    monkeypatch.setattr(moe_mod, "DEQUANTIZE_EXPERT_GROUP", 3)  # groups 0-2, 3-5, 6-7
+    out = routed_experts(x, experts, weights, w, LIMIT, layout="padded")
+    np.testing.assert_allclose(np.array(out), np.array(ref), rtol=0, atol=1e-6 * float(mx.abs(ref).max()))
+
+
 def test_padded_slots_are_a_packing_of_each_experts_pairs():
     experts = _skewed_experts(50).reshape(-1)  # expert 3: 50 pairs, the others ~8, expert 6 none
     order = mx.argsort(experts)

@@ -11,7 +11,9 @@ only: 3 gemms of 2·D·I FLOP per (token, expert) pair plus the shared expert's 
 reference runs the same FLOP as dense gemms of the same shapes ([P + T, D] @ [D, I] twice,
 [P + T, I] @ [I, D] once) and one [P, D] @ [D, I] gemm (full size: [24,576 × 4,096] @ [4,096 × 2,048]);
 `fraction_of_matmul` divides by the faster of the two. "_one_block" settings switch the padded
-layout's overflow block off (one capacity for all experts), to show what the overflow block buys.
+layout's overflow block off (one capacity for all experts), to show what the overflow block buys;
+"mxfp4_padded_dequantize32" dequantizes 32 experts at a time to bf16 inside the step and runs plain
+batched gemms (moe.DEQUANTIZE_EXPERT_GROUP), instead of gather_qmm on the packed weights.
 Optional parts (the row sweep, moe() as served) are skipped once --budget-s has passed.
 """
 
@@ -111,10 +113,18 @@ def block(x, experts, weights, w: MoEWeights, layout: str | None) -> mx.array:
     return routed.astype(x.dtype) + swiglu(x, w.shared_w1, w.shared_w2, w.shared_w3, LIMIT)
 
 
-def dequantized_block(x, experts, weights, wq: MoEWeights) -> mx.array:
-    """mxfp4 experts dequantized to x's dtype inside the step (all E at once), then the padded layout."""
-    deq = {name: getattr(wq, name).dequantize(x.dtype) for name in ("w1", "w2", "w3")}
-    return block(x, experts, weights, MoEWeights(**{**wq.__dict__, **deq}), "padded")
+def dequantized_groups_call(fn: Callable[[], mx.array], group: int) -> Callable[[], mx.array]:
+    """The padded layout with mxfp4 experts dequantized `group` at a time (moe.DEQUANTIZE_EXPERT_GROUP)."""
+    def run() -> mx.array:
+        saved = moe_mod.DEQUANTIZE_EXPERT_GROUP
+        moe_mod.DEQUANTIZE_EXPERT_GROUP = group
+        try:
+            out = fn()
+            mx.eval(out)
+        finally:
+            moe_mod.DEQUANTIZE_EXPERT_GROUP = saved
+        return out
+    return run
 
 
 @contextlib.contextmanager
@@ -202,7 +212,7 @@ def main() -> None:
                 "mxfp4_gathered": (lambda: block(x, experts, weights, fp4, "gathered"), flop),
                 "mxfp4_padded": (lambda: block(x, experts, weights, fp4, "padded"), flop),
                 "mxfp4_padded_one_block": (one_block_call(lambda: block(x, experts, weights, fp4, "padded")), flop),
-                "mxfp4_dequantize_padded": (lambda: dequantized_block(x, experts, weights, fp4), flop),
+                "mxfp4_padded_dequantize32": (dequantized_groups_call(lambda: block(x, experts, weights, fp4, "padded"), 32), flop),
             }
             order = list(settings) + list(settings)[::-1]  # A B ... B A
             times: dict[str, list[list[float]]] = {name: [] for name in settings}

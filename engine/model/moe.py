@@ -38,6 +38,11 @@ CAPACITY_MULTIPLE = 16
 # gather_mm's simpler kernel (MLX 0.32's CUDA backend), guessed 2× slower per row; quantized weights run
 # both through the same gather_qmm kernel. Guesses until docs/bench/issue14_moe.py has run on the GPU.
 OVERFLOW_ROW_COST = {"plain": 2.0, "quantized": 1.0}
+# Quantized experts in the padded layout's main block: dequantize this many experts at a time (to the
+# activations' dtype, transiently: 32 V4 Flash experts are 1.6 GB in bf16) and run plain batched gemms,
+# instead of gather_qmm on the packed weights. None = gather_qmm. Off until docs/bench/issue14_moe.py
+# shows on the GPU that it pays (its "mxfp4_padded_dequantize32" setting).
+DEQUANTIZE_EXPERT_GROUP: int | None = None
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,30 @@ def _batched_linear(x: mx.array, w: Weight) -> mx.array:
     if isinstance(w, QuantizedWeight):
         return _gather_linear(x, w, mx.arange(x.shape[0], dtype=mx.uint32))
     return (_cpu_float(x) @ _cpu_float(w.swapaxes(-1, -2))).astype(x.dtype)
+
+
+def _expert_range(w: Weight, first: int, last: int) -> Weight:
+    if isinstance(w, QuantizedWeight):
+        biases = None if w.biases is None else w.biases[first:last]
+        return QuantizedWeight(w.values[first:last], w.scales[first:last], biases, w.mode, w.bits, w.group_size)
+    return w[first:last]
+
+
+def _main_block(block: mx.array, w: MoEWeights, limit: float) -> mx.array:
+    """block: [E, C, D] -> [E, C, D]: rows of block e through expert e. Quantized experts with
+    DEQUANTIZE_EXPERT_GROUP set run a group of experts at a time on their dequantized weights."""
+    group = DEQUANTIZE_EXPERT_GROUP if isinstance(w.w1, QuantizedWeight) else None
+    if not group:
+        hidden = _clamped_swiglu(_batched_linear(block, w.w1), _batched_linear(block, w.w3), limit)  # [E, C, I]
+        return _batched_linear(hidden, w.w2)
+    outs = []
+    for first in range(0, block.shape[0], group):
+        last = min(first + group, block.shape[0])
+        w1, w2, w3 = (_expert_range(m, first, last).dequantize(block.dtype) for m in (w.w1, w.w2, w.w3))
+        part = block[first:last]  # [G, C, D]
+        hidden = _clamped_swiglu(_batched_linear(part, w1), _batched_linear(part, w3), limit)
+        outs.append(_batched_linear(hidden, w2))
+    return mx.concatenate(outs)
 
 
 def uses_padded_layout(num_pairs: int, num_experts: int) -> bool:
@@ -167,14 +196,13 @@ def padded_pairs(x: mx.array, flat: mx.array, order: mx.array, k: int, w: MoEWei
     x_ext = mx.concatenate([x, mx.zeros((1, dim), dtype=x.dtype)])
     main_rows = num_experts * plan.capacity
     main = x_ext[source[:main_rows]].reshape(num_experts, plan.capacity, dim)  # [E, C, D]
-    hidden = _clamped_swiglu(_batched_linear(main, w.w1), _batched_linear(main, w.w3), limit)  # [E, C, I]
-    outs = [_batched_linear(hidden, w.w2).reshape(main_rows, dim)]  # [E·C, D]
+    outs = [_main_block(main, w, limit).reshape(main_rows, dim)]  # [E·C, D]
     if plan.overflow:
         experts = mx.array(plan.overflow, dtype=mx.uint32)
         over = x_ext[source[main_rows:]].reshape(len(plan.overflow), plan.overflow_capacity, dim)  # [E_o, C_o, D]
         hidden = _clamped_swiglu(_gather_linear(over, w.w1, experts), _gather_linear(over, w.w3, experts), limit)
         outs.append(_gather_linear(hidden, w.w2, experts).reshape(-1, dim))
-    return mx.concatenate(outs)[slot]
+    return (mx.concatenate(outs) if len(outs) > 1 else outs[0])[slot]
 
 
 LAYOUTS = {"gathered": gathered_pairs, "padded": padded_pairs}
