@@ -132,6 +132,22 @@ def test_plan_padded_takes_the_fewest_rows():
     assert plan_padded(skewed, 100.0) == PaddedPlan(240, (), 0)  # a costly overflow block is avoided
 
 
+@pytest.mark.parametrize("max_rows_per_pair, falls_back", [(2.0, False), (1.1, True)])
+def test_padded_layout_falls_back_when_padding_would_exceed_its_bound(max_rows_per_pair, falls_back, monkeypatch):
+    w = _weights()
+    mx.random.seed(9)
+    x = mx.random.normal((50, DIM))
+    experts = _skewed_experts(50)  # plan: 8·16 + 48 = 176 rows for 100 pairs
+    _, weights = route(x, None, w, TOP_K, 1.5)
+    calls = []
+    gathered = moe_mod.gathered_pairs
+    monkeypatch.setattr(moe_mod, "gathered_pairs", lambda *a: calls.append(1) or gathered(*a))
+    monkeypatch.setattr(moe_mod, "PADDED_MAX_ROWS_PER_PAIR", max_rows_per_pair)
+    out = routed_experts(x, experts, weights, w, LIMIT, layout="padded")
+    assert bool(calls) == falls_back
+    assert np.allclose(np.array(out), np.array(reference_routed_experts(x, experts, weights, w, LIMIT)), atol=1e-5)
+
+
 def test_layout_follows_pairs_per_expert():
     assert moe_mod.uses_padded_layout(moe_mod.PADDED_MIN_PAIRS_PER_EXPERT * 256, 256)
     assert not moe_mod.uses_padded_layout(6, 256)  # one decode token, top-6

@@ -18,6 +18,7 @@ from engine.model.attention import ATTENTION_ROWS, PROJECTION_ROWS, attention_bl
 from engine.model.cache import RowBuffer
 from engine.model.config import CSA, HCA, WINDOW, ModelConfig, config_from_dict
 from engine.model.dtypes import DTYPES
+from engine.model.moe import PADDED_MAX_ROWS_PER_PAIR
 from engine.model.official_format import storage
 from engine.model.quantized import DENSE_MIN_ROWS
 from engine.model.weights import expected_shapes, layer_of
@@ -208,7 +209,9 @@ def chunk_buffers(cfg: ModelConfig, chunk: int, b: int) -> list[Buffer]:
         Buffer("block_input", 2 * c * d * b, "2 × C × hidden (collapsed streams, normed)"),
         Buffer("narrow_projections", c * narrow * b, "C × (q_lora + head_dim + index_heads)"),
         Buffer("attention_projected", c * d * b, "C × hidden (projected blocks, joined)"),
-        Buffer("moe_intermediate", 3 * c * routed * b, "3 × C × top_k × moe_intermediate (gate, up, product)"),
+        # the padded MoE layout computes up to PADDED_MAX_ROWS_PER_PAIR rows per (token, expert) pair
+        Buffer("moe_intermediate", int(3 * c * routed * b * PADDED_MAX_ROWS_PER_PAIR),
+               f"3 × C × top_k × moe_intermediate × {PADDED_MAX_ROWS_PER_PAIR:g} (gate, up, product; padded layout)"),
         Buffer("router", 2 * c * cfg.n_routed_experts * 4, "2 × C × experts × 4"),
     ]
 

@@ -31,6 +31,10 @@ from engine.model.quantized import QuantizedWeight, Weight, linear
 # few are hit (decode). 8 is a conservative guess for the crossover, to be tuned with
 # docs/bench/issue14_moe.py on the GPU.
 PADDED_MIN_PAIRS_PER_EXPERT = 8
+# The padded layout computes at most this many rows per pair (padding included); a step whose plan needs
+# more (pathological routing) runs the gathered layout instead, so the MoE's scratch stays within this
+# factor of the gathered layout's (engine/model/memory_plan.py counts it).
+PADDED_MAX_ROWS_PER_PAIR = 2.0
 # The padded capacities are multiples of this many rows (gemm tiles; fewer distinct shapes to compile).
 CAPACITY_MULTIPLE = 16
 # What a row of the padded layout's overflow block costs in rows of its main block (`plan_padded`):
@@ -190,6 +194,8 @@ def padded_pairs(x: mx.array, flat: mx.array, order: mx.array, k: int, w: MoEWei
     num_experts = w.num_experts
     cost = OVERFLOW_ROW_COST["quantized" if isinstance(w.w1, QuantizedWeight) else "plain"]
     slot, plan = padded_slots(flat, order, num_experts, cost)
+    if plan.rows(num_experts) > PADDED_MAX_ROWS_PER_PAIR * flat.shape[0]:
+        return gathered_pairs(x, flat, order, k, w, limit)
     # the token feeding each padded row; empty rows read an appended zero row (index num_tokens)
     source = mx.full((plan.rows(num_experts),), num_tokens, dtype=mx.int32)
     source[slot] = mx.arange(flat.shape[0], dtype=mx.int32) // k
