@@ -108,8 +108,14 @@ def routing_stats(s: Size, experts: mx.array) -> dict:
 
 
 def block(x, experts, weights, w: MoEWeights, layout: str | None) -> mx.array:
-    """The MoE block after routing: routed experts (in `layout`) + shared expert, as moe() sums them."""
-    routed = routed_experts(x, experts, weights, w, LIMIT, layout=layout)
+    """The MoE block after routing: routed experts (in `layout`) + shared expert, as moe() sums them.
+    The padded layout's fallback bound is off here: the setting names the layout that runs."""
+    saved = moe_mod.PADDED_MAX_ROWS_PER_PAIR
+    moe_mod.PADDED_MAX_ROWS_PER_PAIR = float("inf")
+    try:
+        routed = routed_experts(x, experts, weights, w, LIMIT, layout=layout)
+    finally:
+        moe_mod.PADDED_MAX_ROWS_PER_PAIR = saved
     return routed.astype(x.dtype) + swiglu(x, w.shared_w1, w.shared_w2, w.shared_w3, LIMIT)
 
 

@@ -28,9 +28,9 @@ from engine.model.quantized import QuantizedWeight, Weight, linear
 
 # A step with at least this many (token, slot) pairs per routed expert on average runs the padded layout.
 # Below it most of the padded block would be padding and every expert's weights would be read even when
-# few are hit (decode). 8 is a conservative guess for the crossover, to be tuned with
-# docs/bench/issue14_moe.py on the GPU.
-PADDED_MIN_PAIRS_PER_EXPERT = 8
+# few are hit (decode); at 12 uniform routing's plan stays well inside PADDED_MAX_ROWS_PER_PAIR with
+# CAPACITY_MULTIPLE = 16. A guess for the crossover, to be tuned with docs/bench/issue14_moe.py on the GPU.
+PADDED_MIN_PAIRS_PER_EXPERT = 12
 # The padded layout computes at most this many rows per pair (padding included); a step whose plan needs
 # more (pathological routing) runs the gathered layout instead, so the MoE's scratch stays within this
 # factor of the gathered layout's (engine/model/memory_plan.py counts it).
