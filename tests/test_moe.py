@@ -92,6 +92,18 @@ def test_quantized_layouts_match_dequantized_loop(mode, monkeypatch):
         np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5 * scale, err_msg=layout)
 
 
+def test_gathered_quantized_pairs_split_into_pieces_give_the_same_result(monkeypatch):
+    base = _weights()
+    w = MoEWeights(**{**base.__dict__, **{n: quantize(getattr(base, n), "mxfp4", 32) for n in ("w1", "w2", "w3")}})
+    mx.random.seed(10)
+    x = mx.random.normal((40, DIM))
+    experts, weights = route(x, None, w, TOP_K, 1.5)
+    whole = routed_experts(x, experts, weights, w, LIMIT, layout="gathered")
+    monkeypatch.setattr(moe_mod, "GATHER_QMM_MAX_BATCH", 7)  # 80 pairs -> 12 pieces
+    pieces = routed_experts(x, experts, weights, w, LIMIT, layout="gathered")
+    assert np.array_equal(np.array(whole), np.array(pieces))
+
+
 def test_dequantized_expert_groups_match_the_loop(monkeypatch):
     base = _weights()
     w = MoEWeights(**{**base.__dict__, **{n: quantize(getattr(base, n), "mxfp4", 32) for n in ("w1", "w2", "w3")}})

@@ -42,6 +42,9 @@ CAPACITY_MULTIPLE = 16
 # gather_mm's simpler kernel (MLX 0.32's CUDA backend), guessed 2× slower per row; quantized weights run
 # both through the same gather_qmm kernel. Guesses until docs/bench/issue14_moe.py has run on the GPU.
 OVERFLOW_ROW_COST = {"plain": 2.0, "quantized": 1.0}
+# MLX's CUDA gather_qmm launches one grid z-slice per batch entry (qmm_sm80; CUDA allows 65,535), so
+# the gathered layout's one-row-per-pair calls are split into pieces of at most this many pairs.
+GATHER_QMM_MAX_BATCH = 65535
 # Quantized experts in the padded layout's main block: dequantize this many experts at a time (to the
 # activations' dtype, transiently: 32 V4 Flash experts are 1.6 GB in bf16) and run plain batched gemms,
 # instead of gather_qmm on the packed weights. None = gather_qmm. Off until docs/bench/issue14_moe.py
@@ -86,6 +89,9 @@ def _cpu_float(x: mx.array) -> mx.array:
 def _gather_linear(x: mx.array, w: Weight, experts: mx.array) -> mx.array:
     """x: [..., M, in], experts: [...] -> [..., M, out]: batch entry n through expert experts[n]
     (`sorted_indices` when experts ascend and M = 1, the gathered layout)."""
+    if isinstance(w, QuantizedWeight) and x.shape[0] > GATHER_QMM_MAX_BATCH:
+        pieces = range(0, x.shape[0], GATHER_QMM_MAX_BATCH)
+        return mx.concatenate([_gather_linear(x[s : s + GATHER_QMM_MAX_BATCH], w, experts[s : s + GATHER_QMM_MAX_BATCH]) for s in pieces])
     if isinstance(w, QuantizedWeight):
         return mx.gather_qmm(x, w.values, w.scales, w.biases, rhs_indices=experts, transpose=True,
                              group_size=w.group_size, bits=w.bits, mode=w.mode, sorted_indices=x.shape[-2] == 1)
