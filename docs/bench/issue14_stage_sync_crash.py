@@ -22,8 +22,9 @@ What the variants separate (read from the code, not yet measured):
   Unless the compiler widened it, experts 128–255 read memory 16 MiB–2 GiB *below* the weights:
   wrong numbers while that memory is mapped, an illegal access once `clear_cache` unmapped it.
   `gather_full_width*` tests that directly (the result against a per-expert matmul), with and
-  without freeing a buffer below the weights first; `*_split` runs the MoE with the experts cut in
-  slices of < 2 GiB each (the workaround, `split_gather_linear` below).
+  without freeing a buffer below the weights first. The engine now runs such experts in slices of
+  < 2 GiB (engine/model/expert_slices.py); `*_unsliced` variants switch that off (the code that
+  crashed), `synced` and `gather_full_width_sliced` run it.
 """
 
 from __future__ import annotations
@@ -36,17 +37,17 @@ import time
 import traceback
 from pathlib import Path
 
-VARIANTS = (  # most telling first: the 2-minute budget skips the tail if loading is slow
-    "gather_full_width",            # gather_mm (sorted) vs per-expert matmuls, experts 0, 127, 128, 255
-    "gather_full_width_freed",      # the same after freeing a 1 GiB buffer allocated just before the weights
-    "synced",                       # the crashed run: prefill_once, stage syncs, chunk 4096, tile 1024
-    "unsynced",                     # the same without stage syncs (prefill_once still clears the cache)
-    "synced_no_clear",              # stage syncs, mx.clear_cache() never called
-    "moe_block_after_clear",        # one layer's MoE on 4,096 random rows right after mx.clear_cache()
-    "synced_split",                 # stage syncs with the MoE's experts split in < 2 GiB slices
-    "synced_reference_kernels",     # CUDA indexer + top-k swapped for their plain-MLX references
-    "synced_contiguous_moe_input",  # MoE input copied to a fresh contiguous array first
-    "gather_full_width_split",      # gather_full_width through split_gather_linear
+VARIANTS = (  # most telling first: the budget skips the tail if loading is slow
+    "gather_full_width",                     # one mx.gather_mm (sorted) vs per-expert matmuls, experts 0, 127, 128, 255
+    "gather_full_width_freed",               # the same after freeing a 1 GiB buffer allocated just before the weights
+    "synced_unsliced",                       # the crashed run (engine before the fix): prefill_once, stage syncs
+    "synced",                                # the same with the engine's fix (experts in < 2 GiB slices)
+    "unsynced_unsliced",                     # no stage syncs (prefill_once still clears the cache), fix off
+    "gather_full_width_sliced",              # gather_full_width through expert_slices.sorted_gather_mm
+    "synced_no_clear_unsliced",              # stage syncs, mx.clear_cache() never called, fix off
+    "moe_block_after_clear_unsliced",        # one layer's MoE on 4,096 random rows right after mx.clear_cache(), fix off
+    "synced_reference_kernels_unsliced",     # CUDA indexer + top-k swapped for their plain-MLX references, fix off
+    "synced_contiguous_moe_input_unsliced",  # MoE input copied to a fresh contiguous array first, fix off
 )
 
 
@@ -58,14 +59,15 @@ def main() -> int:
     p.add_argument("--variant", default=None, help="(internal) run one variant in this process")
     p.add_argument("--only", nargs="*", default=None, help="variants to run (default: all)")
     p.add_argument("--timeout", type=int, default=60, help="seconds per variant")
+    p.add_argument("--budget", type=int, default=115, help="seconds for all variants (later ones are skipped)")
     args = p.parse_args()
     if args.variant:
         return _run_variant(args)
-    deadline = time.perf_counter() + 115
+    deadline = time.perf_counter() + args.budget
     for name in args.only or VARIANTS:
         left = deadline - time.perf_counter()
         if left < 5:
-            _emit(args.out, {"variant": name, "skipped": "2-minute budget spent"})
+            _emit(args.out, {"variant": name, "skipped": "--budget spent"})
             continue
         cmd = [sys.executable, "-u", __file__, str(args.out), "--model", str(args.model), "--variant", name]
         cmd += ["--small"] if args.small else []
@@ -95,7 +97,7 @@ def _run_variant(args) -> int:
     name = args.variant
     try:
         if name.startswith("gather_full_width"):
-            result = _gather_check(mx, args.small, freed=name.endswith("freed"), split=name.endswith("split"))
+            result = _gather_check(mx, args.small, freed=name.endswith("freed"), sliced=name.endswith("sliced"))
         else:
             result = _prefill_variant(mx, name, args)
     except Exception:
@@ -103,30 +105,6 @@ def _run_variant(args) -> int:
         raise
     _emit(args.out, {"variant": name, "detail": result})
     return 0
-
-
-# ---- the workaround under test -------------------------------------------------------------------
-
-GROUPED_OFFSET_LIMIT = 2**31  # bytes: MLX's grouped-GEMM setup offsets expert weights in 32-bit int
-
-
-def split_gather_linear(mx, x, w, experts):
-    """x: [N, 1, in], w: [E, out, in] (dense), experts: [N] uint32 sorted -> [N, 1, out], through
-    slices of experts whose byte offsets stay below 2³¹: every slice sees every row, rows of other
-    slices clamped to its first/last expert and zeroed after (extra work, no host sync)."""
-    per_expert = w[0].size * w.dtype.size
-    size = max(1, (GROUPED_OFFSET_LIMIT - 1) // per_expert)  # experts 0..size-1: offset < 2³¹
-    if w.shape[0] <= size:
-        return _gather_mm(mx, x, w, experts)
-    out = None
-    for e0 in range(0, w.shape[0], size):
-        e1 = min(e0 + size, w.shape[0])
-        local = mx.clip(experts.astype(mx.int32) - e0, 0, e1 - e0 - 1).astype(mx.uint32)
-        part = _gather_mm(mx, x, w[e0:e1], local)
-        mine = ((experts >= e0) & (experts < e1))[:, None, None]
-        part = mx.where(mine, part, mx.zeros_like(part))
-        out = part if out is None else out + part
-    return out
 
 
 def _gather_mm(mx, x, w, experts):
@@ -137,13 +115,14 @@ def _gather_mm(mx, x, w, experts):
 
 # ---- variants ------------------------------------------------------------------------------------
 
-def _gather_check(mx, small: bool, freed: bool, split: bool) -> dict:
+def _gather_check(mx, small: bool, freed: bool, sliced: bool) -> dict:
+    from engine.model import expert_slices
+
     experts, out_dim, in_dim = (8, 64, 32) if small else (256, 2048, 4096)
     mx.random.seed(0)
     # CPU dry run (--small): tiny shapes and a 4-byte-per-expert limit, so the split path runs too.
     if small:
-        global GROUPED_OFFSET_LIMIT
-        GROUPED_OFFSET_LIMIT = 3 * out_dim * in_dim * 2
+        expert_slices.GROUPED_OFFSET_LIMIT = 3 * out_dim * in_dim * 2
     below = mx.zeros((2**29,) if not small else (1024,), dtype=mx.bfloat16)  # 1 GiB just before the weights
     mx.eval(below)
     # Expert e's weight: a distinct random matrix (so a wrong expert shows), bf16.
@@ -153,18 +132,25 @@ def _gather_check(mx, small: bool, freed: bool, split: bool) -> dict:
         del below
         mx.clear_cache()
     picks = [0, experts // 2 - 1, experts // 2, experts - 1]
-    rows_per = 4
-    idx = mx.array(sorted(picks * rows_per), dtype=mx.uint32)
-    x = (mx.random.normal((idx.size, 1, in_dim))).astype(mx.bfloat16)
-    got = split_gather_linear(mx, x, w, idx) if split else _gather_mm(mx, x, w, idx)
-    mx.eval(got)
     errors = {}
-    for e in picks:
-        rows = [i for i, v in enumerate(idx.tolist()) if v == e]
-        ref = x[mx.array(rows)][:, 0, :] @ w[e].T  # [r, out]
-        errors[str(e)] = float(mx.max(mx.abs(got[mx.array(rows)][:, 0, :].astype(mx.float32) - ref.astype(mx.float32))).item())
-    return {"experts": experts, "expert_bytes": out_dim * in_dim * 2, "max_abs_error_by_expert": errors,
-            "wrong_experts": [e for e, v in errors.items() if v > 0.25]}  # bf16 rounding: ~0.02; a wrong expert: ~1
+    # 16 rows: the sliced path's clamped form (decode-sized); 320 rows: its cut form (one host sync).
+    for rows_per in (4, 80) if sliced else (4,):
+        idx = mx.array(sorted(picks * rows_per), dtype=mx.uint32)
+        x = (mx.random.normal((idx.size, 1, in_dim))).astype(mx.bfloat16)
+        if sliced and mx.default_device() == mx.cpu:  # MLX's CPU GatherMM: float32 only
+            got = expert_slices.sorted_gather_mm(x.astype(mx.float32), w.astype(mx.float32).swapaxes(-1, -2), idx).astype(x.dtype)
+        elif sliced:
+            got = expert_slices.sorted_gather_mm(x, w.swapaxes(-1, -2), idx)
+        else:
+            got = _gather_mm(mx, x, w, idx)
+        mx.eval(got)
+        for e in picks:
+            rows = mx.array([i for i, v in enumerate(idx.tolist()) if v == e])
+            ref = x[rows][:, 0, :] @ w[e].T  # [r, out]
+            diff = mx.abs(got[rows][:, 0, :].astype(mx.float32) - ref.astype(mx.float32))
+            errors[f"rows{idx.size}_expert{e}"] = float(mx.max(diff).item())
+    return {"experts": experts, "expert_bytes": out_dim * in_dim * 2, "max_abs_error": errors,
+            "wrong": [k for k, v in errors.items() if v > 0.25]}  # bf16 rounding: ~0.02; a wrong expert: ~1
 
 
 def _prefill_variant(mx, name: str, args) -> dict:
@@ -174,12 +160,15 @@ def _prefill_variant(mx, name: str, args) -> dict:
     from engine.tools.bench import RunOptions, prefill_once
     from engine.tools.quant_bench import _dequantized_model
     from engine.tools.replay import random_tokens
-    from engine.model import moe as moe_module
+    from engine.model import expert_slices, moe as moe_module
 
     # As issue14_h200.py ran it: the official checkpoint, every quantized weight dequantized to bf16.
     model = _dequantized_model(load_model(args.model), mx.bfloat16)
     ctx, chunk, tile = (64, 32, 8) if args.small else (4096, 4096, 1024)
     tokens = random_tokens(model.cfg.vocab_size, ctx, seed=9)
+    if name.endswith("_unsliced"):  # the engine before the fix: one gather_mm over every expert
+        expert_slices.GROUPED_OFFSET_LIMIT = 2**62
+        name = name[: -len("_unsliced")]
     if name == "synced_reference_kernels":
         from kernels import indexer_cuda, topk_cuda
 
@@ -191,10 +180,6 @@ def _prefill_variant(mx, name: str, args) -> dict:
         import engine.model.deepseek_v4 as dv4
 
         dv4.moe = moe_module.moe
-    if name == "synced_split":
-        original_linear = moe_module._gather_linear
-        moe_module._gather_linear = lambda x, w, e: (split_gather_linear(mx, x, w, e) if isinstance(w, mx.array)
-                                                     else original_linear(x, w, e))
     if name == "moe_block_after_clear":
         mx.clear_cache()
         layer, cfg = model.layers[1].ffn, model.cfg

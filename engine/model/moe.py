@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from engine.model.expert_slices import sorted_gather_mm
 from engine.model.quantized import QuantizedWeight, Weight, linear
+from kernels.cuda import on_cuda
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,8 @@ def _gather_linear(x: mx.array, w: Weight, experts: mx.array) -> mx.array:
         # MLX's CPU GatherMM runs float32 only; bf16/fp16 weights are upcast per call (exact)
         out = mx.gather_mm(x.astype(mx.float32), w.swapaxes(-1, -2).astype(mx.float32), rhs_indices=experts, sorted_indices=True)
         return out.astype(x.dtype)
+    if on_cuda():  # keeps expert offsets inside MLX CUDA's 32-bit grouped-GEMM range (expert_slices.py)
+        return sorted_gather_mm(x, w.swapaxes(-1, -2), experts)
     return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=experts, sorted_indices=True)
 
 
