@@ -73,5 +73,10 @@ def test_the_moe_on_cuda_runs_sliced_experts_and_gets_the_same_output(monkeypatc
     monkeypatch.setattr(moe_module, "on_cuda", lambda: True)
     monkeypatch.setattr(moe_module, "sorted_gather_mm", lambda *a: (calls.append(1), real(*a))[1])
     monkeypatch.setattr(expert_slices, "GROUPED_OFFSET_LIMIT", 4 * inter * dim * 4)  # slices of 4 experts
+    reads = []
+    real_read = expert_slices._read_cuts
+    monkeypatch.setattr(expert_slices, "_read_cuts", lambda *a: (reads.append(1), real_read(*a))[1])
     got = moe(x, ids, w, 2, 1.5, 7.0)
     assert len(calls) == 3 and np.array_equal(np.array(got), np.array(expected))
+    # 400 pairs: the gate, up and down products share one read-back of the row cuts; 10 pairs: none
+    assert len(reads) == (1 if tokens == 200 else 0)

@@ -13,7 +13,7 @@ docs/bench/issue14_stage_sync_crash.py). FP4/FP8 weights (gather_qmm) take anoth
 Where the offsets would overflow, the experts run as slices whose offsets stay below 2³¹ (a slice
 is a view: MLX adds the view's offset to the base pointer in 64 bits). Rows are expert-sorted, so
 each slice's rows are one contiguous run: with many rows (prefill) the run boundaries are read back
-once per call (one host sync, no extra compute); with few rows (decode) every slice takes every row,
+once per MoE call (one host sync, no extra compute); with few rows (decode) every slice takes every row,
 the others clamped to the slice's edge expert and zeroed after (no sync, a few rows of extra work).
 """
 
@@ -59,10 +59,27 @@ def _clamped(x: mx.array, w_t: mx.array, experts: mx.array, bounds: list[int]) -
     return out
 
 
+# The MoE's three expert products (gate, up, down) share one sorted `experts` array: its row cuts
+# are read back once, not three times (each read drains the device's queue).
+_last_cuts: tuple[mx.array, list[int], list[int]] | None = None
+
+
+def _row_cuts(experts: mx.array, bounds: list[int]) -> list[int]:
+    """Sorted experts -> the row where each slice [bounds[i], bounds[i+1]) starts, and the end."""
+    global _last_cuts
+    if _last_cuts is None or _last_cuts[0] is not experts or _last_cuts[1] != bounds:
+        _last_cuts = (experts, bounds, _read_cuts(experts, bounds))
+    return _last_cuts[2]
+
+
+def _read_cuts(experts: mx.array, bounds: list[int]) -> list[int]:
+    edges = mx.array(bounds[1:-1], dtype=experts.dtype)
+    return [0] + (experts[None, :] < edges[:, None]).sum(axis=1).tolist() + [experts.shape[0]]  # a host sync
+
+
 def _cut(x: mx.array, w_t: mx.array, experts: mx.array, bounds: list[int]) -> mx.array:
     """Each slice on its own contiguous run of rows (where the sorted experts cross its bounds)."""
-    edges = mx.array(bounds[1:-1], dtype=experts.dtype)
-    cuts = [0] + (experts[None, :] < edges[:, None]).sum(axis=1).tolist() + [x.shape[0]]  # one host sync
+    cuts = _row_cuts(experts, bounds)
     parts = []
     for (e0, e1), (r0, r1) in zip(zip(bounds, bounds[1:]), zip(cuts, cuts[1:])):
         if r1 > r0:
