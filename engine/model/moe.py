@@ -24,7 +24,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from engine.model.expert_slices import sorted_gather_mm
 from engine.model.quantized import QuantizedWeight, Weight, linear
+from kernels.cuda import on_cuda
 
 # A step with at least this many (token, slot) pairs per routed expert on average runs the padded layout.
 # Below it most of the padded block would be padding and every expert's weights would be read even when
@@ -95,6 +97,8 @@ def _gather_linear(x: mx.array, w: Weight, experts: mx.array) -> mx.array:
     if isinstance(w, QuantizedWeight):
         return mx.gather_qmm(x, w.values, w.scales, w.biases, rhs_indices=experts, transpose=True,
                              group_size=w.group_size, bits=w.bits, mode=w.mode, sorted_indices=x.shape[-2] == 1)
+    if on_cuda() and x.shape[-2] == 1:  # keeps expert offsets inside MLX CUDA's 32-bit grouped-GEMM range (expert_slices.py)
+        return sorted_gather_mm(x, w.swapaxes(-1, -2), experts)
     out = mx.gather_mm(_cpu_float(x), _cpu_float(w.swapaxes(-1, -2)), rhs_indices=experts, sorted_indices=x.shape[-2] == 1)
     return out.astype(x.dtype)
 

@@ -349,7 +349,11 @@ def _register_bench(subparsers) -> None:
     mat.set_defaults(func=_bench_matrix)
     cmp = sub.add_parser("compare", help="settings in interleaved rounds (A B, B A, …), each against the first")
     _add_prefill_run_args(cmp)
-    cmp.add_argument("--settings", nargs="+", required=True, type=_setting, metavar="C:T", help="chunk:tile pairs")
+    cmp.add_argument("--settings", nargs="+", required=True, type=_setting, metavar="C:T[:blocking]",
+                     help="chunk:tile pairs; a ':blocking' suffix switches tile pipelining off for that setting "
+                          "(each tile evaluated before the next is built), to compare it with the default "
+                          "pipelined tiles in the same process, e.g. 4096:1024 4096:1024:blocking "
+                          "(with --no-stage-sync: stage-synced runs always block)")
     cmp.add_argument("--json", action="store_true")
     cmp.set_defaults(func=_bench_compare)
     mt = sub.add_parser("multiturn", help="turn 2 of a conversation: time to first token with and without the prefix cache")
@@ -404,15 +408,17 @@ def _run_options(args) -> RunOptions:
 
 
 def _setting(spec: str) -> Setting:
-    """'4096:1024' -> Setting(4096, 1024); argparse turns the errors into a usage message."""
+    """'4096:1024' -> Setting(4096, 1024); '4096:1024:blocking' -> the same with tile pipelining off;
+    argparse turns the errors into a usage message."""
     from engine.tools.bench import Setting
 
-    chunk, sep, tile = spec.partition(":")
-    if not (sep and chunk.isdigit() and tile.isdigit()):
-        raise argparse.ArgumentTypeError(f"setting {spec!r}: expected C:T, e.g. 4096:1024")
+    chunk, sep, rest = spec.partition(":")
+    tile, _, mode = rest.partition(":")
+    if not (sep and chunk.isdigit() and tile.isdigit()) or mode not in ("", "blocking"):
+        raise argparse.ArgumentTypeError(f"setting {spec!r}: expected C:T or C:T:blocking, e.g. 4096:1024")
     if not 1 <= int(tile) <= int(chunk):
         raise argparse.ArgumentTypeError(f"setting {spec!r}: the tile must be between 1 and the chunk")
-    return Setting(int(chunk), int(tile))
+    return Setting(int(chunk), int(tile), pipelined=mode != "blocking")
 
 
 def _bench_compare(args) -> int:
