@@ -216,9 +216,21 @@ def padded_pairs(x: mx.array, flat: mx.array, order: mx.array, k: int, w: MoEWei
     if plan.overflow:
         experts = mx.array(plan.overflow, dtype=mx.uint32)
         over = x_ext[source[main_rows:]].reshape(len(plan.overflow), plan.overflow_capacity, dim)  # [E_o, C_o, D]
-        hidden = _clamped_swiglu(_gather_linear(over, w.w1, experts), _gather_linear(over, w.w3, experts), limit)
-        outs.append(_gather_linear(hidden, w.w2, experts).reshape(-1, dim))
+        outs.append(_overflow_block(over, w, experts, limit).reshape(-1, dim))
     return (mx.concatenate(outs) if len(outs) > 1 else outs[0])[slot]
+
+
+def _overflow_block(over: mx.array, w: MoEWeights, experts: mx.array, limit: float) -> mx.array:
+    """over: [E_o, C_o, D] -> [E_o, C_o, D]: block i through expert experts[i]. Plain weights copy the
+    overflow experts' weights out and run one batched gemm: MLX 0.32's CUDA gather_mm with several rows
+    per expert runs a kernel that made a skewed 4,096-row step 9x slower than one padded block
+    (docs/BENCHMARKS.md "Issue 14: MoE in prefill", H200). Quantized weights stay packed (gather_qmm)."""
+    if isinstance(w.w1, QuantizedWeight):
+        hidden = _clamped_swiglu(_gather_linear(over, w.w1, experts), _gather_linear(over, w.w3, experts), limit)
+        return _gather_linear(hidden, w.w2, experts)
+    w1, w2, w3 = (m[experts] for m in (w.w1, w.w2, w.w3))  # [E_o, out, in] copies
+    hidden = _clamped_swiglu(_batched_linear(over, w1), _batched_linear(over, w3), limit)
+    return _batched_linear(hidden, w2)
 
 
 LAYOUTS = {"gathered": gathered_pairs, "padded": padded_pairs}
