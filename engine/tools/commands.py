@@ -31,11 +31,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _register_make_model(subparsers) -> None:
     p = subparsers.add_parser("make-model", help="write a random-weight V4 checkpoint (+ tokenizer)")
     p.add_argument("dir", type=Path)
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "flash-attn", "flash-width"])
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "flash-attn", "flash-width", "v4-flash"])
     p.add_argument("--layers", type=int, default=None, help="number of layers (window, then CSA/HCA alternating)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--no-tokenizer", action="store_true", help="skip training the byte-level BPE tokenizer")
+    p.add_argument("--in-memory", action="store_true",
+                   help="with --format official: write no weights, only config.json + random_weights.json; every "
+                        "command that loads DIR makes the random official-format weights on the device (docs/PARALLEL.md)")
     _add_checkpoint_format_args(p)
     p.set_defaults(func=_make_model)
 
@@ -58,12 +61,13 @@ def _make_model(args) -> int:
         return 2
     try:
         out = make_model(args.dir, args.preset, seed=args.seed, with_tokenizer=not args.no_tokenizer, dtype=args.dtype,
-                         fmt=args.format, config_file=args.config, **overrides)
-    except (ConfigError, FormatError) as exc:  # a config or shape the chosen format cannot hold
+                         fmt=args.format, config_file=args.config, in_memory=args.in_memory, **overrides)
+    except (ConfigError, FormatError, ValueError) as exc:  # a config or shape the chosen format cannot hold
         print(f"error: {exc}", file=sys.stderr)
         return 2
     source = args.config or f"{args.preset} preset"
-    print(f"wrote {args.format} checkpoint ({source}) to {out}")
+    what = "random-weights model (weights made on the device at load)" if args.in_memory else "checkpoint"
+    print(f"wrote {args.format} {what} ({source}) to {out}")
     return 0
 
 
