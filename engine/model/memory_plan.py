@@ -256,10 +256,10 @@ def cache_bytes_by_part(cfg: ModelConfig, ctx: int, chunk: int | None, b: int,
 def _rows_bytes(ctx: int, chunk: int | None, ratio: int, width: int, b: int) -> int:
     if chunk is None:
         return (ctx // ratio) * width * b
-    return _simulated_capacity(ctx, chunk, ratio) * width * b
+    return simulated_capacity(ctx, chunk, ratio) * width * b
 
 
-def _simulated_capacity(ctx: int, chunk: int, ratio: int) -> int:
+def simulated_capacity(ctx: int, chunk: int, ratio: int) -> int:
     """Capacity RowBuffer ends with when rows arrive chunk by chunk (same growth rule as the cache)."""
     rows = capacity = 0
     step = RowBuffer.STEP

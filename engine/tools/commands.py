@@ -377,6 +377,10 @@ def _register_bench(subparsers) -> None:
     dec.add_argument("--dtype", default=None, choices=list(DTYPES))
     dec.add_argument("--stage-sync", action="store_true",
                      help="evaluate every stage on its own for a per-stage split (attention, indexer, MoE, other)")
+    dec.add_argument("--cache-fill", default="prefill", choices=["prefill", "random"],
+                     help="prefill: run a random prompt of --ctx tokens first; random: give every layer's cache the "
+                          "shapes a prefill in --chunk chunks leaves, filled with random rows, in seconds (decode "
+                          "time depends on those sizes, not the contents: engine/tools/cache_fill.py)")
     dec.add_argument("--json", action="store_true")
     dec.set_defaults(func=_bench_decode)
     idx = sub.add_parser("indexer", help="indexer scoring throughput vs the device's bf16 matmul rate")
@@ -454,7 +458,8 @@ def _bench_decode(args) -> int:
     if args.tile > args.chunk:
         print(f"error: --tile ({args.tile}) must be at most --chunk ({args.chunk})", file=sys.stderr)
         return 2
-    options = DecodeOptions(chunk=args.chunk, tile=args.tile, steps=args.steps, stage_sync=args.stage_sync)
+    options = DecodeOptions(chunk=args.chunk, tile=args.tile, steps=args.steps, stage_sync=args.stage_sync,
+                            cache_fill=args.cache_fill)
     report = bench_decode(load_for_bench(args.model, args.dtype), args.ctx, args.batch, options)
     _print_report(report, args.json)
     return 0
