@@ -124,5 +124,6 @@ def make_model(out_dir: Path, preset: str = "tiny", seed: int = 0, with_tokenize
     if with_tokenizer:
         from engine.tools.tokenizer_train import train_tokenizer
 
-        train_tokenizer(Path(out_dir), vocab_size=cfg.vocab_size, seed=seed)
+        # a random-weights model may be V4 Flash's size: its vocabulary is padded past what the corpus trains
+        train_tokenizer(Path(out_dir), vocab_size=cfg.vocab_size, seed=seed, pad=in_memory)
     return Path(out_dir)
