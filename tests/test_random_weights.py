@@ -106,3 +106,14 @@ def test_v4_flash_preset_is_the_real_layer_pattern():
     assert cfg.compress_ratio(0) == cfg.compress_ratio(1) == 0
     assert [cfg.compress_ratio(i) for i in range(2, 43)] == [4 if i % 2 == 0 else 128 for i in range(41)]
     assert cfg.mlp_layer_types[:4] == ("hash_moe",) * 3 + ("moe",)
+
+
+def test_tid2eid_is_sorted_in_row_blocks_the_gpu_accepts():
+    from engine.model.random_weights import SORT_ROWS, random_tid2eid
+
+    assert SORT_ROWS <= 65535  # MLX's GPU sort limit per call
+    key = mx.random.key(0)
+    blocked = random_tid2eid((100, 6), 32, key, rows_per_sort=7)
+    assert blocked.shape == (100, 6) and blocked.dtype == mx.int64
+    assert mx.array_equal(blocked, random_tid2eid((100, 6), 32, key)).item()  # blocks change nothing
+    assert all(len(set(row)) == 6 for row in np.array(blocked).tolist())

@@ -115,10 +115,16 @@ def random_float(name: str, shape: tuple[int, ...], key: mx.array) -> mx.array:
     return rule.offset + rule.std * normal
 
 
-def random_tid2eid(shape: tuple[int, ...], experts: int, key: mx.array) -> mx.array:
-    """[vocab, top_k] int64: distinct experts per token, as the writers' `tid2eid`."""
-    order = mx.argsort(mx.random.uniform(shape=(shape[0], experts), key=key), axis=1)
-    return order[:, : shape[1]].astype(mx.int64)
+# MLX's GPU sort rejects more than 65,535 rows in one call (docs/BENCHMARKS.md, §4.4); V4's vocabulary is 129,280.
+SORT_ROWS = 32768
+
+
+def random_tid2eid(shape: tuple[int, ...], experts: int, key: mx.array, rows_per_sort: int = SORT_ROWS) -> mx.array:
+    """[vocab, top_k] int64: distinct experts per token (a random permutation's first top_k), as the
+    writers' `tid2eid`; sorted `rows_per_sort` rows at a time."""
+    scores = mx.random.uniform(shape=(shape[0], experts), key=key)
+    parts = [mx.argsort(scores[lo : lo + rows_per_sort], axis=1)[:, : shape[1]] for lo in range(0, shape[0], rows_per_sort)]
+    return mx.concatenate(parts).astype(mx.int64)
 
 
 def random_fp8(name: str, value: mx.array) -> Weight:
