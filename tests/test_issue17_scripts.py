@@ -23,14 +23,15 @@ def _records(path: Path) -> dict[str, dict]:
     return {r["event"]: r for r in map(json.loads, path.read_text().splitlines())}
 
 
-@pytest.mark.parametrize("rank, kinds", [(0, {"window", "csa"}), (1, {"hca", "csa"})])
-def test_stage_script_measures_one_rank_and_extrapolates_by_layer_kind(tmp_path, rank, kinds):
+@pytest.mark.parametrize("world, rank, layers, kinds", [(2, 0, [0, 2], {"window", "csa"}), (2, 1, [2, 4], {"hca", "csa"}),
+                                                    (1, 0, [0, 4], {"window", "csa", "hca"})])
+def test_stage_script_measures_one_rank_and_extrapolates_by_layer_kind(tmp_path, world, rank, layers, kinds):
     out = tmp_path / "stage.jsonl"
-    done = _run(["docs/bench/issue17_stage.py", str(out), "--preset", "tiny", "--rank", str(rank), "--ctx", "300",
-                 "--chunk", "64", "--tile", "16", "--decode-steps", "3"])
+    done = _run(["docs/bench/issue17_stage.py", str(out), "--preset", "tiny", "--world", str(world), "--rank", str(rank),
+                 "--ctx", "300", "--chunk", "64", "--tile", "16", "--decode-steps", "3"])
     assert done.returncode == 0, done.stderr
     r = _records(out)
-    assert r["start"]["layers"] == ([0, 2] if rank == 0 else [2, 4])
+    assert r["start"]["layers"] == layers
     assert (r["weights"]["vocab_bytes"] > 0) == (rank == 0)
     assert {"mxfp8", "mxfp4"} <= set(r["weights"]["bytes_by_format"])  # official format, made in memory
     assert r["prefill"]["complete"] and r["prefill"]["tokens"] == 300
@@ -38,7 +39,11 @@ def test_stage_script_measures_one_rank_and_extrapolates_by_layer_kind(tmp_path,
     assert r["decode"]["ctx"] == 300 and len(r["decode"]["step_ms"]) == 3
     s = r["summary"]
     assert s["kinds_not_measured"] == []
-    assert s["rank_prefill_seconds_estimate"] == pytest.approx(sum(r["prefill"]["kind_seconds"].values()))
+    assert s["rank_prefill_seconds_estimate"] == pytest.approx(sum(
+        r["prefill"]["kind_seconds"][k] * n for k, n in s["layer_kinds"].items()))
+    assert s["prefill_seconds_estimate_per_rank"][rank] == pytest.approx(s["rank_prefill_seconds_estimate"])
+    # each rank of a 2-way tiny split lacks a kind the other holds: no whole-pipeline estimate from one rank
+    assert (s["pipeline_prefill_seconds_estimate"] is None) == (world == 2)
     assert s["prefill_peak_bytes_planned_rank"] == s["weights_bytes"] + s["rank_cache_bytes_at_ctx"] + s["workspace_bytes_planned"]
 
 

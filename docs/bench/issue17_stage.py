@@ -95,7 +95,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--prefill-layers", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="layers to prefill through, e.g. 0,2,3 (default: the rank's first layer of each kind)")
     p.add_argument("--decode-steps", type=int, default=16)
-    p.add_argument("--prefill-deadline-s", type=float, default=180.0)
+    p.add_argument("--prefill-deadline-s", type=float, default=150.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default=None, help="compute dtype (default: float32 on the CPU, the format's on a GPU)")
     return p.parse_args()
@@ -232,16 +232,22 @@ def _summary(model: DeepseekV4, layers: range, subset: list[int], prefill: dict,
     subset_cache = sum(cache_bytes_by_part(cfg, args.ctx, args.chunk, b, subset).values())
     planned_subset = weights + subset_cache + plan.workspace_bytes
     scale = args.ctx / max(prefill["tokens"], 1)  # > 1 only if the deadline cut the prefill short (a linear underestimate)
-    counts: dict[str, int] = defaultdict(int)
-    for i in layers:
-        counts[KIND_NAMES[cfg.layer_types[i]]] += 1
     kind_s = prefill["kind_seconds"]
+    counts = _kind_counts(cfg, layers)
     missing = sorted(k for k in counts if k not in kind_s)
     rank_prefill_s = sum(kind_s.get(k, 0.0) * n for k, n in counts.items()) * scale
+    # Every rank of the layout, from the same per-kind seconds (None where a kind it holds was not measured):
+    # with one request the ranks take turns, so the pipeline's prefill is their sum (+ the hops, not counted).
+    per_rank = []
+    for r in split_layers(cfg.num_hidden_layers, args.world).ranges:
+        c = _kind_counts(cfg, r)
+        per_rank.append(None if any(k not in kind_s for k in c) else sum(kind_s[k] * n for k, n in c.items()) * scale)
     return dict(
-        event="summary", rank=args.rank, layers=[layers.start, layers.stop], layer_kinds=dict(counts),
+        event="summary", rank=args.rank, layers=[layers.start, layers.stop], layer_kinds=counts,
         prefill_layers=subset, prefill_tokens_measured=prefill["tokens"], prefill_kind_seconds=kind_s,
         rank_prefill_seconds_estimate=rank_prefill_s, kinds_not_measured=missing,
+        prefill_seconds_estimate_per_rank=per_rank,
+        pipeline_prefill_seconds_estimate=None if None in per_rank else sum(per_rank),
         all_kind_seconds_per_layer={k: v * scale for k, v in kind_s.items()},
         decode_ms_per_token=decode["step_ms_median"], decode_peak_bytes=decode["peak_bytes"],
         weights_bytes=weights, rank_cache_bytes_at_ctx=rank_cache, workspace_bytes_planned=plan.workspace_bytes,
@@ -249,6 +255,13 @@ def _summary(model: DeepseekV4, layers: range, subset: list[int], prefill: dict,
         prefill_peak_bytes_planned_rank=weights + rank_cache + plan.workspace_bytes,
         peak_over_plan_subset=prefill["peak_bytes"] / planned_subset,
     )
+
+
+def _kind_counts(cfg: ModelConfig, layers) -> dict[str, int]:
+    counts: dict[str, int] = defaultdict(int)
+    for i in layers:
+        counts[KIND_NAMES[cfg.layer_types[i]]] += 1
+    return dict(counts)
 
 
 if __name__ == "__main__":
