@@ -14,9 +14,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from engine.model.config import CSA, HCA, WINDOW, ModelConfig, config_from_dict
+from engine.model.config import CSA, HCA, V4_FLASH, WINDOW, ModelConfig, config_from_dict
 from engine.model.dtypes import DTYPES
-from engine.model.memory_plan import V4_FLASH
 from engine.model.weights import expected_shapes
 from engine.tools.random_init import random_value
 
@@ -53,7 +52,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         layer_types=[WINDOW, CSA, HCA, CSA], num_hash_layers=1, max_position_embeddings=1048576,
     ),
     # DeepSeek-V4-Flash itself: 43 layers (2 window, then CSA/HCA alternating; 3 hash-routed), every width
-    # real (engine/model/memory_plan.py's V4_FLASH). Official format only as a random-weights directory
+    # real (engine/model/config.py's V4_FLASH). Official format only as a random-weights directory
     # (`--format official --in-memory`): its ~149 GiB are made on the device at load, not written.
     "v4-flash": {k: v for k, v in V4_FLASH.items() if k not in ("model_type", "rope_scaling")},
 }
