@@ -39,6 +39,7 @@ def test_stage_script_measures_one_rank_and_extrapolates_by_layer_kind(tmp_path,
     assert set(r["prefill"]["kind_seconds"]) == set(counts)  # one layer of each kind ran
     assert len(r["prefill"]["layer_seconds"]) == len(counts)
     assert r["decode"]["ctx"] == 300 and len(r["decode"]["step_ms"]) == 3
+    assert set(r["decode"]["kind_ms_synced"]) == set(counts)
     s = r["summary"]
     assert s["kinds_not_measured"] == [] and s["layer_kinds"] == counts
     assert s["rank_prefill_seconds_estimate"] == pytest.approx(sum(
@@ -46,6 +47,8 @@ def test_stage_script_measures_one_rank_and_extrapolates_by_layer_kind(tmp_path,
     assert s["prefill_seconds_estimate_per_rank"][rank] == pytest.approx(s["rank_prefill_seconds_estimate"])
     # each rank of a 2-way tiny split lacks a kind the other holds: no whole-pipeline estimate from one rank
     assert (s["pipeline_prefill_seconds_estimate"] is None) == (world == 2)
+    assert s["decode_ms_synced_estimate_per_rank"][rank] == pytest.approx(sum(
+        r["decode"]["kind_ms_synced"][k] * n for k, n in counts.items()))
     assert s["prefill_peak_bytes_planned_rank"] == s["weights_bytes"] + s["rank_cache_bytes_at_ctx"] + s["workspace_bytes_planned"]
 
 

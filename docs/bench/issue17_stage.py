@@ -216,10 +216,33 @@ def _decode(model: DeepseekV4, args, emit) -> dict:
             step_ms.append((time.perf_counter() - t0) * 1000)
     result = dict(event="decode", ctx=args.ctx, layers=[model.layer_ids.start, model.layer_ids.stop],
                   fill_seconds=fill_seconds, step_ms=step_ms, step_ms_median=statistics.median(step_ms),
+                  kind_ms_synced=_decode_kind_ms(model, cache, args),
                   cache_bytes=cache.nbytes, cache_bytes_by_part=cache.nbytes_by_part,
                   peak_bytes=mx.get_peak_memory(), active_bytes=mx.get_active_memory())
     emit(result)
     return result
+
+
+def _decode_kind_ms(model: DeepseekV4, cache, args, steps: int = 4) -> dict[str, float]:
+    """ms per decode step of one layer of each kind, each layer evaluated on its own (a host sync per
+    layer, so their sum exceeds the unsynced step): enough to size the other ranks' decode steps."""
+    per_layer: dict[int, list[float]] = defaultdict(list)
+    key = mx.random.key(args.seed + 3)
+    for _ in range(steps):
+        segments = [Segment(cache, [1])]
+        key, sub = mx.random.split(key)
+        streams = _input_streams(model, segments, sub, args.rank == 0)
+        mx.eval(streams)
+        for i in model.layer_ids:
+            t0 = time.perf_counter()
+            streams = model.run_layers(streams, segments, range(i, i + 1), None, ForwardTrace(stage_sync=False))
+            mx.eval(streams)
+            per_layer[i].append((time.perf_counter() - t0) * 1000)
+        advance_caches(segments)
+    by_kind: dict[str, list[float]] = defaultdict(list)
+    for i, times in per_layer.items():
+        by_kind[KIND_NAMES[model.cfg.layer_types[i]]].append(statistics.median(times))
+    return {k: statistics.mean(v) for k, v in by_kind.items()}
 
 
 def _summary(model: DeepseekV4, layers: range, subset: list[int], prefill: dict, decode: dict, args) -> dict:
@@ -247,6 +270,8 @@ def _summary(model: DeepseekV4, layers: range, subset: list[int], prefill: dict,
         prefill_layers=subset, prefill_tokens_measured=prefill["tokens"], prefill_kind_seconds=kind_s,
         rank_prefill_seconds_estimate=rank_prefill_s, kinds_not_measured=missing,
         prefill_seconds_estimate_per_rank=per_rank,
+        decode_ms_synced_estimate_per_rank=[_decode_estimate(cfg, r, decode["kind_ms_synced"])
+                                            for r in split_layers(cfg.num_hidden_layers, args.world).ranges],
         pipeline_prefill_seconds_estimate=None if None in per_rank else sum(per_rank),
         all_kind_seconds_per_layer={k: v * scale for k, v in kind_s.items()},
         decode_ms_per_token=decode["step_ms_median"], decode_peak_bytes=decode["peak_bytes"],
@@ -255,6 +280,12 @@ def _summary(model: DeepseekV4, layers: range, subset: list[int], prefill: dict,
         prefill_peak_bytes_planned_rank=weights + rank_cache + plan.workspace_bytes,
         peak_over_plan_subset=prefill["peak_bytes"] / planned_subset,
     )
+
+
+def _decode_estimate(cfg: ModelConfig, layers: range, kind_ms: dict[str, float]) -> float | None:
+    """Σ layers × its kind's synced decode ms (None where a kind was not measured); no head, no hops."""
+    counts = _kind_counts(cfg, layers)
+    return None if any(k not in kind_ms for k in counts) else sum(kind_ms[k] * n for k, n in counts.items())
 
 
 def _kind_counts(cfg: ModelConfig, layers) -> dict[str, int]:
