@@ -6,6 +6,10 @@
   `.scale` tensors (engine/model/official_format.py) -> MLX `mxfp8` / `mxfp4` arrays, no float copy;
 - MLX-native (written by `tessera convert`): uint32 values + `.scales` (+ `.biases` for affine).
 
+A *random-weights directory* (`random_weights.json` instead of weight files; `make-model --in-memory`)
+loads as an official checkpoint of its config would, with the arrays made on the device for the layers
+asked for (engine/model/random_weights.py): how V4 Flash's ~149 GiB run without a file.
+
 Shards are memory-mapped and parsed from their raw bytes (engine/model/safetensors_file.py), since
 numpy has no FP8/E8M0 dtypes. Errors name what is wrong: the missing path, the unknown model_type,
 the missing or unexpected tensor, the tensor whose shape or dtype does not fit (with its shape),
