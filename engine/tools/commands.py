@@ -131,6 +131,10 @@ def _register_check_parallel(sub) -> None:
     par.add_argument("--seed", type=int, default=0)
     par.add_argument("--dtype", default="float32", choices=list(DTYPES))
     par.add_argument("--backend", default=None, choices=["ring", "nccl"], help="default: nccl on CUDA, else ring")
+    par.add_argument("--overlap", action="store_true",
+                     help="prefill chunks before the last send nothing back, so rank 0 starts the next chunk while "
+                          "the later ranks run this one (the ranks overlap); compares the last chunk's and the "
+                          "decode logits and every selection")
     par.add_argument("--max-abs-diff", type=float, default=PARALLEL_MAX_ABS_DIFF,
                      help=f"fail if any logit differs from one process's by more (default: {PARALLEL_MAX_ABS_DIFF})")
     par.add_argument("--json", action="store_true")
@@ -284,7 +288,7 @@ def _check_parallel(args) -> int:
 
     try:
         report = check_parallel(args.model, args.world, args.tokens, args.chunk, args.tile, args.decode, args.seed,
-                                args.dtype, args.backend)
+                                args.dtype, args.backend, overlap=args.overlap)
     except (ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
