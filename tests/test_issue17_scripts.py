@@ -47,6 +47,8 @@ def test_stage_script_measures_one_rank_and_extrapolates_by_layer_kind(tmp_path,
     assert s["prefill_seconds_estimate_per_rank"][rank] == pytest.approx(s["rank_prefill_seconds_estimate"])
     # each rank of a 2-way tiny split lacks a kind the other holds: no whole-pipeline estimate from one rank
     assert (s["pipeline_prefill_seconds_estimate"] is None) == (world == 2)
+    if world == 1:
+        assert s["pipeline_prefill_seconds_overlapped_estimate"] == pytest.approx(s["pipeline_prefill_seconds_estimate"])
     assert s["decode_ms_synced_estimate_per_rank"][rank] == pytest.approx(sum(
         r["decode"]["kind_ms_synced"][k] * n for k, n in counts.items()))
     assert s["prefill_peak_bytes_planned_rank"] == s["weights_bytes"] + s["rank_cache_bytes_at_ctx"] + s["workspace_bytes_planned"]

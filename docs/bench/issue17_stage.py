@@ -273,6 +273,8 @@ def _summary(model: DeepseekV4, layers: range, subset: list[int], prefill: dict,
         decode_ms_synced_estimate_per_rank=[_decode_estimate(cfg, r, decode["kind_ms_synced"])
                                             for r in split_layers(cfg.num_hidden_layers, args.world).ranges],
         pipeline_prefill_seconds_estimate=None if None in per_rank else sum(per_rank),
+        # if the ranks overlapped chunk by chunk (PipelineStage.forward(logits=False); `serve` does not yet)
+        pipeline_prefill_seconds_overlapped_estimate=None if None in per_rank else max(per_rank),
         all_kind_seconds_per_layer={k: v * scale for k, v in kind_s.items()},
         decode_ms_per_token=decode["step_ms_median"], decode_peak_bytes=decode["peak_bytes"],
         weights_bytes=weights, rank_cache_bytes_at_ctx=rank_cache, workspace_bytes_planned=plan.workspace_bytes,
