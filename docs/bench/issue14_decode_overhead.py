@@ -3,7 +3,7 @@
 TESSERA_SINKHORN_KERNEL) in alternating rounds in one process, against the bytes floor bench_decode
 computes (docs/BENCHMARKS.md, "Issue 14: decode overhead (hyper-connections, compile)").
 
-python docs/bench/issue14_decode_overhead.py MODEL_DIR OUT.jsonl [--ctx 65536] [--steps 16] [--no-quantized]
+python docs/bench/issue14_decode_overhead.py MODEL_DIR OUT.jsonl [--ctx 65536] [--steps 16] [--no-quantized] [--cache-fill random]
 
 MODEL_DIR: `make-model --preset flash-width --format official` (on the H200). The model runs first
 "dequantized" (quantized weights dequantized to bf16, as docs/bench/issue14_h200.py does; a plain
@@ -32,9 +32,8 @@ from engine.model.deepseek_v4 import DeepseekV4, Segment
 from engine.model.dtypes import dtype_name
 from engine.model.loader import load_model
 from engine.model.trace import ForwardTrace
-from engine.tools.bench_decode import DecodeOptions, _decode_step, _prefill, cache_bytes_read, copy_bandwidth, weights_bytes_touched
+from engine.tools.bench_decode import DecodeOptions, _decode_step, _filled, cache_bytes_read, copy_bandwidth, weights_bytes_touched
 from engine.tools.quant_bench import _dequantized_model
-from engine.tools.replay import random_tokens
 from kernels import sinkhorn as sinkhorn_kernels
 
 # arm -> (compilation, Sinkhorn kernel); rounds in the order A B C C B A
@@ -75,9 +74,9 @@ def main() -> None:
 
 def run_model(model: DeepseekV4, name: str, args, emit) -> None:
     t0 = time.perf_counter()
-    cache = _prefill(model, random_tokens(model.cfg.vocab_size, args.ctx, seed=0), DecodeOptions(args.chunk, args.tile))
+    cache = _filled(model, args.ctx, 0, DecodeOptions(args.chunk, args.tile, cache_fill=args.cache_fill))
     mx.synchronize()
-    emit("prefill", model=name, dtype=dtype_name(model.dtype), ctx=args.ctx, seconds=time.perf_counter() - t0)
+    emit("prefill", model=name, dtype=dtype_name(model.dtype), ctx=args.ctx, cache_fill=args.cache_fill, seconds=time.perf_counter() - t0)
     ids = [1]
     nodes = {}
     for arm in ARMS:  # node counts of one (then evaluated) step each
@@ -172,6 +171,9 @@ def _parse():
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--tile", type=int, default=1024)
     p.add_argument("--no-quantized", action="store_true", help="only the bf16-dequantized model")
+    p.add_argument("--cache-fill", choices=["prefill", "random"], default="prefill",
+                   help="prefill: run a random prompt (default); random: caches of a prefill's shapes filled with "
+                        "random rows in seconds (engine/tools/cache_fill.py), if the prefill does not fit the budget")
     return p.parse_args()
 
 
