@@ -45,12 +45,13 @@ async def _leave_after(engine: AsyncEngine, request_id: str, prompt: list[int], 
     await stream.aclose()  # the client went away
 
 
-def _wait_idle(engine: AsyncEngine, timeout_s: float = 30.0) -> None:
-    # The release rides on the engine's next plan; the memory snapshot after it shows the cache gone.
+def _wait_idle(engine: AsyncEngine, runner, timeout_s: float = 30.0) -> None:
+    # The release rides on the engine's next plan: the published stats can say idle a moment before
+    # the runner has dropped the cache, so wait for the runner's own count too.
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         stats = engine.stats()
-        if not (stats.num_running or stats.num_waiting or stats.memory.get("kv_cache")):
+        if not (stats.num_running or stats.num_waiting or stats.memory.get("kv_cache") or runner.memory_snapshot()["kv_cache"]):
             return
         time.sleep(0.01)
 
@@ -62,7 +63,7 @@ def test_abandoned_request_returns_memory_to_idle(runner, when):
         idle = _idle_memory()
         prompt = np.random.default_rng(0).integers(0, 2048, 600).tolist()
         asyncio.run(_leave_after(engine, "leaver", prompt, when))
-        _wait_idle(engine)
+        _wait_idle(engine, runner)
         assert engine.stats().num_running == 0
         assert runner.memory_snapshot()["kv_cache"] == 0
         # the engine thread may still drop its last step's arrays: memory must get back to idle soon
