@@ -25,6 +25,7 @@ import mlx.core as mx
 from engine.model.cache import LayerCache, owned
 from engine.model.compressor import CompressorWeights, compress
 from engine.model.config import CSA, HCA, WINDOW, ModelConfig
+from engine.model.decode_attention import DecodeRows, decode_attention
 from engine.model.norms import rms_norm, unweighted_rms_norm
 from engine.model.quantized import Weight, for_rows, grouped_linear, linear
 from engine.model.rope import apply_rope, cos_sin
@@ -103,9 +104,32 @@ def attention(
     chunk = _project_chunk(x, cos, sin, w, cfg, layer)
     queries = _QueryBlocks(chunk.q_residual, cos, sin, w, cfg, layer)
     output = _OutputBlocks(cos, sin, w, cfg)
+    decodes = [seg for seg in segments if seg.length == 1]
+    decoded = decode_attention(_decode_rows(x, chunk, queries, decodes), w, cfg, layer, timer) if decodes else None
+    done = 0  # decode rows handed to `output` so far
     for seg in segments:
-        _segment_attention(x, chunk, queries, output, seg, w, cfg, layer, tile, timer)
+        if seg.length == 1:  # batched above; its row goes out in batch order
+            output.add(decoded[done : done + 1])
+            done += 1
+        else:
+            _segment_attention(x, chunk, queries, output, seg, w, cfg, layer, tile, timer)
     return output.result()
+
+
+def _decode_rows(x: mx.array, chunk: _ChunkProjections, queries: _QueryBlocks, decodes: list[SegmentSlice]) -> DecodeRows:
+    """The decode segments' rows of the step's batch (usually rows [0, B): the runner puts decodes first)."""
+    offsets = [seg.offset for seg in decodes]
+    first = offsets[0]
+    if offsets == list(range(first, first + len(offsets))):
+        take = lambda a: None if a is None else a[first : first + len(offsets)]  # noqa: E731
+        q, index_q = queries.rows(first, first + len(offsets))
+    else:
+        index = mx.array(offsets)
+        take = lambda a: None if a is None else a[index]  # noqa: E731
+        per_row = [queries.rows(r, r + 1) for r in offsets]
+        q = mx.concatenate([p[0] for p in per_row])
+        index_q = None if per_row[0][1] is None else mx.concatenate([p[1] for p in per_row])
+    return DecodeRows(decodes, take(x), take(chunk.kv), q, index_q, take(chunk.index_w))
 
 
 def _for_batch(w: AttentionWeights, rows: int, dtype: mx.Dtype) -> AttentionWeights:
