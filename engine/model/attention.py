@@ -78,6 +78,13 @@ PROJECTION_ROWS = 256
 ATTENTION_ROWS = 128
 
 
+# Decode rows (segments of one token) attend as one batch per layer (engine/model/decode_attention.py).
+# False sends each through the per-segment tile path as a one-row tile — the same bits on a
+# row-invariant BLAS (tests/equivalence/test_batched_decode.py); kept for A/B measurements
+# (docs/bench/issue14_batched_decode.py).
+BATCH_DECODE_ROWS = True
+
+
 @dataclass(frozen=True)
 class _ChunkProjections:
     """What the step's whole batch projects at once: small per token."""
@@ -104,11 +111,13 @@ def attention(
     chunk = _project_chunk(x, cos, sin, w, cfg, layer)
     queries = _QueryBlocks(chunk.q_residual, cos, sin, w, cfg, layer)
     output = _OutputBlocks(cos, sin, w, cfg)
-    decodes = [seg for seg in segments if seg.length == 1]
-    decoded = decode_attention(_decode_rows(x, chunk, queries, decodes), w, cfg, layer, timer) if decodes else None
+    decodes = [seg for seg in segments if seg.length == 1] if BATCH_DECODE_ROWS else []
+    decoded = None
+    if decodes:
+        decoded = timer.stage("attention", decode_attention(_decode_rows(x, chunk, queries, decodes), w, cfg, layer, timer))
     done = 0  # decode rows handed to `output` so far
     for seg in segments:
-        if seg.length == 1:  # batched above; its row goes out in batch order
+        if decoded is not None and seg.length == 1:  # batched above; its row goes out in batch order
             output.add(decoded[done : done + 1])
             done += 1
         else:
