@@ -22,43 +22,17 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
-from engine.model.cache import LayerCache, owned
-from engine.model.compressor import CompressorWeights, compress
+from engine.model.attention_inputs import AttentionWeights, SegmentSlice
+from engine.model.cache import owned
+from engine.model.compressor import compress
 from engine.model.config import CSA, HCA, WINDOW, ModelConfig
 from engine.model.decode_attention import DecodeRows, decode_attention
 from engine.model.norms import rms_norm, unweighted_rms_norm
-from engine.model.quantized import Weight, for_rows, grouped_linear, linear
+from engine.model.quantized import for_rows, grouped_linear, linear
 from engine.model.rope import apply_rope, cos_sin
 from engine.model.trace import ForwardTrace
 from kernels.indexer import indexer_scores, select_topk
 from kernels.sparse_attention import mixed_attention, shared_rows
-
-
-@dataclass(frozen=True)
-class AttentionWeights:
-    wq_a: Weight  # [q_lora, D]
-    q_norm: mx.array  # [q_lora]
-    wq_b: Weight  # [H·hd, q_lora]
-    wkv: Weight  # [hd, D]
-    kv_norm: mx.array  # [hd]
-    wo_a: Weight  # [G·o_lora, H·hd / G]
-    wo_b: Weight  # [D, G·o_lora]
-    sinks: mx.array  # [H]
-    compressor: CompressorWeights | None = None
-    index_compressor: CompressorWeights | None = None
-    index_wq_b: Weight | None = None  # [IH·ID, q_lora]
-    index_weights_proj: Weight | None = None  # [IH, D]
-
-
-@dataclass(frozen=True)
-class SegmentSlice:
-    """Tokens [offset, offset + length) of the step's flat batch belong to one sequence whose cache
-    already holds `start` tokens."""
-
-    offset: int
-    length: int
-    start: int
-    cache: LayerCache
 
 
 # Query and output projections run on fixed blocks of this many rows of the step's batch, counted

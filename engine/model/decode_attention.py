@@ -16,20 +16,16 @@ tests/equivalence/test_tiled_chunked_decode.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import mlx.core as mx
 import numpy as np
 
+from engine.model.attention_inputs import AttentionWeights, SegmentSlice
 from engine.model.cache import owned
 from engine.model.compressor import compress_decode
 from engine.model.config import CSA, HCA, WINDOW, ModelConfig
 from engine.model.trace import ForwardTrace
 from kernels.indexer import indexer_scores_batched, select_topk
 from kernels.sparse_attention import mixed_attention
-
-if TYPE_CHECKING:  # attention.py imports this module; the weights are only a type here
-    from engine.model.attention import AttentionWeights, SegmentSlice
 
 
 @dataclass(frozen=True)
