@@ -5,6 +5,8 @@ the step at once; the compressor, the indexer and the mixed attention run per se
 in tiles of `tile` query rows (docs/ARCHITECTURE.md, "Tiling invariants"): compress first, then per tile score → top-k → gather
 window ∪ selected rows → attend. The wide per-head queries and the output projection run in fixed
 blocks of PROJECTION_ROWS rows as the tiles reach them, so no [chunk, heads, head_dim] tensor exists.
+Decode rows (segments of one token) skip the per-segment loop: they run together, one batched call
+per layer (engine/model/decode_attention.py), with the shapes a one-row tile would give them.
 
 Every product whose per-row result could depend on how many rows it is computed with runs on a
 shape fixed by the row's position, never by the tile: projections in PROJECTION_ROWS blocks of the
