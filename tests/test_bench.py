@@ -39,7 +39,7 @@ def test_bench_prefill_cli_reports_how_it_ran(model_dir):
 def test_bench_compare_alternates_the_order_of_settings_between_rounds(model, monkeypatch):
     ran = []
 
-    def fake_prefill(model, tokens, chunk, tile, label="", options=None):
+    def fake_prefill(model, tokens, chunk, tile, label="", options=None, pipelined=True):
         ran.append(((chunk, tile), len(tokens)))
         return float(len(ran)), 1000 * len(ran), {}
 
@@ -85,3 +85,69 @@ def _small_dir(factory):
     return _SMALL["dir"]
 
 
+
+
+def test_a_blocking_setting_reaches_the_tile_loop(model, monkeypatch):
+    """`C:T:blocking` must switch pipelining off in attention.py: a pipelined prefill starts every
+    tile of every layer with mx.async_eval, a blocking one never does (nor does a stage-synced one).
+    A pipelined tile is started only after the previous one was waited for (an mx.eval in between):
+    two tiles' scratch never coexist."""
+    calls = []
+    real_async_eval, real_eval = bench.mx.async_eval, bench.mx.eval
+    monkeypatch.setattr(bench.mx, "async_eval", lambda *a: (calls.append("a"), real_async_eval(*a))[1])
+    monkeypatch.setattr(bench.mx, "eval", lambda *a: (calls.append("e"), real_eval(*a))[1])
+
+    def tiles_started(setting, stage_sync):
+        calls.clear()
+        row = bench.bench_interleaved(model, 256, [setting], RunOptions(stage_sync=stage_sync))[0]
+        order = "".join(calls)
+        assert "aa" not in order, order
+        return order.count("a"), row["pipelined_tiles"]
+
+    # warm-up (2 chunks) + one measured run (2 chunks), 4 tiles of 32 rows per chunk, 4 layers
+    assert tiles_started(bench.Setting(128, 32), stage_sync=False) == (2 * 2 * 4 * 4, True)
+    assert tiles_started(bench.Setting(128, 32, pipelined=False), stage_sync=False) == (0, False)
+    assert tiles_started(bench.Setting(128, 32), stage_sync=True) == (0, False)
+
+
+def test_blocking_and_pipelined_tiles_give_the_same_logits(model):
+    from engine.model.deepseek_v4 import Segment
+    from engine.model.trace import ForwardTrace
+    from engine.tools.replay import random_tokens
+
+    tokens = random_tokens(model.cfg.vocab_size, 200, seed=3)
+    logits = []
+    for pipelined in (True, False):
+        cache, trace = model.new_cache(), ForwardTrace(stage_sync=False, pipeline_tiles=pipelined)
+        out = [model.forward([Segment(cache, tokens[lo : lo + 64])], tile=16, all_logits=True, timer=trace)[0]
+               for lo in range(0, 200, 64)]
+        logits.append(bench.mx.concatenate(out))
+    assert bench.mx.array_equal(logits[0], logits[1]).item()
+
+
+@pytest.mark.parametrize("spec,expected", [("4096:1024", (4096, 1024, True)), ("4096:1024:blocking", (4096, 1024, False))])
+def test_compare_settings_parse_the_blocking_suffix(spec, expected):
+    from engine.tools.commands import _setting
+
+    s = _setting(spec)
+    assert (s.chunk, s.tile, s.pipelined) == expected
+
+
+def test_bench_compare_cli_rejects_an_unknown_tile_mode(model_dir):
+    cmd = [sys.executable, "-m", "server.cli", "bench", "compare", "--model", str(model_dir), "--ctx", "256",
+           "--settings", "128:32:async"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2 and "expected C:T or C:T:blocking" in out.stderr
+
+
+def test_pipelined_tiles_hold_one_tiles_scratch_like_blocking_ones(tmp_path_factory):
+    """Without stage syncs a tile is the only evaluation point inside a layer: pipelining (tile i+1
+    started only after tile i finished) must peak like blocking tiles and within the plan; a tile
+    loop that left the tiles to the layer's evaluation would hold every tile's scratch at once."""
+    small = load_model(_small_dir(tmp_path_factory), dtype="float32")
+    tokens = bench.random_tokens(small.cfg.vocab_size, 1024, seed=0)
+    options = RunOptions(stage_sync=False)
+    peaks = {p: bench.prefill_once(small, tokens, 512, 128, options=options, pipelined=p)[1] for p in (True, False)}
+    plan = bench.make_plan(small.cfg, 1024, 512, 128, "float32").peak_bytes
+    assert peaks[True] <= 1.02 * peaks[False], peaks
+    assert 0.85 <= peaks[True] / plan <= 1.15, (peaks, plan)

@@ -104,6 +104,19 @@ def test_check_parallel_equals_one_process(tiny_dir, world, transport):
     assert max(report["weights_bytes_per_rank"]) < report["single_process_weights_bytes"]
 
 
+@pytest.mark.parametrize("world, transport", [(2, "p2p"), (3, "collective")])
+def test_overlapped_prefill_equals_one_process(tiny_dir, world, transport):
+    """--overlap: prefill chunks before the last are not sent back, so rank 0 runs ahead; caches, the last
+    chunk's logits, the decode logits and every selection stay one process's exactly."""
+    code, report = _check_parallel(tiny_dir, "--world", str(world), "--tokens", "100", "--chunk", "32",
+                                   "--tile", "8", "--decode", "3", "--overlap", transport=transport)
+    assert code == 0 and report["passed"], report
+    assert report["overlap"] and report["transport"] == transport
+    assert report["max_abs_diff"] == 0.0 and report["differing_selections"] == 0
+    assert report["compared_logit_rows"] == (100 - 96) + 3  # the last chunk (96..99) and 3 decode steps
+    assert report["compared_selections"] == 2 * 103  # every prompt position's selections came from the ranks
+
+
 def test_check_parallel_fails_past_its_threshold(tiny_dir):
     """Exact runs pass at 1e-5; a negative limit cannot be met, so the verdict must say so (exit 1)."""
     code, report = _check_parallel(tiny_dir, "--tokens", "20", "--chunk", "8", "--tile", "4", "--decode", "1",

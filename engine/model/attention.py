@@ -274,13 +274,13 @@ def _segment_attention(
         index_w = None if chunk.index_w is None else chunk.index_w[lo + r0 : lo + r1]
         out = _tile_attention(context, q, index_q, index_w, r0, r1)
         built = [out, *output.add(out)]
-        if seg.length > 1 and not timer.stage_sync:
+        if seg.length > 1 and timer.pipelines_tiles:
             # Tile i+1's graph was built while tile i ran; wait for tile i, then start i+1 without
             # waiting: one tile's scratch on the device at a time, no idle gap for graph building.
             _finish(running, timer)
             mx.async_eval(*built)
             running = built
-        elif seg.length > 1:  # stage-synced: every stage already waits, nothing to overlap
+        elif seg.length > 1:  # blocking tiles (stage-synced, or pipelining switched off): evaluate, then build the next
             timer.boundary("attention", *built)
         else:
             timer.stage("attention", *built)

@@ -45,6 +45,19 @@ class RowBuffer:
         self._data[self.num_rows : needed] = rows.astype(self.dtype)
         self.num_rows = needed
 
+    @classmethod
+    def holding(cls, rows: mx.array, capacity: int) -> "RowBuffer":
+        """A buffer holding `rows` [n, width] with room for `capacity` rows (≥ n): the state appends of a
+        prefill leave it in, made at once (engine/tools/cache_fill.py)."""
+        buffer = cls(rows.shape[1], rows.dtype)
+        if capacity < rows.shape[0]:
+            raise ValueError(f"capacity {capacity} is less than the {rows.shape[0]} rows it must hold")
+        if capacity:
+            buffer._data = mx.zeros((capacity, buffer.width), dtype=buffer.dtype)
+            buffer._data[: rows.shape[0]] = rows
+            buffer.num_rows = rows.shape[0]
+        return buffer
+
     def view(self) -> mx.array:
         """[num_rows, width]."""
         if self._data is None:

@@ -18,6 +18,18 @@ HASH_MOE, MOE = "hash_moe", "moe"
 _RATIO_TO_TYPE = {0: WINDOW, 4: CSA, 128: HCA}
 
 
+# DeepSeek-V4-Flash's config.json (official spelling): 43 layers, 2 window-only then CSA (ratio 4) / HCA
+# (ratio 128) alternating, 3 hash-routed MoE layers. `tessera plan`'s default and make-model's `v4-flash` preset.
+V4_FLASH = {
+    "model_type": "deepseek_v4", "vocab_size": 129280, "hidden_size": 4096, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 43, "num_attention_heads": 64, "head_dim": 512, "qk_rope_head_dim": 64,
+    "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024, "sliding_window": 128, "n_routed_experts": 256,
+    "num_experts_per_tok": 6, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+    "compress_ratios": [0, 0] + [4 if i % 2 == 0 else 128 for i in range(41)], "num_hash_layers": 3,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1},
+}
+
+
 class ConfigError(ValueError):
     """A config.json that Tessera cannot run; the message names the field."""
 

@@ -6,6 +6,10 @@
   `.scale` tensors (engine/model/official_format.py) -> MLX `mxfp8` / `mxfp4` arrays, no float copy;
 - MLX-native (written by `tessera convert`): uint32 values + `.scales` (+ `.biases` for affine).
 
+A *random-weights directory* (`random_weights.json` instead of weight files; `make-model --in-memory`)
+loads as an official checkpoint of its config would, with the arrays made on the device for the layers
+asked for (engine/model/random_weights.py): how V4 Flash's ~149 GiB run without a file.
+
 Shards are memory-mapped and parsed from their raw bytes (engine/model/safetensors_file.py), since
 numpy has no FP8/E8M0 dtypes. Errors name what is wrong: the missing path, the unknown model_type,
 the missing or unexpected tensor, the tensor whose shape or dtype does not fit (with its shape),
@@ -17,6 +21,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass
+from math import prod
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -30,6 +35,7 @@ from engine.model.official_format import (
     dequantize_fp4, dequantize_fp8, fp4_scale_shape, fp8_scale_shape, mxfp4_from_packed, mxfp8_from_blocks,
 )
 from engine.model.quantized import QuantizedWeight, Weight
+from engine.model.random_weights import RANDOM_WEIGHTS_FILE, RandomWeightsSpec, random_official_weights, read_spec
 from engine.model.safetensors_file import RawTensor, SafetensorsError, open_tensors
 from engine.model.weights import canonical_name, expected_shapes, expert_key, layer_of, stacked_expert_names
 
@@ -72,11 +78,35 @@ def load_model(model_dir: Path, dtype: str | None = None, progress: bool = True,
     if not (0 <= layers.start < layers.stop <= cfg.num_hidden_layers and layers.step == 1):
         raise ValueError(f"layer range {layers.start}..{layers.stop} is not a non-empty part of the model's "
                          f"{cfg.num_hidden_layers} layers")
-    raw = _open_all(_weight_files(Path(model_dir)))
     wanted = lambda name: _wanted(name, layers, vocab)  # noqa: E731
-    weights = dict(_converted(raw, cfg, LoadOptions(dtype, weights_dtype, progress), wanted))
+    opts = LoadOptions(dtype, weights_dtype, progress)
+    spec = read_spec(Path(model_dir))
+    if spec is not None:  # a random-weights directory: the arrays are made on the device, no file is read
+        weights = dict(_random_weights(Path(model_dir), cfg, spec, opts, wanted))
+    else:
+        weights = dict(_converted(_open_all(_weight_files(Path(model_dir))), cfg, opts, wanted))
     mx.eval([a for w in weights.values() for a in _arrays(w)])
     return DeepseekV4(cfg, weights, layers)
+
+
+def _random_weights(model_dir: Path, cfg: ModelConfig, spec: RandomWeightsSpec, opts: LoadOptions,
+                    wanted: Callable[[str], bool]) -> Iterator[tuple[str, Weight]]:
+    """engine/model/random_weights.py's arrays, finished as a checkpoint's are (compute dtype, --weights-dtype)."""
+    stray = sorted(model_dir.glob("*.safetensors"))
+    if stray:
+        raise CheckpointError(f"{model_dir} has both {RANDOM_WEIGHTS_FILE} and weight files ({stray[0].name}): "
+                              f"remove one, a directory is either a checkpoint or a random-weights model")
+    total = sum(prod(shape) for name, shape in expected_shapes(cfg).items() if wanted(name))
+    done = 0
+    for i, (name, w) in enumerate(random_official_weights(cfg, spec.seed, wanted)):
+        if opts.weights_dtype and isinstance(w, QuantizedWeight):
+            w = w.dequantize(DTYPES[opts.weights_dtype])
+        done += prod(w.shape)
+        if opts.progress and total > PROGRESS_MIN_BYTES and (i % 16 == 0 or done == total):
+            _progress_bar(done, total, "random weights", "G values")
+        yield name, _finish(w, opts)
+    if opts.progress and total > PROGRESS_MIN_BYTES:
+        print(file=sys.stderr)
 
 
 def _wanted(name: str, layers: range, vocab: bool) -> bool:
@@ -288,10 +318,10 @@ def _as_mx(t: RawTensor) -> mx.array:
     return a.view(mx.bfloat16) if t.dtype == "BF16" else a
 
 
-def _progress_bar(done: int, total: int) -> None:
+def _progress_bar(done: int, total: int, what: str = "loading weights", unit: str = "GiB") -> None:
     width = 40
     filled = int(width * done / total)
-    sys.stderr.write(f"\rloading weights [{'#' * filled}{'.' * (width - filled)}] {done / 2**30:.1f}/{total / 2**30:.1f} GiB")
+    sys.stderr.write(f"\r{what} [{'#' * filled}{'.' * (width - filled)}] {done / 2**30:.1f}/{total / 2**30:.1f} {unit}")
     sys.stderr.flush()
 
 

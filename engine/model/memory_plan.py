@@ -16,8 +16,9 @@ from pathlib import Path
 
 from engine.model.attention import ATTENTION_ROWS, PROJECTION_ROWS, attention_blocks
 from engine.model.cache import RowBuffer
-from engine.model.config import CSA, HCA, WINDOW, ModelConfig, config_from_dict
+from engine.model.config import CSA, HCA, V4_FLASH, WINDOW, ModelConfig, config_from_dict
 from engine.model.dtypes import DTYPES
+from engine.model.moe import PADDED_MAX_ROWS_PER_PAIR
 from engine.model.official_format import storage
 from engine.model.quantized import DENSE_MIN_ROWS
 from engine.model.weights import expected_shapes, layer_of
@@ -208,7 +209,9 @@ def chunk_buffers(cfg: ModelConfig, chunk: int, b: int) -> list[Buffer]:
         Buffer("block_input", 2 * c * d * b, "2 × C × hidden (collapsed streams, normed)"),
         Buffer("narrow_projections", c * narrow * b, "C × (q_lora + head_dim + index_heads)"),
         Buffer("attention_projected", c * d * b, "C × hidden (projected blocks, joined)"),
-        Buffer("moe_intermediate", 3 * c * routed * b, "3 × C × top_k × moe_intermediate (gate, up, product)"),
+        # the padded MoE layout computes up to PADDED_MAX_ROWS_PER_PAIR rows per (token, expert) pair
+        Buffer("moe_intermediate", int(3 * c * routed * b * PADDED_MAX_ROWS_PER_PAIR),
+               f"3 × C × top_k × moe_intermediate × {PADDED_MAX_ROWS_PER_PAIR:g} (gate, up, product; padded layout)"),
         Buffer("router", 2 * c * cfg.n_routed_experts * 4, "2 × C × experts × 4"),
     ]
 
@@ -256,10 +259,10 @@ def cache_bytes_by_part(cfg: ModelConfig, ctx: int, chunk: int | None, b: int,
 def _rows_bytes(ctx: int, chunk: int | None, ratio: int, width: int, b: int) -> int:
     if chunk is None:
         return (ctx // ratio) * width * b
-    return _simulated_capacity(ctx, chunk, ratio) * width * b
+    return simulated_capacity(ctx, chunk, ratio) * width * b
 
 
-def _simulated_capacity(ctx: int, chunk: int, ratio: int) -> int:
+def simulated_capacity(ctx: int, chunk: int, ratio: int) -> int:
     """Capacity RowBuffer ends with when rows arrive chunk by chunk (same growth rule as the cache)."""
     rows = capacity = 0
     step = RowBuffer.STEP
@@ -289,14 +292,6 @@ def cache_bytes_at(cfg: ModelConfig, num_tokens: int, b: int, layers: range | No
 
 # ---- the CLI's view ----------------------------------------------------------------------------
 
-V4_FLASH = {
-    "model_type": "deepseek_v4", "vocab_size": 129280, "hidden_size": 4096, "moe_intermediate_size": 2048,
-    "num_hidden_layers": 43, "num_attention_heads": 64, "head_dim": 512, "qk_rope_head_dim": 64,
-    "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024, "sliding_window": 128, "n_routed_experts": 256,
-    "num_experts_per_tok": 6, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
-    "compress_ratios": [0, 0] + [4 if i % 2 == 0 else 128 for i in range(41)], "num_hash_layers": 3,
-    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1},
-}
 
 
 def plan_for(model_dir: Path | None, preset: str | None, ctx: int, chunk: int, tile: int, dtype: str | None,

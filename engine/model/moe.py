@@ -1,13 +1,57 @@
 """V4's MoE block: sqrt-softplus router (learned top-k with a correction bias, or a fixed
-token-id → experts table in the first `hash_moe` layers), clamped-SwiGLU experts, one shared expert."""
+token-id → experts table in the first `hash_moe` layers), clamped-SwiGLU experts, one shared expert.
+
+The routed experts run in one of two layouts, chosen by the step's (token, slot) pair count
+(`uses_padded_layout`); both compute every pair's row through its expert, and `reference_routed_experts`
+(a plain loop over experts) is what both must equal:
+
+- gathered (decode, short steps): pairs sorted by expert, `gather_mm` / `gather_qmm` with one row per
+  pair. No host sync; reads only the experts that are hit, which is what a decode step is bound by.
+- padded (prefill): pairs scattered into an [E, capacity, D] block and run as one batched matmul per
+  projection (bf16: a strided-batched cuBLAS gemm through `mx.matmul`; quantized: `gather_qmm` with
+  `capacity` rows per expert, which MLX's CUDA backend runs as a tiled quantized gemm instead of one
+  16-row tile per pair). The pairs of busy experts beyond `capacity` go to a second, smaller block over
+  those experts only (`plan_padded`: skewed routing would otherwise size every expert's block by the
+  busiest one). Padding rows are zeros and are never read back. The capacities are shapes, so the
+  per-expert counts are copied to the host: one sync per MoE layer per step, only in steps this large
+  (docs/BENCHMARKS.md "Issue 14: MoE in prefill" says why it pays).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
+from engine.model.expert_slices import sorted_gather_mm
 from engine.model.quantized import QuantizedWeight, Weight, linear
+from kernels.cuda import on_cuda
+
+# A step with at least this many (token, slot) pairs per routed expert on average runs the padded layout.
+# Below it most of the padded block would be padding and every expert's weights would be read even when
+# few are hit (decode); at 12 uniform routing's plan stays well inside PADDED_MAX_ROWS_PER_PAIR with
+# CAPACITY_MULTIPLE = 16. A guess for the crossover, to be tuned with docs/bench/issue14_moe.py on the GPU.
+PADDED_MIN_PAIRS_PER_EXPERT = 12
+# The padded layout computes at most this many rows per pair (padding included); a step whose plan needs
+# more (pathological routing) runs the gathered layout instead, so the MoE's scratch stays within this
+# factor of the gathered layout's (engine/model/memory_plan.py counts it).
+PADDED_MAX_ROWS_PER_PAIR = 2.0
+# The padded capacities are multiples of this many rows (gemm tiles; fewer distinct shapes to compile).
+CAPACITY_MULTIPLE = 16
+# What a row of the padded layout's overflow block costs in rows of its main block (`plan_padded`):
+# plain weights run the main block as one cuBLAS strided-batched gemm and the overflow through
+# gather_mm's simpler kernel (MLX 0.32's CUDA backend), guessed 2× slower per row; quantized weights run
+# both through the same gather_qmm kernel. Guesses until docs/bench/issue14_moe.py has run on the GPU.
+OVERFLOW_ROW_COST = {"plain": 2.0, "quantized": 1.0}
+# MLX's CUDA gather_qmm launches one grid z-slice per batch entry (qmm_sm80; CUDA allows 65,535), so
+# the gathered layout's one-row-per-pair calls are split into pieces of at most this many pairs.
+GATHER_QMM_MAX_BATCH = 65535
+# Quantized experts in the padded layout's main block: dequantize this many experts at a time (to the
+# activations' dtype, transiently: 32 V4 Flash experts are 1.6 GB in bf16) and run plain batched gemms,
+# instead of gather_qmm on the packed weights. None = gather_qmm. Off until docs/bench/issue14_moe.py
+# shows on the GPU that it pays (its "mxfp4_padded_dequantize32" setting).
+DEQUANTIZE_EXPERT_GROUP: int | None = None
 
 
 @dataclass(frozen=True)
@@ -22,6 +66,10 @@ class MoEWeights:
     shared_w2: Weight  # [D, I_shared]
     shared_w3: Weight  # [I_shared, D]
 
+    @property
+    def num_experts(self) -> int:
+        return self.w1.shape[0]
+
 
 def swiglu(x: mx.array, w1: Weight, w2: Weight, w3: Weight, limit: float) -> mx.array:
     """Clamped SwiGLU: gate clamped above, up clamped both sides (V4's swiglu_limit)."""
@@ -30,33 +78,192 @@ def swiglu(x: mx.array, w1: Weight, w2: Weight, w3: Weight, limit: float) -> mx.
     return linear(gate * mx.sigmoid(gate) * up, w2)
 
 
+def _clamped_swiglu(gate: mx.array, up: mx.array, limit: float) -> mx.array:
+    gate = mx.minimum(gate, limit)
+    return gate * mx.sigmoid(gate) * mx.clip(up, -limit, limit)
+
+
+def _cpu_float(x: mx.array) -> mx.array:
+    """MLX's CPU GatherMM runs float32 only; bf16/fp16 operands are upcast there (exact)."""
+    return x.astype(mx.float32) if x.dtype != mx.float32 and mx.default_device() == mx.cpu else x
+
+
 def _gather_linear(x: mx.array, w: Weight, experts: mx.array) -> mx.array:
-    """x: [N, 1, in], experts: [N] sorted ascending -> [N, 1, out]: row n through expert experts[n]."""
+    """x: [..., M, in], experts: [...] -> [..., M, out]: batch entry n through expert experts[n]
+    (`sorted_indices` when experts ascend and M = 1, the gathered layout)."""
+    if isinstance(w, QuantizedWeight) and x.shape[0] > GATHER_QMM_MAX_BATCH:
+        pieces = range(0, x.shape[0], GATHER_QMM_MAX_BATCH)
+        return mx.concatenate([_gather_linear(x[s : s + GATHER_QMM_MAX_BATCH], w, experts[s : s + GATHER_QMM_MAX_BATCH]) for s in pieces])
     if isinstance(w, QuantizedWeight):
         return mx.gather_qmm(x, w.values, w.scales, w.biases, rhs_indices=experts, transpose=True,
-                             group_size=w.group_size, bits=w.bits, mode=w.mode, sorted_indices=True)
-    if x.dtype != mx.float32 and mx.default_device() == mx.cpu:
-        # MLX's CPU GatherMM runs float32 only; bf16/fp16 weights are upcast per call (exact)
-        out = mx.gather_mm(x.astype(mx.float32), w.swapaxes(-1, -2).astype(mx.float32), rhs_indices=experts, sorted_indices=True)
-        return out.astype(x.dtype)
-    return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=experts, sorted_indices=True)
+                             group_size=w.group_size, bits=w.bits, mode=w.mode, sorted_indices=x.shape[-2] == 1)
+    if on_cuda() and x.shape[-2] == 1:  # keeps expert offsets inside MLX CUDA's 32-bit grouped-GEMM range (expert_slices.py)
+        return sorted_gather_mm(x, w.swapaxes(-1, -2), experts)
+    out = mx.gather_mm(_cpu_float(x), _cpu_float(w.swapaxes(-1, -2)), rhs_indices=experts, sorted_indices=x.shape[-2] == 1)
+    return out.astype(x.dtype)
 
 
-def routed_experts(x: mx.array, experts: mx.array, weights: mx.array, w: MoEWeights, limit: float) -> mx.array:
-    """x: [T, D], experts/weights: [T, k] -> [T, D] float32: every (token, slot) pair through its expert.
+def _batched_linear(x: mx.array, w: Weight) -> mx.array:
+    """x: [E, C, in] -> [E, C, out]: block e through expert e (w: [E, out, in])."""
+    if isinstance(w, QuantizedWeight):
+        return _gather_linear(x, w, mx.arange(x.shape[0], dtype=mx.uint32))
+    return (_cpu_float(x) @ _cpu_float(w.swapaxes(-1, -2))).astype(x.dtype)
 
-    Pairs are sorted by expert on the device (no host sync), so each expert's rows are contiguous and
-    `gather_mm` / `gather_qmm` run them as one matmul per expert."""
-    num_tokens, k = experts.shape
-    flat = experts.reshape(-1)  # [T·k]
-    order = mx.argsort(flat)  # pair indices, expert-sorted
+
+def _expert_range(w: Weight, first: int, last: int) -> Weight:
+    if isinstance(w, QuantizedWeight):
+        biases = None if w.biases is None else w.biases[first:last]
+        return QuantizedWeight(w.values[first:last], w.scales[first:last], biases, w.mode, w.bits, w.group_size)
+    return w[first:last]
+
+
+def _main_block(block: mx.array, w: MoEWeights, limit: float) -> mx.array:
+    """block: [E, C, D] -> [E, C, D]: rows of block e through expert e. Quantized experts with
+    DEQUANTIZE_EXPERT_GROUP set run a group of experts at a time on their dequantized weights."""
+    group = DEQUANTIZE_EXPERT_GROUP if isinstance(w.w1, QuantizedWeight) else None
+    if not group:
+        hidden = _clamped_swiglu(_batched_linear(block, w.w1), _batched_linear(block, w.w3), limit)  # [E, C, I]
+        return _batched_linear(hidden, w.w2)
+    outs = []
+    for first in range(0, block.shape[0], group):
+        last = min(first + group, block.shape[0])
+        w1, w2, w3 = (_expert_range(m, first, last).dequantize(block.dtype) for m in (w.w1, w.w2, w.w3))
+        part = block[first:last]  # [G, C, D]
+        hidden = _clamped_swiglu(_batched_linear(part, w1), _batched_linear(part, w3), limit)
+        outs.append(_batched_linear(hidden, w2))
+    return mx.concatenate(outs)
+
+
+def uses_padded_layout(num_pairs: int, num_experts: int) -> bool:
+    return num_pairs >= PADDED_MIN_PAIRS_PER_EXPERT * num_experts
+
+
+def gathered_pairs(x: mx.array, flat: mx.array, order: mx.array, k: int, w: MoEWeights, limit: float) -> mx.array:
+    """-> [P, D]: pair order[i]'s output at row i (pairs expert-sorted)."""
     sorted_experts = flat[order].astype(mx.uint32)
-    rows = x[order // k][:, None, :]  # [T·k, 1, D]
-    gate = mx.minimum(_gather_linear(rows, w.w1, sorted_experts), limit)
-    up = mx.clip(_gather_linear(rows, w.w3, sorted_experts), -limit, limit)
-    out = _gather_linear(gate * mx.sigmoid(gate) * up, w.w2, sorted_experts)  # [T·k, 1, D]
-    by_pair = out[mx.argsort(order)].reshape(num_tokens, k, -1)  # back to (token, slot) order
+    rows = x[order // k][:, None, :]  # [P, 1, D]
+    hidden = _clamped_swiglu(_gather_linear(rows, w.w1, sorted_experts), _gather_linear(rows, w.w3, sorted_experts), limit)
+    out = _gather_linear(hidden, w.w2, sorted_experts)[:, 0, :]  # [P, D] expert-sorted
+    return out[mx.argsort(order)]
+
+
+@dataclass(frozen=True)
+class PaddedPlan:
+    """Where an expert's pairs go in the padded layout: its first `capacity` pairs into the main block
+    [E, capacity, D] (one strided-batched gemm over every expert), the rest, for the `overflow` experts
+    only, into a second block [len(overflow), overflow_capacity, D] (a gather_mm over those experts)."""
+    capacity: int
+    overflow: tuple[int, ...]  # experts with more than `capacity` pairs, ascending
+    overflow_capacity: int
+
+    def rows(self, num_experts: int) -> int:
+        return num_experts * self.capacity + len(self.overflow) * self.overflow_capacity
+
+
+def _round_up(n: int) -> int:
+    return -(-n // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
+
+
+def plan_padded(counts: np.ndarray, overflow_row_cost: float) -> PaddedPlan:
+    """counts: [E] pairs per expert -> the plan with the fewest rows computed, a row of the overflow
+    block costing `overflow_row_cost` main-block rows. One capacity for all experts wastes most of the
+    block when routing is skewed (a few busy experts set it); the overflow block takes their excess."""
+    best: tuple[float, PaddedPlan] | None = None
+    for capacity in range(CAPACITY_MULTIPLE, _round_up(int(counts.max())) + 1, CAPACITY_MULTIPLE):
+        over = np.flatnonzero(counts > capacity)
+        overflow_capacity = _round_up(int((counts[over] - capacity).max())) if len(over) else 0
+        cost = len(counts) * capacity + overflow_row_cost * len(over) * overflow_capacity
+        if best is None or cost <= best[0]:  # a tie goes to the larger capacity: fewer overflow rows
+            best = (cost, PaddedPlan(capacity, tuple(int(e) for e in over), overflow_capacity))
+    return best[1]
+
+
+def padded_slots(flat: mx.array, order: mx.array, num_experts: int, overflow_row_cost: float) -> tuple[mx.array, PaddedPlan]:
+    """flat: [P] expert per pair, order: argsort(flat) -> (slot [P], plan): pair p's row in the main
+    block followed by the overflow block (`PaddedPlan`). Copies the per-expert pair counts to the host
+    (the capacities are shapes): the one host sync of the padded layout."""
+    num_pairs = flat.shape[0]
+    sorted_experts = flat[order]
+    counts = mx.zeros((num_experts,), dtype=mx.int32).at[sorted_experts].add(1)  # [E]
+    plan = plan_padded(np.array(counts), overflow_row_cost)  # host sync
+    starts = mx.cumsum(counts) - counts  # [E] first sorted position of each expert
+    rank = mx.arange(num_pairs, dtype=mx.int32) - starts[sorted_experts]  # [P] in sorted order
+    overflow_pos = np.zeros(num_experts, dtype=np.int32)
+    overflow_pos[list(plan.overflow)] = np.arange(len(plan.overflow), dtype=np.int32)
+    main_rows = num_experts * plan.capacity
+    in_overflow = main_rows + mx.array(overflow_pos)[sorted_experts] * plan.overflow_capacity + rank - plan.capacity
+    sorted_slots = mx.where(rank < plan.capacity, sorted_experts * plan.capacity + rank, in_overflow)
+    slot = mx.zeros((num_pairs,), dtype=mx.int32)
+    slot[order] = sorted_slots  # back to pair order
+    return slot, plan
+
+
+def padded_pairs(x: mx.array, flat: mx.array, order: mx.array, k: int, w: MoEWeights, limit: float) -> mx.array:
+    """-> [P, D]: pair p's output at row p, through the padded blocks (`PaddedPlan`)."""
+    num_tokens, dim = x.shape
+    num_experts = w.num_experts
+    cost = OVERFLOW_ROW_COST["quantized" if isinstance(w.w1, QuantizedWeight) else "plain"]
+    slot, plan = padded_slots(flat, order, num_experts, cost)
+    if plan.rows(num_experts) > PADDED_MAX_ROWS_PER_PAIR * flat.shape[0]:
+        return gathered_pairs(x, flat, order, k, w, limit)
+    # the token feeding each padded row; empty rows read an appended zero row (index num_tokens)
+    source = mx.full((plan.rows(num_experts),), num_tokens, dtype=mx.int32)
+    source[slot] = mx.arange(flat.shape[0], dtype=mx.int32) // k
+    x_ext = mx.concatenate([x, mx.zeros((1, dim), dtype=x.dtype)])
+    main_rows = num_experts * plan.capacity
+    main = x_ext[source[:main_rows]].reshape(num_experts, plan.capacity, dim)  # [E, C, D]
+    outs = [_main_block(main, w, limit).reshape(main_rows, dim)]  # [E·C, D]
+    if plan.overflow:
+        experts = mx.array(plan.overflow, dtype=mx.uint32)
+        over = x_ext[source[main_rows:]].reshape(len(plan.overflow), plan.overflow_capacity, dim)  # [E_o, C_o, D]
+        outs.append(_overflow_block(over, w, experts, limit).reshape(-1, dim))
+    return (mx.concatenate(outs) if len(outs) > 1 else outs[0])[slot]
+
+
+def _overflow_block(over: mx.array, w: MoEWeights, experts: mx.array, limit: float) -> mx.array:
+    """over: [E_o, C_o, D] -> [E_o, C_o, D]: block i through expert experts[i]. Plain weights copy the
+    overflow experts' weights out and run one batched gemm: MLX 0.32's CUDA gather_mm with several rows
+    per expert runs a kernel that made a skewed 4,096-row step 9x slower than one padded block
+    (docs/BENCHMARKS.md "Issue 14: MoE in prefill", H200). Quantized weights stay packed (gather_qmm)."""
+    if isinstance(w.w1, QuantizedWeight):
+        hidden = _clamped_swiglu(_gather_linear(over, w.w1, experts), _gather_linear(over, w.w3, experts), limit)
+        return _gather_linear(hidden, w.w2, experts)
+    w1, w2, w3 = (m[experts] for m in (w.w1, w.w2, w.w3))  # [E_o, out, in] copies
+    hidden = _clamped_swiglu(_batched_linear(over, w1), _batched_linear(over, w3), limit)
+    return _batched_linear(hidden, w2)
+
+
+LAYOUTS = {"gathered": gathered_pairs, "padded": padded_pairs}
+
+
+def routed_experts(x: mx.array, experts: mx.array, weights: mx.array, w: MoEWeights, limit: float,
+                   layout: str | None = None) -> mx.array:
+    """x: [T, D], experts/weights: [T, k] -> [T, D] float32: every (token, slot) pair through its expert,
+    weighted and summed over the k slots. Pairs are sorted by expert on the device (`argsort`).
+    layout: a LAYOUTS key, or None for the one `uses_padded_layout` picks (benchmarks force one)."""
+    num_tokens, k = experts.shape
+    flat = experts.reshape(-1)  # [P = T·k]
+    order = mx.argsort(flat)  # pair indices, expert-sorted
+    if layout is None:
+        layout = "padded" if uses_padded_layout(flat.shape[0], w.num_experts) else "gathered"
+    by_pair = LAYOUTS[layout](x, flat, order, k, w, limit).reshape(num_tokens, k, -1)  # (token, slot) order
     return (by_pair.astype(mx.float32) * weights[:, :, None]).sum(axis=1)
+
+
+def reference_routed_experts(x: mx.array, experts: mx.array, weights: mx.array, w: MoEWeights, limit: float) -> mx.array:
+    """The plain definition `routed_experts` must equal: a loop over experts, each run on its tokens
+    with a dense matmul (quantized weights dequantized). Host-synced and slow; tests only."""
+    num_tokens, k = experts.shape
+    routed = mx.zeros((num_tokens, k, x.shape[-1]), dtype=mx.float32)
+    experts_np = experts.tolist()
+    for e in sorted({e for row in experts_np for e in row}):
+        pairs = [(t, s) for t, row in enumerate(experts_np) for s, ee in enumerate(row) if ee == e]
+        tok = mx.array([t for t, _ in pairs])
+        slot = mx.array([s for _, s in pairs])
+        w1, w2, w3 = (m.dequantize(x.dtype) if isinstance(m, QuantizedWeight) else m for m in (w.w1, w.w2, w.w3))
+        out = swiglu(x[tok], w1[e], w2[e], w3[e], limit)  # [n, D]
+        routed[tok, slot] = out.astype(mx.float32)
+    return (routed * weights[:, :, None]).sum(axis=1)
 
 
 def route(x: mx.array, token_ids: mx.array, w: MoEWeights, top_k: int, scaling: float) -> tuple[mx.array, mx.array]:

@@ -7,6 +7,10 @@ one tile's scratch alive at a time (docs/ARCHITECTURE.md, "Tiling invariants"), 
 `stage()` evaluates only with `stage_sync` on: each such sync drains the GPU's queue while Python
 builds the next ops, so without it a stage's time is charged to the next point that does evaluate
 (coarser attribution, fewer bubbles).
+
+Without stage syncs a prefill's tiles are pipelined (engine/model/attention.py): tile i+1's graph is
+built while tile i runs. `pipeline_tiles=False` makes each tile block instead (evaluate, then build
+the next), which is what `bench compare`'s `C:T:blocking` setting measures the pipelining against.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ STAGES = ("indexer_score", "topk", "attention", "moe", "other")
 
 
 class ForwardTrace:
-    def __init__(self, record_selections: bool = False, stage_sync: bool = True) -> None:
+    def __init__(self, record_selections: bool = False, stage_sync: bool = True, pipeline_tiles: bool = True) -> None:
         self.stage_sync = stage_sync
+        # A stage-synced run waits at every stage anyway: there is nothing left to overlap.
+        self.pipelines_tiles = pipeline_tiles and not stage_sync
         self.seconds: dict[str, float] = defaultdict(float)
         self._last = time.perf_counter()
         # (layer, absolute position) -> selected compressed rows, ascending (valid picks only)

@@ -38,13 +38,18 @@ class ParallelReport:
     compared_selections: int
     single_process_seconds: float  # the replay's wall time in one process (loading excluded)
     parallel_seconds: float  # the same replay on the ranks, as rank 0 saw it
+    overlap: bool = False  # prefill chunks before the last were not sent back: the ranks overlapped
+    compared_logit_rows: int = 0  # every row, or (overlap) the last chunk's rows and the decode rows
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 def check_parallel(model_dir: Path, world: int, tokens: int, chunk: int, tile: int, decode: int, seed: int = 0,
-                   dtype: str = "float32", backend: str | None = None, timeout_s: float = 900) -> ParallelReport:
+                   dtype: str = "float32", backend: str | None = None, timeout_s: float = 900,
+                   overlap: bool = False) -> ParallelReport:
+    """overlap: the ranks run the prefill chunks before the last without sending them back
+    (PipelineStage.forward(logits=False)); their logits are not compared (nobody computes them)."""
     from engine.model.loader import load_config, load_model
     from engine.parallel.launch import new_local_world
     from engine.parallel.layout import split_layers
@@ -58,7 +63,7 @@ def check_parallel(model_dir: Path, world: int, tokens: int, chunk: int, tile: i
     with tempfile.TemporaryDirectory(prefix="tessera-check-parallel-") as tmp:
         work = Path(tmp)
         local = new_local_world(world, backend, work)
-        _run_ranks(local, model_dir, tokens, chunk, tile, decode, seed, dtype, work, timeout_s)
+        _run_ranks(local, model_dir, tokens, chunk, tile, decode, seed, dtype, work, timeout_s, overlap)
         parts = [json.loads((work / f"rank{r}.json").read_text()) for r in range(world)]
         split_logits = np.load(work / "logits.npy")
     model = load_model(Path(model_dir), dtype=dtype)
@@ -68,7 +73,8 @@ def check_parallel(model_dir: Path, world: int, tokens: int, chunk: int, tile: i
     single_seconds = time.perf_counter() - started
     split_selections = {(layer, pos): tuple(rows) for part in parts for layer, pos, rows in part["selections"]}
     num_diff, num_compared = differing(single.selections, split_selections)
-    max_diff = float(np.abs(single.logits - split_logits).max()) if single.logits.shape == split_logits.shape else float("inf")
+    expected = single.logits[last_chunk_start(tokens, chunk):] if overlap else single.logits
+    max_diff = float(np.abs(expected - split_logits).max()) if expected.shape == split_logits.shape else float("inf")
     return ParallelReport(
         world=world, backend=local.backend, transport=parts[0]["transport"], tokens=tokens, chunk=chunk, tile=tile, decode=decode,
         layers_per_rank=[part["layers"] for part in parts],
@@ -76,7 +82,13 @@ def check_parallel(model_dir: Path, world: int, tokens: int, chunk: int, tile: i
         single_process_weights_bytes=sum(w.nbytes for w in model.weights.values()),
         max_abs_diff=max_diff, differing_selections=num_diff, compared_selections=num_compared,
         single_process_seconds=round(single_seconds, 4), parallel_seconds=round(parts[0]["seconds"], 4),
+        overlap=overlap, compared_logit_rows=int(split_logits.shape[0]),
     )
+
+
+def last_chunk_start(tokens: int, chunk: int) -> int:
+    """Where the prompt's last prefill chunk starts (the one whose logits an overlapped run returns)."""
+    return (tokens - 1) // chunk * chunk
 
 
 def parallel_failures(report: ParallelReport, max_abs_diff: float = PARALLEL_MAX_ABS_DIFF) -> list[str]:
@@ -99,7 +111,7 @@ def _check_shape_args(tokens: int, chunk: int, tile: int, decode: int) -> None:
 
 
 def _run_ranks(local, model_dir: Path, tokens: int, chunk: int, tile: int, decode: int, seed: int, dtype: str,
-               work: Path, timeout_s: float) -> None:
+               work: Path, timeout_s: float, overlap: bool = False) -> None:
     """Every rank as a child process; any that fails (or outlives `timeout_s`) fails the check, with its log."""
     import subprocess
 
@@ -107,7 +119,7 @@ def _run_ranks(local, model_dir: Path, tokens: int, chunk: int, tile: int, decod
 
     argv = ["-m", "engine.parallel.check", "--worker", "--model", str(model_dir), "--tokens", str(tokens),
             "--chunk", str(chunk), "--tile", str(tile), "--decode", str(decode), "--seed", str(seed),
-            "--dtype", dtype, "--backend", local.backend, "--out", str(work)]
+            "--dtype", dtype, "--backend", local.backend, "--out", str(work)] + (["--overlap"] if overlap else [])
     procs = [spawn_rank(local, r, argv, work / f"rank{r}.log") for r in range(local.size)]
     try:
         for r, proc in enumerate(procs):
@@ -151,6 +163,9 @@ def _worker(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     for lo in range(0, args.tokens, args.chunk):  # as engine/tools/replay.py's run_sequence
         piece = ids[lo : min(lo + args.chunk, args.tokens)]
+        if args.overlap and lo + args.chunk < args.tokens:  # not the last chunk: nothing comes back, no waiting
+            stage.forward([Segment(cache, piece)], tile=args.tile, timer=trace, logits=False)
+            continue
         rows.append(stage.forward([Segment(cache, piece)], tile=args.tile, all_logits=True, timer=trace))
     for token in ids[args.tokens :]:
         rows.append(stage.forward([Segment(cache, [token])], timer=trace))
@@ -175,6 +190,7 @@ def _worker_main(argv: list[str]) -> int:
     p.add_argument("--dtype", required=True)
     p.add_argument("--backend", required=True)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--overlap", action="store_true")
     return _worker(p.parse_args(argv))
 
 

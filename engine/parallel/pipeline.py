@@ -38,12 +38,17 @@ class PipelineStage:
         return self.model.new_cache()  # other ranks' layers stay empty: they never get a row here
 
     def forward(self, segments: Sequence[Segment], tile: int | None = None, all_logits: bool = False,
-                timer: ForwardTrace | None = None) -> list[mx.array] | None:
+                timer: ForwardTrace | None = None, logits: bool = True) -> list[mx.array] | None:
         """As DeepseekV4.forward on rank 0; None on the other ranks (they hold no head).
 
         Every rank walks the hops 0…W-1 in order (hop h: rank h → h + 1, the last back to rank 0): rank r
         receives at hop r - 1, runs its layers and sends at hop r; the collective transport also needs it
-        at the hops in between (docs/PARALLEL.md)."""
+        at the hops in between (docs/PARALLEL.md).
+
+        logits=False (every rank must pass the same): a step whose logits nobody reads — a prefill chunk
+        before the last. The last rank runs its layers and sends nothing back, and rank 0 returns None at
+        once, free to start the next chunk while the later ranks still run this one: in a loop of such
+        chunks the ranks overlap (`tessera check parallel --overlap`). Same arithmetic, so the same caches."""
         timer = timer or ForwardTrace()
         num_tokens = sum(len(s.token_ids) for s in segments)
         streams = self.model.embed(segments) if self.is_first else None
@@ -53,13 +58,18 @@ class PipelineStage:
             payload = None
             if hop == self.rank:
                 payload = self.model.run_layers(streams, segments, self.model.layer_ids, tile, timer)
+                if last_hop and not logits:  # nothing goes back: the layers' cache rows are what matter
+                    mx.eval(payload)
+                    break
                 if last_hop and not all_logits:
                     payload = last_rows(payload, segments)
+            if last_hop and not logits:
+                break
             shape = (rows, self.cfg.hc_mult, self.cfg.hidden_size)  # streams: [rows, hc, D]
             received = self.transport.hop(hop, payload, shape, self.dtype)
             if received is not None:
                 streams = timer.boundary("other", received)
         advance_caches(segments)
-        if not self.is_first:
+        if not self.is_first or not logits:
             return None
         return self.model.logits(streams, segments, all_logits)

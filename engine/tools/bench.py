@@ -36,25 +36,30 @@ class RunOptions:
 
 @dataclass(frozen=True)
 class Setting:
-    """One (chunk C, tile T) row of a comparison."""
+    """One (chunk C, tile T) row of a comparison; `pipelined=False` (`C:T:blocking` on the command
+    line) evaluates each tile before building the next instead of building tile i+1 while tile i runs
+    (only without stage syncs: a stage-synced run blocks at every stage anyway)."""
 
     chunk: int
     tile: int
+    pipelined: bool = True
 
     @property
     def label(self) -> str:
-        return f"C={self.chunk} T={self.tile}"
+        return f"C={self.chunk} T={self.tile}" + ("" if self.pipelined else " blocking")
 
 
 def prefill_once(
-    model: DeepseekV4, tokens: list[int], chunk: int, tile: int, label: str = "", options: RunOptions = RunOptions()
+    model: DeepseekV4, tokens: list[int], chunk: int, tile: int, label: str = "", options: RunOptions = RunOptions(),
+    pipelined: bool = True,
 ) -> tuple[float, int, dict]:
-    """-> (seconds, MLX peak bytes, stage seconds) of one prefill from an empty cache."""
+    """-> (seconds, MLX peak bytes, stage seconds) of one prefill from an empty cache; `pipelined`:
+    see `Setting`."""
     cache = model.new_cache()
     mx.synchronize()
     mx.clear_cache()
     mx.reset_peak_memory()
-    timer = ForwardTrace(stage_sync=options.stage_sync)
+    timer = ForwardTrace(stage_sync=options.stage_sync, pipeline_tiles=pipelined)
     start = time.perf_counter()
     for lo in range(0, len(tokens), chunk):
         logits = model.forward([Segment(cache, tokens[lo : lo + chunk])], tile=tile, timer=timer)
@@ -95,19 +100,21 @@ def bench_interleaved(model: DeepseekV4, ctx: int, settings: Sequence[Setting], 
         order = range(len(settings)) if r % 2 == 0 else reversed(range(len(settings)))
         for i in order:
             label = f"{settings[i].label} round {r + 1}/{options.repeat}"
-            runs[i].append(prefill_once(model, tokens, settings[i].chunk, settings[i].tile, label, options))
-    return [_row(model, ctx, s.chunk, s.tile, options, r) for s, r in zip(settings, runs)]
+            s = settings[i]
+            runs[i].append(prefill_once(model, tokens, s.chunk, s.tile, label, options, s.pipelined))
+    return [_row(model, ctx, s, options, r) for s, r in zip(settings, runs)]
 
 
 def _warm_up(model: DeepseekV4, tokens: list[int], setting: Setting, options: RunOptions) -> None:
     """Two chunks, not measured: kernel compilation and allocator growth would otherwise land on
     whichever setting runs first."""
     head = tokens[: min(len(tokens), 2 * setting.chunk)]
-    prefill_once(model, head, setting.chunk, setting.tile, f"{setting.label} warm-up", options)
+    prefill_once(model, head, setting.chunk, setting.tile, f"{setting.label} warm-up", options, setting.pipelined)
 
 
-def _row(model: DeepseekV4, ctx: int, chunk: int, tile: int, options: RunOptions, runs: list[tuple[float, int, dict]]) -> dict:
+def _row(model: DeepseekV4, ctx: int, setting: Setting, options: RunOptions, runs: list[tuple[float, int, dict]]) -> dict:
     """One setting's report: the mean of its runs' seconds and stage seconds, the highest peak."""
+    chunk, tile = setting.chunk, setting.tile
     seconds = statistics.mean(r[0] for r in runs)
     plan = make_plan(model.cfg, ctx, chunk, tile, dtype_name(model.dtype))
     stages = {k: statistics.mean(r[2][k] for r in runs) for k in runs[0][2]}
@@ -119,6 +126,7 @@ def _row(model: DeepseekV4, ctx: int, chunk: int, tile: int, options: RunOptions
         "dtype": dtype_name(model.dtype),
         "repeat": len(runs),
         "stage_sync": options.stage_sync,
+        "pipelined_tiles": setting.pipelined and not options.stage_sync,
         "prefill_seconds": seconds,
         "run_seconds": [r[0] for r in runs],
         "prefill_tokens_per_s": ctx / seconds,
@@ -143,13 +151,14 @@ def compare_table(rows: list[dict]) -> str:
     """Markdown: each setting against the first one."""
     first = rows[0]["prefill_tokens_per_s"]
     lines = [
-        "| chunk C | tile T | tokens/s (mean of rounds) | vs first | seconds per round | peak MiB | peak/plan |",
-        "|---:|---:|---:|---:|---|---:|---:|",
+        "| chunk C | tile T | tiles | tokens/s (mean of rounds) | vs first | seconds per round | peak MiB | peak/plan |",
+        "|---:|---:|---|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         rounds = ", ".join(f"{s:.2f}" for s in r["run_seconds"])
+        tiles = "pipelined" if r["pipelined_tiles"] else "blocking"
         lines.append(
-            f"| {r['chunk']} | {r['tile']} | {r['prefill_tokens_per_s']:.1f} | {r['prefill_tokens_per_s'] / first:.3f} | {rounds} "
+            f"| {r['chunk']} | {r['tile']} | {tiles} | {r['prefill_tokens_per_s']:.1f} | {r['prefill_tokens_per_s'] / first:.3f} | {rounds} "
             f"| {r['peak_memory_bytes'] / 2**20:,.0f} | {r['peak_vs_plan']:.3f} |"
         )
     return "\n".join(lines)

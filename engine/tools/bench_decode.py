@@ -1,4 +1,5 @@
-"""`tessera bench decode`: B sequences prefilled to N tokens (chunked, tiled), then batched decode
+"""`tessera bench decode`: B sequences prefilled to N tokens (chunked, tiled; or `--cache-fill random`:
+caches of a prefill's shapes filled with random rows, engine/tools/cache_fill.py), then batched decode
 steps; the step time against a floor — the bytes a step must read (weights it touches + cache rows
 its attention and indexer read) at the copy bandwidth measured on the same device in the same run.
 """
@@ -16,6 +17,7 @@ from engine.model.config import CSA, HCA, WINDOW, ModelConfig
 from engine.model.deepseek_v4 import DeepseekV4, Segment
 from engine.model.dtypes import dtype_name
 from engine.model.trace import ForwardTrace
+from engine.tools.cache_fill import fill_random
 from engine.tools.replay import random_tokens
 
 # Decode stages as the report names them (engine/model/trace.py's prefill stages, the indexer's two joined).
@@ -32,11 +34,12 @@ class DecodeOptions:
     steps: int = 16
     warmup: int = 3
     stage_sync: bool = False
+    cache_fill: str = "prefill"  # "prefill": run the prompt; "random": random rows of a prefill's shapes (engine/tools/cache_fill.py)
 
 
 def bench_decode(model: DeepseekV4, ctx: int, batch: int, options: DecodeOptions = DecodeOptions()) -> dict:
     """Prefill `batch` sequences of different random tokens to `ctx`, then decode greedily."""
-    caches = [_prefill(model, random_tokens(model.cfg.vocab_size, ctx, seed=b), options) for b in range(batch)]
+    caches = [_filled(model, ctx, b, options) for b in range(batch)]
     next_ids = [(b + 1) % model.cfg.vocab_size for b in range(batch)]  # any first decode token will do
     for _ in range(options.warmup):
         next_ids, _ = _decode_step(model, caches, next_ids, ForwardTrace(stage_sync=False))
@@ -52,6 +55,18 @@ def bench_decode(model: DeepseekV4, ctx: int, batch: int, options: DecodeOptions
     weights = weights_bytes_touched(model, batch)
     bandwidth = copy_bandwidth(max(weights + cache_bytes, 2**26))
     return _report(model, ctx, batch, options, step_seconds, stage_totals, weights, cache_bytes, bandwidth)
+
+
+CACHE_FILLS = ("prefill", "random")
+
+
+def _filled(model: DeepseekV4, ctx: int, b: int, options: DecodeOptions):
+    """Sequence b's cache at `ctx` tokens: prefilled from random tokens, or random rows of the same shapes."""
+    if options.cache_fill == "random":
+        return fill_random(model.new_cache(), model.cfg, ctx, model.layer_ids, options.chunk, seed=b)
+    if options.cache_fill != "prefill":
+        raise ValueError(f"cache_fill {options.cache_fill!r} is not one of {CACHE_FILLS}")
+    return _prefill(model, random_tokens(model.cfg.vocab_size, ctx, seed=b), options)
 
 
 def _prefill(model: DeepseekV4, tokens: list[int], options: DecodeOptions):
@@ -143,6 +158,7 @@ def _report(model, ctx, batch, options, step_seconds, stage_totals, weights, cac
         "dtype": dtype_name(model.dtype),
         "device": "gpu" if mx.default_device() == mx.gpu else "cpu",
         "stage_sync": options.stage_sync,
+        "cache_fill": options.cache_fill,
         "step_ms_median": median,
         "step_ms_p90": p90,
         "step_ms": [s * 1000 for s in step_seconds],

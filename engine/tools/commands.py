@@ -31,11 +31,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _register_make_model(subparsers) -> None:
     p = subparsers.add_parser("make-model", help="write a random-weight V4 checkpoint (+ tokenizer)")
     p.add_argument("dir", type=Path)
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "flash-attn", "flash-width"])
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "flash-attn", "flash-width", "v4-flash"])
     p.add_argument("--layers", type=int, default=None, help="number of layers (window, then CSA/HCA alternating)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--no-tokenizer", action="store_true", help="skip training the byte-level BPE tokenizer")
+    p.add_argument("--in-memory", action="store_true",
+                   help="with --format official: write no weights, only config.json + random_weights.json; every "
+                        "command that loads DIR makes the random official-format weights on the device (docs/PARALLEL.md)")
     _add_checkpoint_format_args(p)
     p.set_defaults(func=_make_model)
 
@@ -58,12 +61,13 @@ def _make_model(args) -> int:
         return 2
     try:
         out = make_model(args.dir, args.preset, seed=args.seed, with_tokenizer=not args.no_tokenizer, dtype=args.dtype,
-                         fmt=args.format, config_file=args.config, **overrides)
-    except (ConfigError, FormatError) as exc:  # a config or shape the chosen format cannot hold
+                         fmt=args.format, config_file=args.config, in_memory=args.in_memory, **overrides)
+    except (ConfigError, FormatError, ValueError) as exc:  # a config or shape the chosen format cannot hold
         print(f"error: {exc}", file=sys.stderr)
         return 2
     source = args.config or f"{args.preset} preset"
-    print(f"wrote {args.format} checkpoint ({source}) to {out}")
+    what = "random-weights model (weights made on the device at load)" if args.in_memory else "checkpoint"
+    print(f"wrote {args.format} {what} ({source}) to {out}")
     return 0
 
 
@@ -127,6 +131,10 @@ def _register_check_parallel(sub) -> None:
     par.add_argument("--seed", type=int, default=0)
     par.add_argument("--dtype", default="float32", choices=list(DTYPES))
     par.add_argument("--backend", default=None, choices=["ring", "nccl"], help="default: nccl on CUDA, else ring")
+    par.add_argument("--overlap", action="store_true",
+                     help="prefill chunks before the last send nothing back, so rank 0 starts the next chunk while "
+                          "the later ranks run this one (the ranks overlap); compares the last chunk's and the "
+                          "decode logits and every selection")
     par.add_argument("--max-abs-diff", type=float, default=PARALLEL_MAX_ABS_DIFF,
                      help=f"fail if any logit differs from one process's by more (default: {PARALLEL_MAX_ABS_DIFF})")
     par.add_argument("--json", action="store_true")
@@ -280,7 +288,7 @@ def _check_parallel(args) -> int:
 
     try:
         report = check_parallel(args.model, args.world, args.tokens, args.chunk, args.tile, args.decode, args.seed,
-                                args.dtype, args.backend)
+                                args.dtype, args.backend, overlap=args.overlap)
     except (ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -349,7 +357,11 @@ def _register_bench(subparsers) -> None:
     mat.set_defaults(func=_bench_matrix)
     cmp = sub.add_parser("compare", help="settings in interleaved rounds (A B, B A, …), each against the first")
     _add_prefill_run_args(cmp)
-    cmp.add_argument("--settings", nargs="+", required=True, type=_setting, metavar="C:T", help="chunk:tile pairs")
+    cmp.add_argument("--settings", nargs="+", required=True, type=_setting, metavar="C:T[:blocking]",
+                     help="chunk:tile pairs; a ':blocking' suffix switches tile pipelining off for that setting "
+                          "(each tile evaluated before the next is built), to compare it with the default "
+                          "pipelined tiles in the same process, e.g. 4096:1024 4096:1024:blocking "
+                          "(with --no-stage-sync: stage-synced runs always block)")
     cmp.add_argument("--json", action="store_true")
     cmp.set_defaults(func=_bench_compare)
     mt = sub.add_parser("multiturn", help="turn 2 of a conversation: time to first token with and without the prefix cache")
@@ -373,6 +385,10 @@ def _register_bench(subparsers) -> None:
     dec.add_argument("--dtype", default=None, choices=list(DTYPES))
     dec.add_argument("--stage-sync", action="store_true",
                      help="evaluate every stage on its own for a per-stage split (attention, indexer, MoE, other)")
+    dec.add_argument("--cache-fill", default="prefill", choices=["prefill", "random"],
+                     help="prefill: run a random prompt of --ctx tokens first; random: give every layer's cache the "
+                          "shapes a prefill in --chunk chunks leaves, filled with random rows, in seconds (decode "
+                          "time depends on those sizes, not the contents: engine/tools/cache_fill.py)")
     dec.add_argument("--json", action="store_true")
     dec.set_defaults(func=_bench_decode)
     idx = sub.add_parser("indexer", help="indexer scoring throughput vs the device's bf16 matmul rate")
@@ -404,15 +420,17 @@ def _run_options(args) -> RunOptions:
 
 
 def _setting(spec: str) -> Setting:
-    """'4096:1024' -> Setting(4096, 1024); argparse turns the errors into a usage message."""
+    """'4096:1024' -> Setting(4096, 1024); '4096:1024:blocking' -> the same with tile pipelining off;
+    argparse turns the errors into a usage message."""
     from engine.tools.bench import Setting
 
-    chunk, sep, tile = spec.partition(":")
-    if not (sep and chunk.isdigit() and tile.isdigit()):
-        raise argparse.ArgumentTypeError(f"setting {spec!r}: expected C:T, e.g. 4096:1024")
+    chunk, sep, rest = spec.partition(":")
+    tile, _, mode = rest.partition(":")
+    if not (sep and chunk.isdigit() and tile.isdigit()) or mode not in ("", "blocking"):
+        raise argparse.ArgumentTypeError(f"setting {spec!r}: expected C:T or C:T:blocking, e.g. 4096:1024")
     if not 1 <= int(tile) <= int(chunk):
         raise argparse.ArgumentTypeError(f"setting {spec!r}: the tile must be between 1 and the chunk")
-    return Setting(int(chunk), int(tile))
+    return Setting(int(chunk), int(tile), pipelined=mode != "blocking")
 
 
 def _bench_compare(args) -> int:
@@ -450,7 +468,8 @@ def _bench_decode(args) -> int:
     if args.tile > args.chunk:
         print(f"error: --tile ({args.tile}) must be at most --chunk ({args.chunk})", file=sys.stderr)
         return 2
-    options = DecodeOptions(chunk=args.chunk, tile=args.tile, steps=args.steps, stage_sync=args.stage_sync)
+    options = DecodeOptions(chunk=args.chunk, tile=args.tile, steps=args.steps, stage_sync=args.stage_sync,
+                            cache_fill=args.cache_fill)
     report = bench_decode(load_for_bench(args.model, args.dtype), args.ctx, args.batch, options)
     _print_report(report, args.json)
     return 0

@@ -14,7 +14,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from engine.model.config import CSA, HCA, WINDOW, ModelConfig, config_from_dict
+from engine.model.config import CSA, HCA, V4_FLASH, WINDOW, ModelConfig, config_from_dict
 from engine.model.dtypes import DTYPES
 from engine.model.weights import expected_shapes
 from engine.tools.random_init import random_value
@@ -51,6 +51,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_routed_experts=256, num_experts_per_tok=6, index_n_heads=64, index_head_dim=128, index_topk=512,
         layer_types=[WINDOW, CSA, HCA, CSA], num_hash_layers=1, max_position_embeddings=1048576,
     ),
+    # DeepSeek-V4-Flash itself: 43 layers (2 window, then CSA/HCA alternating; 3 hash-routed), every width
+    # real (engine/model/config.py's V4_FLASH). Official format only as a random-weights directory
+    # (`--format official --in-memory`): its ~149 GiB are made on the device at load, not written.
+    "v4-flash": {k: v for k, v in V4_FLASH.items() if k not in ("model_type", "rope_scaling")},
 }
 
 
@@ -65,6 +69,18 @@ def preset_config(preset: str, **overrides: Any) -> ModelConfig:
         raw["layer_types"], raw["num_hidden_layers"] = pattern, layers
         raw["num_hash_layers"] = min(raw.get("num_hash_layers", 1), layers)
     return config_from_dict(raw)
+
+
+def write_random_weights_dir(out_dir: Path, cfg: ModelConfig, seed: int = 0) -> Path:
+    """config.json (as an official checkpoint's) + random_weights.json; no weight files."""
+    from engine.model.random_weights import RandomWeightsSpec, write_spec
+    from engine.tools.official_checkpoint import write_official_config
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_official_config(out_dir, cfg)
+    write_spec(out_dir, RandomWeightsSpec("official", seed))
+    return out_dir
 
 
 def random_weights(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
@@ -88,11 +104,17 @@ def write_checkpoint(out_dir: Path, cfg: ModelConfig, seed: int = 0, dtype: str 
 
 
 def make_model(out_dir: Path, preset: str = "tiny", seed: int = 0, with_tokenizer: bool = True, dtype: str = "float32",
-               fmt: str = "plain", config_file: Path | None = None, **overrides: Any) -> Path:
+               fmt: str = "plain", config_file: Path | None = None, in_memory: bool = False, **overrides: Any) -> Path:
     """fmt: "plain" (every tensor in `dtype`) or "official" (DeepSeek's FP8/FP4, see
-    engine/tools/official_checkpoint.py). config_file: a DeepSeek V4 config.json instead of a preset."""
+    engine/tools/official_checkpoint.py). config_file: a DeepSeek V4 config.json instead of a preset.
+    in_memory (official only): write no weights, only config.json and random_weights.json: the loader
+    makes the random official-format arrays on the device (engine/model/random_weights.py)."""
     cfg = config_from_dict(json.loads(Path(config_file).read_text())) if config_file else preset_config(preset, **overrides)
-    if fmt == "official":
+    if in_memory:
+        if fmt != "official":
+            raise ValueError("--in-memory makes official-format weights: use it with --format official")
+        write_random_weights_dir(out_dir, cfg, seed)
+    elif fmt == "official":
         from engine.tools.official_checkpoint import write_official_checkpoint
 
         write_official_checkpoint(out_dir, cfg, seed)
@@ -101,5 +123,6 @@ def make_model(out_dir: Path, preset: str = "tiny", seed: int = 0, with_tokenize
     if with_tokenizer:
         from engine.tools.tokenizer_train import train_tokenizer
 
-        train_tokenizer(Path(out_dir), vocab_size=cfg.vocab_size, seed=seed)
+        # a random-weights model may be V4 Flash's size: its vocabulary is padded past what the corpus trains
+        train_tokenizer(Path(out_dir), vocab_size=cfg.vocab_size, seed=seed, pad=in_memory)
     return Path(out_dir)

@@ -56,11 +56,11 @@ def write_official_checkpoint(out_dir: Path, cfg: ModelConfig, seed: int = 0, sh
         for key, (tag, array) in official_tensors(name, shape, cfg, rng).items():
             writer.add(key, tag, array)
     writer.close()
-    _write_config(out_dir, cfg)
+    write_official_config(out_dir, cfg)
     return out_dir
 
 
-def _write_config(out_dir: Path, cfg: ModelConfig) -> None:
+def write_official_config(out_dir: Path, cfg: ModelConfig) -> None:
     config = cfg.to_transformers_dict()
     config["dtype"] = "bfloat16"
     config["expert_dtype"] = "fp4"

@@ -40,9 +40,14 @@ _MIN_CORPUS_CHARS = 2_000_000
 
 
 def train_tokenizer(
-    out_dir: Path, vocab_size: int = 2048, seed: int = 0, *, model_max_length: int = DEFAULT_MODEL_MAX_LENGTH
+    out_dir: Path, vocab_size: int = 2048, seed: int = 0, *, model_max_length: int = DEFAULT_MODEL_MAX_LENGTH,
+    pad: bool = False,
 ) -> Path:
-    """Train a byte-level BPE of exactly `vocab_size` entries; write tokenizer(_config).json; return out_dir."""
+    """Train a byte-level BPE of exactly `vocab_size` entries; write tokenizer(_config).json; return out_dir.
+
+    pad: where the offline corpus supports fewer merges than asked (V4 Flash's 129,280 entries: ~122k),
+    fill the rest with `<｜reserved_K｜>` tokens (not special: they decode to their text), so every id a
+    model of that vocabulary samples has a text — a random-weights model samples all of them."""
     min_size = len(SPECIAL_TOKENS) + 256
     if vocab_size <= min_size:
         raise ValueError(f"vocab_size must exceed {min_size} (special tokens + 256 byte tokens), got {vocab_size}")
@@ -58,6 +63,9 @@ def train_tokenizer(
     )
     texts = _corpus(seed, max(_MIN_CORPUS_CHARS, _CORPUS_CHARS_PER_ENTRY * vocab_size))
     tokenizer.train_from_iterator(texts, trainer, length=len(texts))
+    missing = vocab_size - tokenizer.get_vocab_size(with_added_tokens=True)
+    if pad and missing > 0:
+        tokenizer.add_tokens([AddedToken(f"<｜reserved_{k}｜>", special=False, normalized=False) for k in range(missing)])
     if tokenizer.get_vocab_size(with_added_tokens=True) != vocab_size:
         raise ValueError(
             f"the offline corpus only supports {tokenizer.get_vocab_size()} entries; ask for a smaller vocab_size"
@@ -92,7 +100,7 @@ def _with_special_flags(spec: dict) -> dict:
     """The trainer registers every reserved token as special; clear the flag where V4 does not skip it."""
     flags = dict(SPECIAL_TOKENS)
     for entry in spec["added_tokens"]:
-        entry["special"] = flags[entry["content"]]
+        entry["special"] = flags.get(entry["content"], False)  # padding tokens (pad=True) are not special
     return spec
 
 
