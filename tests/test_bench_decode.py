@@ -50,6 +50,13 @@ def test_bench_decode_without_stage_sync_claims_no_split(model_dir):
     assert r["batch"] == 1 and r["stage_ms"] == {} and r["stage_sync"] is False
 
 
+@pytest.mark.parametrize("flag,expected", [("off", False), ("on", True)])
+def test_bench_decode_compile_switch_is_honoured_and_reported(model_dir, flag, expected):
+    out = _bench(model_dir, "--compile", flag, "--steps", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["compile"] is expected
+
+
 @pytest.mark.parametrize("bad", [["--batch", "0"], ["--tile", "64"]])
 def test_bench_decode_rejects_bad_arguments(model_dir, bad):
     out = _bench(model_dir, *bad)

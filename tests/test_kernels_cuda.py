@@ -39,3 +39,15 @@ def test_topk_kernel_selects_the_reference_rows_with_ties(t, n, k):
     want_rows, want_valid = select_topk_reference(scores, visible, k)
     assert mx.array_equal(got_valid, want_valid).item()
     assert mx.array_equal(got_rows, want_rows).item()  # as `check kernels` compares them
+
+
+@pytest.mark.parametrize("rows", [1, 37, 1000])
+def test_sinkhorn_kernel_equals_the_ordered_reference(rows):
+    """Round-to-nearest adds and divisions in the reference's order: the same bits, token by token."""
+    from kernels.sinkhorn import sinkhorn_kernel, sinkhorn_ordered, sinkhorn_reference
+
+    comb = mx.softmax(mx.random.normal((rows, 4, 4), key=mx.random.key(rows)) * 3, axis=-1) + 1e-6
+    got = sinkhorn_kernel(comb, 20, 1e-6)
+    assert mx.array_equal(got, sinkhorn_ordered(comb, 20, 1e-6)).item()
+    assert mx.allclose(got, sinkhorn_reference(comb, 20, 1e-6), rtol=1e-5, atol=1e-7).item()
+    assert mx.array_equal(sinkhorn_kernel(comb[:1], 20, 1e-6), got[:1]).item()  # a row alone: the same bits

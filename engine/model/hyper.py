@@ -1,13 +1,20 @@
 """Manifold-constrained hyper-connections (mHC): `hc` residual streams per token, collapsed into
-one block input and expanded back, mixed by a Sinkhorn-projected doubly-stochastic matrix."""
+one block input and expanded back, mixed by a Sinkhorn-projected doubly-stochastic matrix.
+
+A decode step runs 2 collapses per layer plus the head's, each a few dozen tiny ops (20 Sinkhorn
+iterations of 4×4 sums and divisions): most of a decode step's graph. The math lives in pure
+functions compiled shapeless (engine/model/compiled.py): their elementwise ops fuse into few
+kernels, and the slices and reshapes (which shapeless tracing cannot carry) stay here, outside."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import mlx.core as mx
 
-from engine.model.norms import unweighted_rms_norm
+from engine.model.compiled import compile_enabled, shapeless
+from kernels import sinkhorn as sinkhorn_kernels
 
 
 @dataclass(frozen=True)
@@ -16,30 +23,60 @@ class HyperWeights:
     base: mx.array  # [(2 + hc)·hc]
     scale: mx.array  # [3]: pre, post, comb
 
+    @cached_property
+    def scale_per_mix(self) -> mx.array:
+        """[(2 + hc)·hc] float32: scale[0] over the pre mixes, scale[1] over post, scale[2] over comb,
+        so one elementwise product scales every mix (no slicing inside a compiled function)."""
+        mixes = self.base.shape[0]
+        hc = next(h for h in range(1, mixes + 1) if (2 + h) * h == mixes)
+        s = self.scale.astype(mx.float32)
+        per_mix = mx.concatenate([mx.broadcast_to(s[0], (hc,)), mx.broadcast_to(s[1], (hc,)), mx.broadcast_to(s[2], (hc * hc,))])
+        mx.eval(per_mix)  # once per layer, not in every step's graph
+        return per_mix
+
 
 def hyper_weights(streams: mx.array, w: HyperWeights, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
     """streams: [T, hc, D] -> (post [T, hc], comb [T, hc, hc], collapsed block input [T, D])."""
     num_tokens, hc, _ = streams.shape
-    flat = unweighted_rms_norm(streams.reshape(num_tokens, -1).astype(mx.float32), norm_eps)
-    mixes = flat @ w.fn.astype(mx.float32).T  # [T, (2 + hc)·hc]
-    base, scale = w.base.astype(mx.float32), w.scale.astype(mx.float32)
-    pre = mx.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + hc_eps
-    post = 2 * mx.sigmoid(mixes[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
-    comb_logits = mixes[:, 2 * hc :].reshape(num_tokens, hc, hc) * scale[2] + base[2 * hc :].reshape(hc, hc)
-    comb = _sinkhorn(mx.softmax(comb_logits, axis=-1, precise=True) + hc_eps, sinkhorn_iters, hc_eps)
-    collapsed = (pre[..., None] * streams).sum(axis=1).astype(streams.dtype)
-    return post, comb, collapsed
+    logits = _mix_logits(streams.reshape(num_tokens, -1), w.fn, w.scale_per_mix, w.base, norm_eps)  # [T, (2 + hc)·hc]
+    comb_logits = logits[:, 2 * hc :].reshape(num_tokens, hc, hc)
+    pre, post, comb = _coefficients(logits[:, :hc], logits[:, hc : 2 * hc], comb_logits, hc_eps)
+    return post, _sinkhorn(comb, sinkhorn_iters, hc_eps), _collapse(pre, streams)
+
+
+@shapeless
+def _mix_logits(flat: mx.array, fn: mx.array, scale: mx.array, base: mx.array, norm_eps: float) -> mx.array:
+    """flat: [T, hc·D] -> [T, (2 + hc)·hc] float32: normed streams through the mixing weights, scaled, biased."""
+    normed = _unweighted_rms_norm(flat.astype(mx.float32), norm_eps)
+    return (normed @ fn.astype(mx.float32).T) * scale + base.astype(mx.float32)
+
+
+@shapeless
+def _coefficients(pre_logits: mx.array, post_logits: mx.array, comb_logits: mx.array, hc_eps: float):
+    """[T, hc], [T, hc], [T, hc, hc] -> pre [T, hc], post [T, hc], comb [T, hc, hc] (before Sinkhorn)."""
+    pre = mx.sigmoid(pre_logits) + hc_eps
+    post = 2 * mx.sigmoid(post_logits)
+    return pre, post, mx.softmax(comb_logits, axis=-1, precise=True) + hc_eps
+
+
+_sinkhorn_compiled = shapeless(sinkhorn_kernels.sinkhorn_reference)
 
 
 def _sinkhorn(comb: mx.array, iters: int, eps: float) -> mx.array:
-    """Alternate column and row normalization (columns first, as the reference does)."""
-    comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(axis=-1, keepdims=True) + eps)
-        comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
-    return comb
+    """[T, hc, hc] -> doubly stochastic: one CUDA kernel where supported (compilation on), else the
+    reference, compiled when compilation is on (kernels/sinkhorn.py)."""
+    if compile_enabled() and sinkhorn_kernels.is_supported(comb):
+        return sinkhorn_kernels.sinkhorn_kernel(comb, iters, eps)
+    return _sinkhorn_compiled(comb, iters, eps)
 
 
+@shapeless
+def _collapse(pre: mx.array, streams: mx.array) -> mx.array:
+    """pre [T, hc], streams [T, hc, D] -> [T, D]: the pre-weighted sum of the streams."""
+    return (pre[..., None] * streams).sum(axis=1).astype(streams.dtype)
+
+
+@shapeless
 def expand(block_out: mx.array, streams: mx.array, post: mx.array, comb: mx.array) -> mx.array:
     """new[k] = post[k]·out + Σ_j comb[j, k]·streams[j]; block_out: [T, D], streams: [T, hc, D]."""
     dtype = streams.dtype
@@ -49,8 +86,16 @@ def expand(block_out: mx.array, streams: mx.array, post: mx.array, comb: mx.arra
 
 def head_collapse(streams: mx.array, fn: mx.array, base: mx.array, scale: mx.array, hc_eps: float, norm_eps: float):
     """Final collapse of the streams before the output norm: [T, hc, D] -> [T, D]."""
-    num_tokens = streams.shape[0]
-    flat = unweighted_rms_norm(streams.reshape(num_tokens, -1).astype(mx.float32), norm_eps)
-    mixes = flat @ fn.astype(mx.float32).T  # [T, hc]
+    return _head_collapse(streams.reshape(streams.shape[0], -1), streams, fn, base, scale, hc_eps, norm_eps)
+
+
+@shapeless
+def _head_collapse(flat, streams, fn, base, scale, hc_eps: float, norm_eps: float) -> mx.array:
+    mixes = _unweighted_rms_norm(flat.astype(mx.float32), norm_eps) @ fn.astype(mx.float32).T  # [T, hc]
     pre = mx.sigmoid(mixes * scale.astype(mx.float32) + base.astype(mx.float32)) + hc_eps
     return (pre[..., None] * streams).sum(axis=1).astype(streams.dtype)
+
+
+def _unweighted_rms_norm(x32: mx.array, eps: float) -> mx.array:
+    """x32: [T, N] float32 (engine/model/norms.py's unweighted_rms_norm, already in float32)."""
+    return x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from engine.model.compiled import shapeless
 from engine.model.expert_slices import sorted_gather_mm
 from engine.model.quantized import QuantizedWeight, Weight, linear
 from kernels.cuda import on_cuda
@@ -73,12 +74,12 @@ class MoEWeights:
 
 def swiglu(x: mx.array, w1: Weight, w2: Weight, w3: Weight, limit: float) -> mx.array:
     """Clamped SwiGLU: gate clamped above, up clamped both sides (V4's swiglu_limit)."""
-    gate = mx.minimum(linear(x, w1), limit)
-    up = mx.clip(linear(x, w3), -limit, limit)
-    return linear(gate * mx.sigmoid(gate) * up, w2)
+    return linear(_clamped_swiglu(linear(x, w1), linear(x, w3), limit), w2)
 
 
+@shapeless
 def _clamped_swiglu(gate: mx.array, up: mx.array, limit: float) -> mx.array:
+    """The SwiGLU activation with V4's clamps: gate clamped above, up both sides (one fused kernel)."""
     gate = mx.minimum(gate, limit)
     return gate * mx.sigmoid(gate) * mx.clip(up, -limit, limit)
 
@@ -247,6 +248,12 @@ def routed_experts(x: mx.array, experts: mx.array, weights: mx.array, w: MoEWeig
     if layout is None:
         layout = "padded" if uses_padded_layout(flat.shape[0], w.num_experts) else "gathered"
     by_pair = LAYOUTS[layout](x, flat, order, k, w, limit).reshape(num_tokens, k, -1)  # (token, slot) order
+    return _weighted_sum(by_pair, weights)
+
+
+@shapeless
+def _weighted_sum(by_pair: mx.array, weights: mx.array) -> mx.array:
+    """by_pair [T, k, D], weights [T, k] -> [T, D] float32."""
     return (by_pair.astype(mx.float32) * weights[:, :, None]).sum(axis=1)
 
 
@@ -268,15 +275,30 @@ def reference_routed_experts(x: mx.array, experts: mx.array, weights: mx.array, 
 
 def route(x: mx.array, token_ids: mx.array, w: MoEWeights, top_k: int, scaling: float) -> tuple[mx.array, mx.array]:
     """x: [T, D] -> (experts [T, k] int, weights [T, k]) from sqrt(softplus(logits))."""
-    scores = mx.sqrt(mx.logaddexp(x.astype(mx.float32) @ w.router.astype(mx.float32).T, 0.0))  # [T, E]
+    scores = _router_scores(x, w.router)  # [T, E]
     if w.tid2eid is not None:
         experts = w.tid2eid[token_ids].astype(mx.int32)
     else:
-        biased = scores + w.correction_bias.astype(mx.float32)
-        experts = mx.argpartition(-biased, kth=top_k - 1, axis=-1)[:, :top_k].astype(mx.int32)
-    weights = mx.take_along_axis(scores, experts, axis=-1)
-    weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * scaling
-    return experts, weights
+        experts = mx.argpartition(_negated_biased(scores, w.correction_bias), kth=top_k - 1, axis=-1)[:, :top_k].astype(mx.int32)
+    return experts, _normalized(mx.take_along_axis(scores, experts, axis=-1), scaling)
+
+
+# The router's elementwise steps, compiled shapeless (engine/model/compiled.py); the slice of the top-k
+# stays outside (a shapeless trace cannot carry a Slice).
+@shapeless
+def _router_scores(x: mx.array, router: mx.array) -> mx.array:
+    """x [T, D] -> [T, E] float32: sqrt(softplus(router logits))."""
+    return mx.sqrt(mx.logaddexp(x.astype(mx.float32) @ router.astype(mx.float32).T, 0.0))
+
+
+@shapeless
+def _negated_biased(scores: mx.array, bias: mx.array) -> mx.array:
+    return -(scores + bias.astype(mx.float32))
+
+
+@shapeless
+def _normalized(weights: mx.array, scaling: float) -> mx.array:
+    return weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * scaling
 
 
 def moe(x: mx.array, token_ids: mx.array, w: MoEWeights, top_k: int, scaling: float, limit: float) -> mx.array:
@@ -284,4 +306,10 @@ def moe(x: mx.array, token_ids: mx.array, w: MoEWeights, top_k: int, scaling: fl
     experts, weights = route(x, token_ids, w, top_k, scaling)
     routed = routed_experts(x, experts, weights, w, limit)
     shared = swiglu(x, w.shared_w1, w.shared_w2, w.shared_w3, limit)
-    return (routed.astype(x.dtype) + shared).astype(x.dtype)
+    return _sum_in(routed, shared, x)
+
+
+@shapeless
+def _sum_in(routed: mx.array, shared: mx.array, like: mx.array) -> mx.array:
+    """routed + shared in `like`'s dtype (like: the block input)."""
+    return (routed.astype(like.dtype) + shared).astype(like.dtype)

@@ -13,6 +13,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
+from engine.model.compiled import shapeless
 from engine.model.config import RopeSpec
 
 
@@ -62,8 +63,14 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     shape = (cos.shape[0],) + (1,) * extra_axes + (half,)
     cos, sin = cos.reshape(shape), sin.reshape(shape)
     nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
-    pairs = rope.reshape(*rope.shape[:-1], half, 2).astype(mx.float32)
-    even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = mx.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
-    rotated = rotated.reshape(rope.shape).astype(x.dtype)
+    pairs = rope.reshape(*rope.shape[:-1], half, 2)
+    rotated = _rotated_pairs(pairs[..., 0], pairs[..., 1], cos, sin).reshape(rope.shape)
     return mx.concatenate([nope, rotated], axis=-1)
+
+
+@shapeless
+def _rotated_pairs(even: mx.array, odd: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """even, odd: [..., half] (x's dtype) -> [..., half, 2] rotated in float32, back in x's dtype."""
+    dtype = even.dtype
+    even, odd = even.astype(mx.float32), odd.astype(mx.float32)
+    return mx.stack([(even * cos - odd * sin).astype(dtype), (odd * cos + even * sin).astype(dtype)], axis=-1)

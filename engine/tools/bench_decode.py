@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from engine.model.compiled import compile_enabled
 from engine.model.config import CSA, HCA, WINDOW, ModelConfig
 from engine.model.deepseek_v4 import DeepseekV4, Segment
 from engine.model.dtypes import dtype_name
@@ -158,6 +159,7 @@ def _report(model, ctx, batch, options, step_seconds, stage_totals, weights, cac
         "dtype": dtype_name(model.dtype),
         "device": "gpu" if mx.default_device() == mx.gpu else "cpu",
         "stage_sync": options.stage_sync,
+        "compile": compile_enabled(),
         "cache_fill": options.cache_fill,
         "step_ms_median": median,
         "step_ms_p90": p90,

@@ -385,6 +385,8 @@ def _register_bench(subparsers) -> None:
     dec.add_argument("--dtype", default=None, choices=list(DTYPES))
     dec.add_argument("--stage-sync", action="store_true",
                      help="evaluate every stage on its own for a per-stage split (attention, indexer, MoE, other)")
+    dec.add_argument("--compile", choices=["on", "off"], default=None,
+                     help="compiled model functions (engine/model/compiled.py); default: TESSERA_COMPILE (on unless 0)")
     dec.add_argument("--cache-fill", default="prefill", choices=["prefill", "random"],
                      help="prefill: run a random prompt of --ctx tokens first; random: give every layer's cache the "
                           "shapes a prefill in --chunk chunks leaves, filled with random rows, in seconds (decode "
@@ -468,6 +470,10 @@ def _bench_decode(args) -> int:
     if args.tile > args.chunk:
         print(f"error: --tile ({args.tile}) must be at most --chunk ({args.chunk})", file=sys.stderr)
         return 2
+    if args.compile is not None:
+        from engine.model.compiled import set_compile_enabled
+
+        set_compile_enabled(args.compile == "on")
     options = DecodeOptions(chunk=args.chunk, tile=args.tile, steps=args.steps, stage_sync=args.stage_sync,
                             cache_fill=args.cache_fill)
     report = bench_decode(load_for_bench(args.model, args.dtype), args.ctx, args.batch, options)

@@ -1,0 +1,61 @@
+"""`mx.compile` for the model's small pure functions, behind one switch.
+
+A decode step is a few thousand tiny ops (docs/BENCHMARKS.md, "Issue 14: decode overhead"): on a GPU
+each one is a kernel launch plus host bookkeeping, so the step is bound by the op count, not by bytes.
+Compiling a pure function fuses its elementwise ops into one kernel and replays its graph without
+re-running the Python that built it.
+
+Every function compiled here is compiled `shapeless`, so a prefill chunk of any length and a decode
+batch of any size reuse one trace (no recompiles). Shapeless tracing is only correct for functions
+without `Slice` (MLX refuses them) and without `reshape` (MLX silently keeps the traced shape): such
+ops stay outside, in the caller. Compiled and plain runs give the same bits on the CPU
+(tests/test_compiled.py); every compared path (batched/single, tiled/untiled, chunked/whole) runs the
+same compiled functions either way.
+
+Switch: the environment variable TESSERA_COMPILE=0 turns compilation off (1, the default, on);
+`set_compile_enabled` flips it in a running process (bench A B B A comparisons).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import mlx.core as mx
+
+ENV_VAR = "TESSERA_COMPILE"
+
+
+def _from_environment() -> bool:
+    value = os.environ.get(ENV_VAR, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV_VAR} must be 0 (off) or 1 (on), got {value!r}")
+    return value == "1"
+
+
+_state = {"enabled": _from_environment()}
+
+
+def compile_enabled() -> bool:
+    return _state["enabled"]
+
+
+def set_compile_enabled(enabled: bool) -> None:
+    """Turns the compiled paths on or off for every later call (takes effect on the next graph built)."""
+    _state["enabled"] = bool(enabled)
+
+
+class ShapelessCompiled:
+    """`fn` compiled shapeless when compilation is on, `fn` itself when it is off."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.plain = fn
+        self.compiled = mx.compile(fn, shapeless=True)
+
+    def __call__(self, *args):
+        return (self.compiled if _state["enabled"] else self.plain)(*args)
+
+
+def shapeless(fn: Callable) -> ShapelessCompiled:
+    """Decorator: see ShapelessCompiled (fn must be pure, without Slice or reshape)."""
+    return ShapelessCompiled(fn)

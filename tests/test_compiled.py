@@ -1,0 +1,202 @@
+"""The compiled hyper-connection math (engine/model/hyper.py, compiled shapeless by
+engine/model/compiled.py) against the plain per-op formulation it replaced: identical bits, compiled
+and not, float32 and bfloat16, for batches of different sizes run one after another (a shapeless trace
+replayed on a new shape must not keep the old one), and the TESSERA_COMPILE switch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+
+from engine.model import compiled, hyper
+
+HC, WIDTH, ITERS, EPS = 4, 48, 20, 1e-6
+
+
+# ---- the reference: the per-op formulation (one op per Sinkhorn sum, division and epsilon) --------
+
+
+def _rms(x, eps):
+    x32 = x.astype(mx.float32)
+    return (x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def reference_hyper_weights(streams, w: hyper.HyperWeights, iters, hc_eps, norm_eps):
+    t, hc, _ = streams.shape
+    mixes = _rms(streams.reshape(t, -1).astype(mx.float32), norm_eps) @ w.fn.astype(mx.float32).T
+    base, scale = w.base.astype(mx.float32), w.scale.astype(mx.float32)
+    pre = mx.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * mx.sigmoid(mixes[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    comb = mixes[:, 2 * hc :].reshape(t, hc, hc) * scale[2] + base[2 * hc :].reshape(hc, hc)
+    comb = mx.softmax(comb, axis=-1, precise=True) + hc_eps
+    comb = comb / (comb.sum(axis=-2, keepdims=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(axis=-1, keepdims=True) + hc_eps)
+        comb = comb / (comb.sum(axis=-2, keepdims=True) + hc_eps)
+    return post, comb, (pre[..., None] * streams).sum(axis=1).astype(streams.dtype)
+
+
+def reference_expand(block_out, streams, post, comb):
+    mixed = comb.astype(streams.dtype).transpose(0, 2, 1) @ streams
+    return post.astype(streams.dtype)[..., None] * block_out[:, None, :] + mixed
+
+
+def reference_head_collapse(streams, fn, base, scale, hc_eps, norm_eps):
+    mixes = _rms(streams.reshape(streams.shape[0], -1).astype(mx.float32), norm_eps) @ fn.astype(mx.float32).T
+    pre = mx.sigmoid(mixes * scale.astype(mx.float32) + base.astype(mx.float32)) + hc_eps
+    return (pre[..., None] * streams).sum(axis=1).astype(streams.dtype)
+
+
+# ---- tests ------------------------------------------------------------------------------------------
+
+
+def _weights(dtype, seed):
+    key = mx.random.key(seed)
+    k1, k2, k3 = mx.random.split(key, 3)
+    mixes = (2 + HC) * HC
+    return hyper.HyperWeights(
+        (mx.random.normal((mixes, HC * WIDTH), key=k1) * 0.2).astype(dtype),
+        mx.random.normal((mixes,), key=k2).astype(dtype),
+        mx.random.normal((3,), key=k3).astype(dtype),
+    )
+
+
+@pytest.fixture(autouse=True)
+def _restore_switch():
+    before = compiled.compile_enabled()
+    yield
+    compiled.set_compile_enabled(before)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("enabled", [True, False], ids=["compiled", "plain"])
+def test_hyper_connections_give_the_reference_bits_for_every_batch_size(dtype, enabled):
+    compiled.set_compile_enabled(enabled)
+    w = _weights(dtype, 0)
+    for step, rows in enumerate([1, 5, 64, 2, 1]):  # shapes change between calls of one trace
+        streams = mx.random.normal((rows, HC, WIDTH), key=mx.random.key(10 + step)).astype(dtype)
+        block_out = mx.random.normal((rows, WIDTH), key=mx.random.key(20 + step)).astype(dtype)
+        got = hyper.hyper_weights(streams, w, ITERS, EPS, EPS)
+        want = reference_hyper_weights(streams, w, ITERS, EPS, EPS)
+        for name, a, b in zip(("post", "comb", "collapsed"), got, want):
+            assert a.shape == b.shape and a.dtype == b.dtype, name
+            assert mx.array_equal(a, b).item(), f"{name} differs at {rows} rows"
+        assert mx.array_equal(hyper.expand(block_out, streams, got[0], got[1]), reference_expand(block_out, streams, *want[:2])).item()
+        head = (w.fn[:HC], w.base[:HC], w.scale[:1])
+        got_head = hyper.head_collapse(streams, *head, EPS, EPS)
+        assert got_head.shape == (rows, WIDTH)
+        assert mx.array_equal(got_head, reference_head_collapse(streams, *head, EPS, EPS)).item()
+
+
+def test_sinkhorn_output_is_doubly_stochastic():
+    streams = mx.random.normal((7, HC, WIDTH), key=mx.random.key(3))
+    _, comb, _ = hyper.hyper_weights(streams, _weights(mx.float32, 1), ITERS, EPS, EPS)
+    assert mx.allclose(comb.sum(axis=-1), mx.ones((7, HC)), atol=1e-3).item()
+    assert mx.allclose(comb.sum(axis=-2), mx.ones((7, HC)), atol=1e-3).item()
+
+
+def test_the_switch_really_changes_the_graph(tmp_path):
+    """Compiled: the Sinkhorn's epsilon add and division are one fused primitive per half-step."""
+    streams = mx.random.normal((3, HC, WIDTH), key=mx.random.key(4))
+    w = _weights(mx.float32, 2)
+    counts = {}
+    for enabled in (True, False):
+        compiled.set_compile_enabled(enabled)
+        counts[enabled] = _node_count(hyper.hyper_weights(streams, w, ITERS, EPS, EPS), tmp_path / "step.dot")
+    assert counts[True] < counts[False] * 0.6, counts
+
+
+def _node_count(arrays, path) -> int:
+    mx.export_to_dot(str(path), *arrays)
+    return path.read_text().count("shape=rectangle")
+
+
+@pytest.mark.parametrize("value,expected", [("0", "False"), ("1", "True"), (None, "True")])
+def test_environment_switch(value, expected):
+    env = {k: v for k, v in os.environ.items() if k != compiled.ENV_VAR}
+    if value is not None:
+        env[compiled.ENV_VAR] = value
+    code = "from engine.model.compiled import compile_enabled; print(compile_enabled())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == expected
+
+
+def test_environment_switch_rejects_other_values():
+    env = {**os.environ, compiled.ENV_VAR: "off"}
+    out = subprocess.run([sys.executable, "-c", "import engine.model.compiled"], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "TESSERA_COMPILE must be 0 (off) or 1 (on)" in out.stderr
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("hashed", [False, True], ids=["learned", "hash"])
+def test_moe_gives_the_same_bits_compiled_and_plain(dtype, hashed):
+    from engine.model.moe import MoEWeights, moe
+
+    experts, dim, inner, vocab, top_k = 6, 32, 24, 50, 2
+    keys = iter(mx.random.split(mx.random.key(7), 10))
+    normal = lambda shape: (mx.random.normal(shape, key=next(keys)) * 0.3).astype(dtype)  # noqa: E731
+    w = MoEWeights(
+        router=normal((experts, dim)),
+        correction_bias=None if hashed else normal((experts,)),
+        tid2eid=mx.random.randint(0, experts, (vocab, top_k), key=next(keys)) if hashed else None,
+        w1=normal((experts, inner, dim)), w2=normal((experts, dim, inner)), w3=normal((experts, inner, dim)),
+        shared_w1=normal((inner, dim)), shared_w2=normal((dim, inner)), shared_w3=normal((inner, dim)),
+    )
+    for rows in (1, 7, 3):
+        x = mx.random.normal((rows, dim), key=mx.random.key(rows)).astype(dtype) * 4  # large enough to hit the clamps
+        ids = mx.arange(rows) % vocab
+        outs = []
+        for enabled in (True, False):
+            compiled.set_compile_enabled(enabled)
+            outs.append(moe(x, ids, w, top_k, 1.5, 0.7))
+        assert outs[0].shape == (rows, dim) and outs[0].dtype == dtype
+        assert mx.array_equal(outs[0], outs[1]).item(), f"{rows} rows"
+
+
+def _reference_rope(x, cos, sin):
+    half = cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.ndim - 2) + (half,)
+    cos, sin = cos.reshape(shape), sin.reshape(shape)
+    nope, rope = x[..., : -2 * half], x[..., -2 * half :]
+    pairs = rope.reshape(*rope.shape[:-1], half, 2).astype(mx.float32)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = mx.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1).reshape(rope.shape).astype(x.dtype)
+    return mx.concatenate([nope, rotated], axis=-1)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("enabled", [True, False], ids=["compiled", "plain"])
+def test_rope_gives_the_reference_bits_for_every_shape(dtype, enabled):
+    from engine.model.rope import apply_rope
+
+    compiled.set_compile_enabled(enabled)
+    for step, shape in enumerate([(1, 8, 48), (5, 8, 48), (3, 48), (9, 2, 48), (1, 48)]):
+        x = mx.random.normal(shape, key=mx.random.key(step)).astype(dtype)
+        cos, sin = (mx.random.normal((shape[0], 16), key=mx.random.key(100 + step + k)) for k in range(2))
+        got = apply_rope(x, cos, sin)
+        assert got.shape == x.shape and got.dtype == dtype
+        assert mx.array_equal(got, _reference_rope(x, cos, sin)).item(), shape
+        assert mx.array_equal(apply_rope(got, cos, -sin)[..., :16], x[..., :16]).item()  # the nope channels pass through
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+def test_norms_give_the_same_bits_compiled_and_plain_for_every_shape(dtype):
+    from engine.model.norms import rms_norm, unweighted_rms_norm
+
+    for step, shape in enumerate([(1, 48), (7, 48), (3, 8, 48), (2, 64), (1, 48)]):  # rows, rank and width change
+        weight = mx.random.normal((shape[-1],), key=mx.random.key(1)).astype(dtype)
+        x = (mx.random.normal(shape, key=mx.random.key(step)) * 3).astype(dtype)
+        outs = {}
+        for enabled in (True, False):
+            compiled.set_compile_enabled(enabled)
+            outs[enabled] = (rms_norm(x, weight, EPS), unweighted_rms_norm(x, EPS))
+        x32 = x.astype(mx.float32)
+        want = (x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + EPS)).astype(dtype)
+        for a, b in zip(outs[True], outs[False]):
+            assert a.shape == shape and a.dtype == dtype and mx.array_equal(a, b).item(), shape
+        assert mx.array_equal(outs[True][1], want).item()
+        assert mx.allclose(outs[True][0].astype(mx.float32), (want.astype(mx.float32) * weight.astype(mx.float32)), rtol=1e-2).item()
