@@ -109,11 +109,12 @@ def compress_decode(
     closing: list[tuple[int, mx.array, mx.array]] = []
     for i, frontier in enumerate(frontiers):
         kv, gate = kv_all[i : i + 1], gate_all[i : i + 1]
-        if frontier.pending_kv is not None:
+        fresh = frontier.pending_kv is not None  # a concatenation owns its buffer; a bare slice does not
+        if fresh:
             kv = mx.concatenate([frontier.pending_kv, kv])
             gate = mx.concatenate([frontier.pending_gate, gate])
         if kv.shape[0] < ratio:
-            frontier.pending_kv, frontier.pending_gate = owned(kv), owned(gate)
+            frontier.pending_kv, frontier.pending_gate = (kv, gate) if fresh else (owned(kv), owned(gate))
         else:
             frontier.pending_kv, frontier.pending_gate = owned(kv[ratio:]), owned(gate[ratio:])
             closing.append((i, kv, gate))

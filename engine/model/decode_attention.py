@@ -142,7 +142,7 @@ def _selected_rows(
         timer.stage("topk", selected, valid)
     for i, s in enumerate(segs):
         timer.record_selection(layer, s.start, selected[i : i + 1], valid[i : i + 1])
-    rows = mx.stack([s.cache.compressed.view()[selected[i]] for i, s in enumerate(segs)])  # [b, k', hd]
+    rows = mx.concatenate([s.cache.compressed.view()[selected[i : i + 1]] for i, s in enumerate(segs)])  # [b, k', hd]
     return rows, valid
 
 
