@@ -81,6 +81,9 @@ def test_a_dead_engine_fails_every_request_at_once_and_refuses_new_ones():
     started = time.monotonic()
     results = asyncio.run(main())
     assert all(isinstance(events[-1], Error) for events in results), [events[-1] for events in results]
+    # the owner is told right after the requests' errors are dispatched, from the engine thread
+    while not deaths and time.monotonic() - started < 5.0:
+        time.sleep(0.01)
     assert time.monotonic() - started < 5.0 and len(deaths) == 1
     assert not engine.stats().is_alive
     with pytest.raises(AdmissionError):

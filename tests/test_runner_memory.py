@@ -65,6 +65,10 @@ def test_abandoned_request_returns_memory_to_idle(runner, when):
         _wait_idle(engine)
         assert engine.stats().num_running == 0
         assert runner.memory_snapshot()["kv_cache"] == 0
+        # the engine thread may still drop its last step's arrays: memory must get back to idle soon
+        deadline = time.monotonic() + 10.0
+        while _idle_memory() > idle + 64 * 1024 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert _idle_memory() <= idle + 64 * 1024  # a few small buffers at most, never a cache
     finally:
         engine.shutdown(10)
