@@ -54,6 +54,26 @@ def _scores_all_heads(q: mx.array, head_weights: mx.array, keys: mx.array, scale
     return mx.cumsum(weighted, axis=1)[:, -1, :]  # [T, N]
 
 
+# A decode batch's scores run as one [B, heads, N] product up to this many elements (16 MiB of
+# float32); beyond it, one sequence at a time (each within the reference's own scratch bound).
+BATCHED_SCRATCH_ELEMENTS = 2**22
+
+
+def indexer_scores_batched_reference(
+    q: mx.array, head_weights: mx.array, keys: mx.array, visible: mx.array, scale: float
+) -> mx.array:
+    """One query row per sequence, each scored against its own keys (a decode batch):
+    q: [B, heads, d], head_weights: [B, heads], keys: [B, N, d], visible: [B] -> scores [B, N] fp32.
+
+    Sequence b's row is `indexer_scores_reference(q[b:b+1], head_weights[b:b+1], keys[b], ...)` bit
+    for bit: batch element b of the batched product is that sequence's [heads, N] gemm, and the
+    heads are summed in the loop's order (the cumulative sum of `_scores_all_heads`)."""
+    products = q.astype(mx.float32) @ keys.astype(mx.float32).transpose(0, 2, 1)  # [B, heads, N]
+    per_head = mx.maximum(products, 0.0) * scale
+    weighted = per_head * head_weights.astype(mx.float32)[:, :, None]
+    return mask_invisible(mx.cumsum(weighted, axis=1)[:, -1, :], visible)
+
+
 def mask_invisible(scores: mx.array, visible: mx.array) -> mx.array:
     """Rows s ≥ visible[r] (not yet compressed from tokens the query may see) get -inf."""
     row = mx.arange(scores.shape[1])[None, :]
@@ -94,6 +114,27 @@ def indexer_scores(q: mx.array, head_weights: mx.array, keys: mx.array, visible:
     if indexer_cuda.is_supported(q, keys):
         return indexer_cuda.indexer_scores_kernel(q, head_weights, keys, visible, scale)
     return indexer_scores_reference(q, head_weights, keys, visible, scale)
+
+
+def indexer_scores_batched(
+    q: mx.array, head_weights: mx.array, keys: list[mx.array], visible: mx.array, scale: float
+) -> mx.array:
+    """A decode batch (q: [B, heads, d], head_weights: [B, heads], keys: B × [N, d], visible: [B]) ->
+    scores [B, N] fp32. On a CUDA device the fused kernel scores each sequence against its keys
+    where they lie (stacking them would copy every key); elsewhere one batched product, or one
+    sequence at a time past BATCHED_SCRATCH_ELEMENTS."""
+    num_seqs, num_heads, _ = q.shape
+    if indexer_cuda.is_supported(q, keys[0]):
+        return mx.concatenate([
+            indexer_cuda.indexer_scores_kernel(q[b : b + 1], head_weights[b : b + 1], k, visible[b : b + 1], scale)
+            for b, k in enumerate(keys)
+        ])
+    if num_seqs * num_heads * keys[0].shape[0] <= BATCHED_SCRATCH_ELEMENTS:
+        return indexer_scores_batched_reference(q, head_weights, mx.stack(keys), visible, scale)
+    return mx.concatenate([
+        indexer_scores_reference(q[b : b + 1], head_weights[b : b + 1], k, visible[b : b + 1], scale)
+        for b, k in enumerate(keys)
+    ])
 
 
 def select_topk(scores: mx.array, visible: mx.array, k: int) -> tuple[mx.array, mx.array]:

@@ -61,6 +61,30 @@ def test_indexer_all_heads_at_once_is_bit_identical_to_the_head_loop(monkeypatch
     assert np.array_equal(at_once, looped)
 
 
+@pytest.mark.parametrize("num_keys", [1, 333, 4096])
+@row_invariant_blas
+def test_batched_decode_scores_equal_each_sequence_scored_alone(monkeypatch, num_keys):
+    """A decode batch scores B sequences, each against its own keys, in one product: every row must be
+    the bits `indexer_scores_reference` gives that sequence alone (head loop or all heads at once), or a
+    batched sequence would select other rows than the same sequence decoded alone."""
+    rng = np.random.default_rng(num_keys)
+    num_seqs = 5
+    q, w = rng.standard_normal((num_seqs, 16, 64)), rng.standard_normal((num_seqs, 16))
+    keys = [mx.array(rng.standard_normal((num_keys, 64)).astype(np.float32)) for _ in range(num_seqs)]
+    visible = mx.array(rng.integers(0, num_keys + 1, num_seqs))
+    q, w = mx.array(q.astype(np.float32)), mx.array(w.astype(np.float32))
+    alone = [np.array(indexer_scores_reference(q[b : b + 1], w[b : b + 1], keys[b], visible[b : b + 1], 0.3))
+             for b in range(num_seqs)]
+    batched = np.array(indexer.indexer_scores_batched_reference(q, w, mx.stack(keys), visible, 0.3))
+    assert batched.shape == (num_seqs, num_keys)
+    for b in range(num_seqs):
+        assert np.array_equal(batched[b : b + 1], alone[b]), b
+    dispatched = np.array(indexer.indexer_scores_batched(q, w, keys, visible, 0.3))
+    monkeypatch.setattr(indexer, "BATCHED_SCRATCH_ELEMENTS", 0)  # one sequence at a time
+    per_sequence = np.array(indexer.indexer_scores_batched(q, w, keys, visible, 0.3))
+    assert np.array_equal(dispatched, batched) and np.array_equal(per_sequence, batched)
+
+
 def test_mixed_attention_equals_dense_softmax_with_sink():
     rng = np.random.default_rng(3)
     t, h, d, r, s = 5, 3, 8, 7, 4

@@ -5,6 +5,8 @@ the step at once; the compressor, the indexer and the mixed attention run per se
 in tiles of `tile` query rows (docs/ARCHITECTURE.md, "Tiling invariants"): compress first, then per tile score → top-k → gather
 window ∪ selected rows → attend. The wide per-head queries and the output projection run in fixed
 blocks of PROJECTION_ROWS rows as the tiles reach them, so no [chunk, heads, head_dim] tensor exists.
+Decode rows (segments of one token) skip the per-segment loop: they run together, one batched call
+per layer (engine/model/decode_attention.py), with the shapes a one-row tile would give them.
 
 Every product whose per-row result could depend on how many rows it is computed with runs on a
 shape fixed by the row's position, never by the tile: projections in PROJECTION_ROWS blocks of the
@@ -22,42 +24,17 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
-from engine.model.cache import LayerCache, owned
-from engine.model.compressor import CompressorWeights, compress
+from engine.model.attention_inputs import AttentionWeights, SegmentSlice
+from engine.model.cache import owned
+from engine.model.compressor import compress
 from engine.model.config import CSA, HCA, WINDOW, ModelConfig
+from engine.model.decode_attention import DecodeRows, decode_attention
 from engine.model.norms import rms_norm, unweighted_rms_norm
-from engine.model.quantized import Weight, for_rows, grouped_linear, linear
+from engine.model.quantized import for_rows, grouped_linear, linear
 from engine.model.rope import apply_rope, cos_sin
 from engine.model.trace import ForwardTrace
 from kernels.indexer import indexer_scores, select_topk
 from kernels.sparse_attention import mixed_attention, shared_rows
-
-
-@dataclass(frozen=True)
-class AttentionWeights:
-    wq_a: Weight  # [q_lora, D]
-    q_norm: mx.array  # [q_lora]
-    wq_b: Weight  # [H·hd, q_lora]
-    wkv: Weight  # [hd, D]
-    kv_norm: mx.array  # [hd]
-    wo_a: Weight  # [G·o_lora, H·hd / G]
-    wo_b: Weight  # [D, G·o_lora]
-    sinks: mx.array  # [H]
-    compressor: CompressorWeights | None = None
-    index_compressor: CompressorWeights | None = None
-    index_wq_b: Weight | None = None  # [IH·ID, q_lora]
-    index_weights_proj: Weight | None = None  # [IH, D]
-
-
-@dataclass(frozen=True)
-class SegmentSlice:
-    """Tokens [offset, offset + length) of the step's flat batch belong to one sequence whose cache
-    already holds `start` tokens."""
-
-    offset: int
-    length: int
-    start: int
-    cache: LayerCache
 
 
 # Query and output projections run on fixed blocks of this many rows of the step's batch, counted
@@ -75,6 +52,13 @@ PROJECTION_ROWS = 256
 # that is a multiple of ATTENTION_ROWS pads nothing (except at the segment's end, the same block
 # either way); other tiles pay for at most two padded blocks each.
 ATTENTION_ROWS = 128
+
+
+# Decode rows (segments of one token) attend as one batch per layer (engine/model/decode_attention.py).
+# False sends each through the per-segment tile path as a one-row tile — the same bits on a
+# row-invariant BLAS (tests/equivalence/test_batched_decode.py); kept for A/B measurements
+# (docs/bench/issue14_batched_decode.py).
+BATCH_DECODE_ROWS = True
 
 
 @dataclass(frozen=True)
@@ -103,9 +87,34 @@ def attention(
     chunk = _project_chunk(x, cos, sin, w, cfg, layer)
     queries = _QueryBlocks(chunk.q_residual, cos, sin, w, cfg, layer)
     output = _OutputBlocks(cos, sin, w, cfg)
+    decodes = [seg for seg in segments if seg.length == 1] if BATCH_DECODE_ROWS else []
+    decoded = None
+    if decodes:
+        decoded = timer.stage("attention", decode_attention(_decode_rows(x, chunk, queries, decodes), w, cfg, layer, timer))
+    done = 0  # decode rows handed to `output` so far
     for seg in segments:
-        _segment_attention(x, chunk, queries, output, seg, w, cfg, layer, tile, timer)
+        if decoded is not None and seg.length == 1:  # batched above; its row goes out in batch order
+            output.add(decoded[done : done + 1])
+            done += 1
+        else:
+            _segment_attention(x, chunk, queries, output, seg, w, cfg, layer, tile, timer)
     return output.result()
+
+
+def _decode_rows(x: mx.array, chunk: _ChunkProjections, queries: _QueryBlocks, decodes: list[SegmentSlice]) -> DecodeRows:
+    """The decode segments' rows of the step's batch (usually rows [0, B): the runner puts decodes first)."""
+    offsets = [seg.offset for seg in decodes]
+    first = offsets[0]
+    if offsets == list(range(first, first + len(offsets))):
+        take = lambda a: None if a is None else a[first : first + len(offsets)]  # noqa: E731
+        q, index_q = queries.rows(first, first + len(offsets))
+    else:
+        index = mx.array(offsets)
+        take = lambda a: None if a is None else a[index]  # noqa: E731
+        per_row = [queries.rows(r, r + 1) for r in offsets]
+        q = mx.concatenate([p[0] for p in per_row])
+        index_q = None if per_row[0][1] is None else mx.concatenate([p[1] for p in per_row])
+    return DecodeRows(decodes, take(x), take(chunk.kv), q, index_q, take(chunk.index_w))
 
 
 def _for_batch(w: AttentionWeights, rows: int, dtype: mx.Dtype) -> AttentionWeights:

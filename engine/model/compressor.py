@@ -88,3 +88,71 @@ def _overlap_slots(
     prev_gate = mx.concatenate([first_gate, ca_gate[:-1]])
     frontier.overlap_kv, frontier.overlap_gate = owned(ca_kv[-1]), owned(ca_gate[-1])
     return mx.concatenate([prev_kv, cb_kv], axis=1), mx.concatenate([prev_gate, cb_gate], axis=1)
+
+
+def compress_decode(
+    x: mx.array,
+    weights: CompressorWeights,
+    frontiers: list[CompressorFrontier],
+    ratio: int,
+    overlapping: bool,
+    rope: RopeSpec,
+    eps: float,
+) -> list[mx.array | None]:
+    """x: [B, hidden], the next token of each of B sequences (frontiers[i] is sequence i's) -> per
+    sequence the row its token completed ([1, head_dim]) or None.
+
+    The same rows and frontier updates as `compress` on each token alone: the projections run once
+    for the batch, and the windows that close are pooled, normed and rotated as one [E, ratio, ·]
+    batch (every op is per window, as in `compress`'s [n, ratio, ·] batch of windows)."""
+    kv_all, gate_all = linear(x, weights.wkv), linear(x, weights.wgate)  # [B, width]
+    closing: list[tuple[int, mx.array, mx.array]] = []
+    for i, frontier in enumerate(frontiers):
+        kv, gate = kv_all[i : i + 1], gate_all[i : i + 1]
+        fresh = frontier.pending_kv is not None  # a concatenation owns its buffer; a bare slice does not
+        if fresh:
+            kv = mx.concatenate([frontier.pending_kv, kv])
+            gate = mx.concatenate([frontier.pending_gate, gate])
+        if kv.shape[0] < ratio:
+            frontier.pending_kv, frontier.pending_gate = (kv, gate) if fresh else (owned(kv), owned(gate))
+        else:
+            frontier.pending_kv, frontier.pending_gate = owned(kv[ratio:]), owned(gate[ratio:])
+            closing.append((i, kv, gate))
+    emitted: list[mx.array | None] = [None] * len(frontiers)
+    if not closing:
+        return emitted
+    closed = [frontiers[i] for i, _, _ in closing]
+    kv = mx.stack([c[1] for c in closing])  # [E, ratio, width]
+    gate = mx.stack([c[2] for c in closing]) + weights.ape
+    head_dim = weights.norm.shape[0]
+    if overlapping:
+        kv, gate = _overlap_slots_per_window(kv, gate, closed, head_dim)
+    pooled = (kv * mx.softmax(gate.astype(mx.float32), axis=1, precise=True).astype(kv.dtype)).sum(axis=1)
+    rows = rms_norm(pooled, weights.norm, eps)  # [E, head_dim]
+    cos, sin = cos_sin(rope, mx.array([f.num_emitted * ratio for f in closed]))
+    rows = apply_rope(rows, cos, sin)
+    for e, (i, _, _) in enumerate(closing):
+        frontiers[i].num_emitted += 1
+        emitted[i] = rows[e : e + 1]
+    return emitted
+
+
+def _overlap_slots_per_window(
+    kv: mx.array, gate: mx.array, frontiers: list[CompressorFrontier], head_dim: int
+) -> tuple[mx.array, mx.array]:
+    """`_overlap_slots` for E windows of E different sequences (one window each, frontiers[e] is
+    window e's): [E, ratio, 2d] -> [E, 2·ratio, d]."""
+    ratio = kv.shape[1]
+    ca_kv, cb_kv = kv[..., :head_dim], kv[..., head_dim:]
+    ca_gate, cb_gate = gate[..., :head_dim], gate[..., head_dim:]
+    prev_kv, prev_gate = [], []
+    for e, frontier in enumerate(frontiers):
+        if frontier.overlap_kv is None:
+            prev_kv.append(mx.zeros((ratio, head_dim), dtype=kv.dtype))
+            prev_gate.append(mx.full((ratio, head_dim), -mx.inf, dtype=gate.dtype))
+        else:
+            prev_kv.append(frontier.overlap_kv)
+            prev_gate.append(frontier.overlap_gate)
+        frontier.overlap_kv, frontier.overlap_gate = owned(ca_kv[e]), owned(ca_gate[e])
+    prev_kv, prev_gate = mx.stack(prev_kv), mx.stack(prev_gate)  # [E, ratio, d]
+    return mx.concatenate([prev_kv, cb_kv], axis=1), mx.concatenate([prev_gate, cb_gate], axis=1)

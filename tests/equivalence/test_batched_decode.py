@@ -9,7 +9,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.model.config import CSA, HCA, WINDOW
+from engine.model.cache import CompressorFrontier
+from engine.model.compressor import CompressorWeights, compress, compress_decode
+from engine.model.config import CSA, HCA, WINDOW, RopeSpec
+from engine.model import attention, decode_attention
 from engine.model.deepseek_v4 import Segment
 from engine.model.loader import load_model
 from engine.tools.make_model import make_model
@@ -17,8 +20,9 @@ from engine.tools.replay import random_tokens
 from tests.equivalence.row_invariant_blas import row_invariant_blas
 
 OVERRIDES = dict(layer_types=[WINDOW, CSA, HCA, CSA], num_hidden_layers=4, compress_rates={CSA: 4, HCA: 32})
-# Lengths below and above the window (16), top-k (16 rows = 64 tokens) and HCA boundaries (32).
-LENGTHS = (5, 31, 64, 130)
+# Lengths below and above the window (16), top-k (16 rows = 64 tokens) and HCA boundaries (32); the
+# 130, 129, 130 share their compressed-row counts at most steps, so they run as one batch per layer.
+LENGTHS = (5, 31, 130, 64, 129, 130)
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +49,85 @@ def test_batched_decode_equals_each_sequence_decoded_alone(model):
             assert np.array_equal(np.array(together[b]), np.array(single)), (s, b)
     for a, b in zip(batched, alone):
         assert all(np.array_equal(np.array(x), np.array(y)) for x, y in zip(a.arrays(), b.arrays()))
+
+
+def _decode_step_logits(model, caches, tokens, prefill=None):
+    """One step: a decode token for each cache, then (optionally) a prefill chunk (cache, tokens)."""
+    segments = [Segment(c, [t]) for c, t in zip(caches, tokens)]
+    if prefill is not None:
+        segments.append(Segment(*prefill))
+    return [np.array(l) for l in model.forward(segments, tile=8, all_logits=True)]
+
+
+@row_invariant_blas
+def test_batched_decode_rows_equal_the_per_sequence_tile_path(model, monkeypatch):
+    """The batched decode path (engine/model/decode_attention.py) gives every decode row the bits of a
+    one-row tile of the per-segment path, in a step that also runs a prefill chunk, with caches left
+    identical."""
+    runs = {}
+    for batched in (True, False):
+        monkeypatch.setattr(attention, "BATCH_DECODE_ROWS", batched)
+        caches = [_prefilled(model, n, seed) for seed, n in enumerate(LENGTHS)]
+        prefill_cache = _prefilled(model, 40, seed=99)
+        chunk = random_tokens(model.cfg.vocab_size, 23, seed=98)
+        logits = []
+        for s in range(5):
+            tokens = [(11 * b + 5 * s) % model.cfg.vocab_size for b in range(len(caches))]
+            logits += _decode_step_logits(model, caches, tokens, (prefill_cache, chunk[s * 4 : s * 4 + 4]))
+        runs[batched] = (logits, [a for c in caches + [prefill_cache] for a in c.arrays()])
+    (got, got_cache), (want, want_cache) = runs[True], runs[False]
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    assert len(got_cache) == len(want_cache)
+    assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(got_cache, want_cache))
+
+
+def test_decode_rows_attend_in_one_call_per_layer_and_shape(model, monkeypatch):
+    """B sequences with the same compressed-row counts cost one mixed-attention call per layer, not B;
+    sequences whose counts differ split into one call per count."""
+    calls = []
+    real = decode_attention.mixed_attention
+    monkeypatch.setattr(decode_attention, "mixed_attention", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    same = [_prefilled(model, 130, seed) for seed in range(4)]
+    model.forward([Segment(c, [3]) for c in same])
+    assert calls == [4] * model.cfg.num_hidden_layers
+    calls.clear()
+    mixed = [_prefilled(model, n, seed) for seed, n in enumerate((130, 130, 64))]  # 64 + 1 tokens: fewer rows
+    model.forward([Segment(c, [3]) for c in mixed])
+    assert sorted(calls) == sorted([3] + [2, 1] * (model.cfg.num_hidden_layers - 1))
+
+
+@pytest.mark.parametrize("ratio,overlapping", [(4, True), (8, False)], ids=["CSA", "HCA"])
+@row_invariant_blas
+def test_batched_compressor_update_equals_each_token_alone(ratio, overlapping):
+    """Sequences at every phase of a compression window take one token each: the rows emitted and
+    the frontiers left behind are the bits of `compress` on each token alone (some windows close
+    while others stay open in the same step, several close at once)."""
+    rng = np.random.default_rng(ratio)
+    hidden, head_dim = 16, 8
+    width = 2 * head_dim if overlapping else head_dim
+    f32 = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    weights = CompressorWeights(f32(width, hidden), f32(width, hidden), f32(ratio, width), f32(head_dim) + 1.0)
+    rope, eps = RopeSpec(theta=10000.0, dim=4), 1e-6
+    prefixes = [0, 1, ratio - 1, ratio, 2 * ratio + 1, ratio - 1]
+    batched, alone = [CompressorFrontier() for _ in prefixes], [CompressorFrontier() for _ in prefixes]
+    for n, fb, fa in zip(prefixes, batched, alone):
+        if n:
+            x = f32(n, hidden)
+            compress(x, weights, fb, ratio, overlapping, rope, eps)
+            compress(x, weights, fa, ratio, overlapping, rope, eps)
+    emitted_per_step = []
+    for _ in range(2 * ratio + 1):
+        x = f32(len(prefixes), hidden)
+        got = compress_decode(x, weights, batched, ratio, overlapping, rope, eps)
+        emitted_per_step.append(sum(row is not None for row in got))
+        for i, frontier in enumerate(alone):
+            want = compress(x[i : i + 1], weights, frontier, ratio, overlapping, rope, eps)
+            if want.shape[0] == 0:
+                assert got[i] is None, i
+            else:
+                assert np.array_equal(np.array(got[i]), np.array(want)), i
+    for fb, fa in zip(batched, alone):
+        assert fb.num_emitted == fa.num_emitted
+        assert len(fb.arrays()) == len(fa.arrays())
+        assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(fb.arrays(), fa.arrays()))
+    assert max(emitted_per_step) >= 2 and any(0 < e < len(prefixes) for e in emitted_per_step)

@@ -1,0 +1,152 @@
+"""The step's decode rows — segments of one token — attended together: the compressors' per-token
+updates, the lightning indexer, the top-k and the mixed attention run as one batched call per layer
+for every decoding sequence instead of one small graph per sequence (docs/BENCHMARKS.md, "Issue 14:
+batched decode across sequences").
+
+A decode row keeps exactly the per-row shapes a one-row tile of the tiled path gives it: W window
+rows, min(top_k, N) selected compressed rows (CSA) or all N compressed rows (HCA), N index keys,
+where N is the layer's compressed-row count of that sequence. Rows with the same N share every
+shape and run as one batch of per-row products (batched gemms compute each batch element on its
+own); rows with different N run as separate batches. Nothing is padded, so a row's result cannot
+depend on the other sequences of the step: batched == single bit for bit, and a decode row equals
+the same row of a fresh whole-sequence prefill (tests/equivalence/test_batched_decode.py,
+tests/equivalence/test_tiled_chunked_decode.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import mlx.core as mx
+import numpy as np
+
+from engine.model.attention_inputs import AttentionWeights, SegmentSlice
+from engine.model.cache import owned
+from engine.model.compressor import compress_decode
+from engine.model.config import CSA, HCA, WINDOW, ModelConfig
+from engine.model.trace import ForwardTrace
+from kernels.indexer import indexer_scores_batched, select_topk
+from kernels.sparse_attention import mixed_attention
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """The decode rows' inputs, in the order of `segments` (B rows)."""
+
+    segments: list[SegmentSlice]  # one token each
+    x: mx.array  # [B, D] normed block input
+    kv: mx.array  # [B, hd] K = V
+    q: mx.array  # [B, H, hd]
+    index_q: mx.array | None  # [B, IH, ID] (CSA)
+    index_w: mx.array | None  # [B, IH] (CSA)
+
+
+def decode_attention(rows: DecodeRows, w: AttentionWeights, cfg: ModelConfig, layer: int, timer: ForwardTrace) -> mx.array:
+    """-> [B, H, hd] attention outputs; appends every row's token to its sequence's layer cache."""
+    kind = cfg.layer_types[layer]
+    if kind in (CSA, HCA):
+        _emit_compressed(rows, w, cfg, layer)
+    window, window_valid = _window_rows(rows, cfg)  # [B, W, hd], [B, W]
+    timer.stage("other", window, *[a for s in rows.segments for a in s.cache.arrays()])
+    scale = cfg.head_dim**-0.5
+    if kind == WINDOW:
+        return mixed_attention(rows.q, [(window, window_valid)], w.sinks, scale)
+    outs, order = [], []
+    for members in same_shape_batches(rows.segments):
+        pick = _picker(members, len(rows.segments))
+        segs = [rows.segments[i] for i in members]
+        visible = mx.array([(s.start + 1) // cfg.compress_ratio(layer) for s in segs])  # [b]
+        if kind == CSA:
+            group = _selected_rows(segs, pick(rows.index_q), pick(rows.index_w), visible, cfg, layer, timer)
+        else:
+            group = _all_compressed_rows(segs, visible)
+        outs.append(mixed_attention(pick(rows.q), [(pick(window), pick(window_valid)), group], w.sinks, scale))
+        order += members
+    return _in_order(outs, order)
+
+
+def same_shape_batches(segments: list[SegmentSlice]) -> list[list[int]]:
+    """Indices of `segments` grouped by the layer's compressed-row count (every per-row shape of a
+    decode row follows from it), each group in the segments' order."""
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(segments):
+        groups.setdefault(s.cache.compressed.num_rows, []).append(i)
+    return list(groups.values())
+
+
+def _picker(members: list[int], total: int):
+    """x [B, ...] -> x [members, ...] (the identity when the batch is all of them)."""
+    if members == list(range(total)):
+        return lambda x: x
+    index = mx.array(members)
+    return lambda x: None if x is None else x[index]
+
+
+def _in_order(outs: list[mx.array], order: list[int]) -> mx.array:
+    """Batches' outputs, concatenated in `order` -> rows back in the segments' order."""
+    if len(outs) == 1:
+        return outs[0]
+    return mx.concatenate(outs)[mx.array(np.argsort(np.array(order)))]
+
+
+def _emit_compressed(rows: DecodeRows, w: AttentionWeights, cfg: ModelConfig, layer: int) -> None:
+    """Every row's token into its compressors (one batched projection and pooling per compressor);
+    completed rows are appended to the caches before anything is scored (the tiling invariant)."""
+    ratio, overlapping, rope, eps = cfg.compress_ratio(layer), cfg.is_overlapping(layer), cfg.rope_for(layer), cfg.rms_norm_eps
+    caches = [s.cache for s in rows.segments]
+    emitted = compress_decode(rows.x, w.compressor, [c.compressor for c in caches], ratio, overlapping, rope, eps)
+    for cache, row in zip(caches, emitted):
+        if row is not None:
+            cache.compressed.append(row)
+    if cfg.has_indexer(layer):
+        frontiers = [c.indexer_compressor for c in caches]
+        emitted = compress_decode(rows.x, w.index_compressor, frontiers, ratio, overlapping, rope, eps)
+        for cache, row in zip(caches, emitted):
+            if row is not None:
+                cache.index_keys.append(row)
+
+
+def _window_rows(rows: DecodeRows, cfg: ModelConfig) -> tuple[mx.array, mx.array]:
+    """Each row's W window keys (its cached window, then its own K), the cache windows moved on by
+    one token -> rows [B, W, hd], valid [B, W]. A sequence with fewer than W - 1 cached rows gathers
+    them as the tiled path does (index clamped at 0, masked)."""
+    window, keep = cfg.sliding_window, cfg.sliding_window - 1
+    gathered, valid = [], np.ones((len(rows.segments), window), dtype=bool)
+    for i, seg in enumerate(rows.segments):
+        cache = seg.cache
+        keys = mx.concatenate([cache.window, rows.kv[i : i + 1]])  # [Wp + 1, hd]
+        num_prev = cache.window.shape[0]
+        cache.window = owned(keys[max(keys.shape[0] - keep, 0) :] if keep > 0 else keys[:0])
+        if num_prev + 1 == window:
+            gathered.append(keys)
+            continue
+        key_idx = num_prev - (window - 1) + np.arange(window)  # attention.window_key_indices for row 0
+        gathered.append(keys[mx.array(np.maximum(key_idx, 0))])
+        valid[i] = key_idx >= 0
+    return mx.stack(gathered), mx.array(valid)
+
+
+def _selected_rows(
+    segs: list[SegmentSlice], index_q: mx.array, index_w: mx.array, visible: mx.array, cfg: ModelConfig, layer: int,
+    timer: ForwardTrace,
+) -> tuple[mx.array, mx.array]:
+    """CSA: indexer scores and top-k for a batch of equal N -> (rows [b, k', hd], valid [b, k'])."""
+    num_keys = segs[0].cache.index_keys.num_rows
+    if num_keys == 0:
+        selected = mx.zeros((len(segs), 0), dtype=mx.int32)
+        valid = selected.astype(mx.bool_)
+    else:
+        keys = [s.cache.index_keys.view() for s in segs]  # b × [N, ID]
+        scores = indexer_scores_batched(index_q, index_w, keys, visible, cfg.index_head_dim**-0.5)  # [b, N]
+        scores = timer.stage("indexer_score", scores)
+        selected, valid = select_topk(scores, visible, cfg.index_topk)  # [b, k']
+        timer.stage("topk", selected, valid)
+    for i, s in enumerate(segs):
+        timer.record_selection(layer, s.start, selected[i : i + 1], valid[i : i + 1])
+    rows = mx.concatenate([s.cache.compressed.view()[selected[i : i + 1]] for i, s in enumerate(segs)])  # [b, k', hd]
+    return rows, valid
+
+
+def _all_compressed_rows(segs: list[SegmentSlice], visible: mx.array) -> tuple[mx.array, mx.array]:
+    """HCA: every compressed row of each sequence (equal N) -> (rows [b, N, hd], valid [b, N])."""
+    rows = mx.stack([s.cache.compressed.view() for s in segs])
+    return rows, mx.arange(rows.shape[1])[None, :] < visible[:, None]
