@@ -6,17 +6,20 @@ PIP := $(VENV)/bin/pip
 # Debian's OpenBLAS makes fp32 matmul in mlx[cpu] ~15x faster than its bundled reference BLAS.
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 PRELOAD := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS),)
+# setuptools' lenient editable mode maps tessera.engine -> engine/ (and server/, kernels/) with an import hook, so new
+# modules are picked up without reinstalling; "compat" cannot map a package to another folder name at all.
+EDITABLE := --config-settings editable_mode=lenient
 
 .PHONY: serve test install install-test clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -e .
+	$(PIP) install --quiet -e . $(EDITABLE)
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet -e '.[test]' $(EDITABLE)
 	touch $@
 
 install: $(VENV)/.installed
