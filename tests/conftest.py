@@ -1,4 +1,5 @@
-"""Suite-wide hook: in the strict run (TESSERA_STRICT_SKIPS=1, set by .ci/run) a skip that is not on
+"""Suite-wide hooks: the tests import this checkout as `tessera.*` whether or not it is installed
+(tests/support/source_tree.py); in the strict run (TESSERA_STRICT_SKIPS=1, set by .ci/run) a skip that is not on
 tests/skip_allowlist.txt fails the session (tests/support/skip_policy.py)."""
 
 from __future__ import annotations
@@ -8,6 +9,9 @@ import os
 import pytest
 
 from tests.support.skip_policy import STRICT_ENV, load_allowlist, unexpected_skips
+from tests.support.source_tree import use_source_tree
+
+use_source_tree()  # before any test module imports `tessera.*`; subprocesses inherit it through PYTHONPATH
 
 _skipped: list[tuple[str, str]] = []
 

@@ -57,7 +57,7 @@ def test_sigterm_to_make_serve_stops_the_server(tmp_path: Path):
 
 def _blas_report(env_extra: dict[str, str]) -> str:
     code = "from engine.serving.blas import blas_in_use; print(blas_in_use().describe())"
-    env = {**os.environ, **env_extra, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, **env_extra}  # inherits how this process imports tessera (tests/conftest.py)
     env.pop("LD_PRELOAD", None) if "LD_PRELOAD" not in env_extra else None
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
                           timeout=120).stdout

@@ -20,8 +20,6 @@ from engine.parallel.serving import max_stage_cache_bytes
 from engine.parallel.transport import TRANSPORT_ENV
 from engine.tools.make_model import make_model
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
@@ -75,7 +73,7 @@ def test_a_stage_cache_holds_what_the_plan_says(tiny_dir):
 
 
 def _check_parallel(model_dir: Path, *args: str, transport: str | None = None) -> tuple[int, dict]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = dict(os.environ)  # inherits how this process imports tessera (tests/conftest.py)
     env.pop(TRANSPORT_ENV, None)
     if transport is not None:  # forced; by default the ring backend moves streams point to point
         env[TRANSPORT_ENV] = transport
@@ -130,7 +128,7 @@ def test_check_parallel_fails_past_its_threshold(tiny_dir):
     (["--tile", "2", "--world", "5"], "world (5) must be between 1 and the model's 4 layers"),
 ])
 def test_check_parallel_rejects_bad_arguments(tiny_dir, args, message):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = dict(os.environ)  # inherits how this process imports tessera (tests/conftest.py)
     proc = subprocess.run([sys.executable, "-m", "engine.tools.commands", "check", "parallel", "--model", str(tiny_dir),
                            "--tokens", "10", "--chunk", "4", *args], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -23,7 +23,6 @@ from engine.parallel.serving import RANK_LOST_EXIT_CODE
 from engine.parallel.transport import TRANSPORT_ENV
 from engine.tools.make_model import make_model
 
-REPO = Path(__file__).resolve().parents[1]
 # The second prompt is longer than the chunk (32): its prefill takes several steps.
 PROMPTS = ["hello world, this is a test of the pipeline", "a second prompt, longer than one chunk of thirty-two tokens " * 3]
 
@@ -43,7 +42,7 @@ def _free_port() -> int:
 @contextmanager
 def _server(model_dir: Path, world: int, log: Path, transport: str | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = dict(os.environ)  # inherits how this process imports tessera (tests/conftest.py)
     env.pop(TRANSPORT_ENV, None)
     if transport is not None:  # forced (what NCCL gets); by default the ring backend uses send/recv
         env[TRANSPORT_ENV] = transport
@@ -147,7 +146,7 @@ def test_under_mlx_launch_every_rank_runs_tessera_serve(model_dir, expected, tmp
     if not launcher.is_file():
         pytest.skip("mlx.launch is not installed beside this python")
     port, log = _free_port(), tmp_path / "launch.log"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = dict(os.environ)  # inherits how this process imports tessera (tests/conftest.py)
     env.pop("LD_PRELOAD", None)
     with open(log, "wb") as out:
         proc = subprocess.Popen([str(launcher), "--hosts", "127.0.0.1,127.0.0.1", "--backend", "ring", "--python",

@@ -419,7 +419,7 @@ def test_non_streaming_disconnect_aborts(slow_server: LiveServer, when: str) -> 
 def test_tessera_serve_embedded_default_model(tmp_path: Path) -> None:
     """The newcomer's path: no --model, TESSERA_PORT picks the port; a chat request works; SIGTERM drains."""
     port = free_port()
-    env = {**os.environ, "TESSERA_PORT": str(port), "TESSERA_HOME": str(tmp_path), "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "TESSERA_PORT": str(port), "TESSERA_HOME": str(tmp_path)}
     process = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--log-level", "warning"], cwd=REPO_ROOT,
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base_url = f"http://127.0.0.1:{port}"

@@ -76,11 +76,10 @@ def _free_ports(count: int) -> list[int]:
 
 
 def spawn_rank(world: LocalWorld, rank: int, argv: Sequence[str], log_path: Path | None = None) -> subprocess.Popen:
-    """Start `python argv…` as rank `rank` (the repo on its PYTHONPATH); its output goes to `log_path`
-    (default: this process's stderr)."""
+    """Start `python argv…` as rank `rank`; its output goes to `log_path` (default: this process's stderr).
+    The rank imports `tessera` as this process does: the same interpreter (an install, editable or not) and the
+    same environment (PYTHONPATH, where a source checkout runs uninstalled: README.md)."""
     env = {**os.environ, **world.env(rank)}
-    repo = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
     out = open(log_path, "wb") if log_path is not None else None
     return subprocess.Popen([sys.executable, *argv], env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
 
