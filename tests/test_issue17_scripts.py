@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(args: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**(os.environ if env is None else env), "PYTHONPATH": str(ROOT)}
+    env = dict(os.environ if env is None else env)  # its PYTHONPATH says how this process imports tessera
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return subprocess.run([sys.executable, "-u", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
