@@ -11,9 +11,9 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from engine.tools.check_limits import KERNEL_MAX_DIFFERING_ROWS, KERNEL_MAX_REL_DIFF
-from kernels import indexer_cuda, topk_cuda
-from kernels.indexer import indexer_scores_reference, select_topk_reference, select_topk_threshold
+from tessera.engine.tools.check_limits import KERNEL_MAX_DIFFERING_ROWS, KERNEL_MAX_REL_DIFF
+from tessera.kernels import indexer_cuda, topk_cuda
+from tessera.kernels.indexer import indexer_scores_reference, select_topk_reference, select_topk_threshold
 
 
 def _inputs(rng: np.random.Generator, t: int, n: int, heads: int, dim: int, integer: bool):

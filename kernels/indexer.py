@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels import indexer_cuda, topk_cuda
+from tessera.kernels import indexer_cuda, topk_cuda
 
 
 # Below this many [T, N] score elements (4 MiB of float32) the per-head evaluation is skipped: a

@@ -7,7 +7,7 @@ tile in shared memory at a time, and `mma.sync.m16n8k16` (bf16 × bf16 → fp32)
 dot products that are ReLU'd, weighted and summed in registers in a fixed head order. A row's score
 depends only on that row, so tiles stay bit-identical whatever T is (docs/ARCHITECTURE.md).
 
-The reference is `kernels.indexer.indexer_scores_reference`; `kernels.indexer.indexer_scores`
+The reference is `tessera.kernels.indexer.indexer_scores_reference`; `tessera.kernels.indexer.indexer_scores`
 dispatches here on a CUDA device when the shapes fit (`shapes_fit`: index_head_dim a multiple of 16
 and ≤ 256, and the block's query tile plus every head weight within 48 KiB of static shared memory).
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels.cuda import compiled_kernel, on_cuda
+from tessera.kernels.cuda import compiled_kernel, on_cuda
 
 QUERIES_PER_BLOCK = 32  # two m16 tiles
 KEYS_PER_WARP = 32  # four n8 tiles

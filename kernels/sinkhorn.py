@@ -18,7 +18,7 @@ import os
 
 import mlx.core as mx
 
-from kernels.cuda import compiled_kernel, on_cuda
+from tessera.kernels.cuda import compiled_kernel, on_cuda
 
 ENV_VAR = "TESSERA_SINKHORN_KERNEL"
 

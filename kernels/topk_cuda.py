@@ -1,6 +1,6 @@
 """Top-k of the indexer's scores for MLX's CUDA backend: a radix select instead of a full sort.
 
-Same result as `kernels.indexer.select_topk_reference` (the k best rows, ties to the lower index,
+Same result as `tessera.kernels.indexer.select_topk_reference` (the k best rows, ties to the lower index,
 returned in ascending order): one block of 1024 threads per query row
 1. finds the k-th largest score by four 8-bit radix passes over the row's order-preserving integer
    keys (histograms in shared memory, one atomic per distinct digit per warp), which also says how
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels.cuda import compiled_kernel, on_cuda
+from tessera.kernels.cuda import compiled_kernel, on_cuda
 
 THREADS = 1024  # one block per query row
 WARPS = THREADS // 32

@@ -15,9 +15,9 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.model.tokenizer import Tokenizer
-from engine.serving.protocol import EngineClient
-from server.errors import (
+from tessera.engine.model.tokenizer import Tokenizer
+from tessera.engine.serving.protocol import EngineClient
+from tessera.server.errors import (
     APIError,
     install_error_handlers,
     payload_too_large,
@@ -25,12 +25,12 @@ from server.errors import (
     to_api_error,
     unauthorized,
 )
-from server.metrics import Metrics, metrics_router
-from server.openapi import install_openapi
-from server.prepare import ModelInfo, ServedModel, served_model_name
-from server.routes import router
-from server.settings import Settings
-from server.state import AppState
+from tessera.server.metrics import Metrics, metrics_router
+from tessera.server.openapi import install_openapi
+from tessera.server.prepare import ModelInfo, ServedModel, served_model_name
+from tessera.server.routes import router
+from tessera.server.settings import Settings
+from tessera.server.state import AppState
 
 V4_MAX_CONTEXT = 1_048_576  # DeepSeek-V4's max_position_embeddings: token-count buckets before the model is read
 

@@ -14,11 +14,11 @@ from typing import AsyncIterator, Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine.model.tokenizer import Tokenizer
-from server.dsml import Delta, StreamingOutputParser, ToolCall, parse_completion
-from server.generation import ChoiceRun, Piece, close_runs, collect_all, merge_pieces, open_runs
-from server.logprobs import chat_logprobs
-from server.prepare import (
+from tessera.engine.model.tokenizer import Tokenizer
+from tessera.server.dsml import Delta, StreamingOutputParser, ToolCall, parse_completion
+from tessera.server.generation import ChoiceRun, Piece, close_runs, collect_all, merge_pieces, open_runs
+from tessera.server.logprobs import chat_logprobs
+from tessera.server.prepare import (
     RequestLimits,
     ServedModel,
     chat_prompt_ids,
@@ -29,7 +29,7 @@ from server.prepare import (
     start_runs,
     until_disconnected,
 )
-from server.schemas import (
+from tessera.server.schemas import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -44,8 +44,8 @@ from server.schemas import (
     ToolCallOut,
     Usage,
 )
-from server.sse import Chunk, Keepalive, sse_response
-from server.structured_output import (
+from tessera.server.sse import Chunk, Keepalive, sse_response
+from tessera.server.structured_output import (
     GrammarCompiler,
     GrammarConstraint,
     ToolSpec,
@@ -54,7 +54,7 @@ from server.structured_output import (
     plain_or_block_rule,
     tool_call_grammar,
 )
-from server.workers import WorkerPool
+from tessera.server.workers import WorkerPool
 
 
 @dataclass(frozen=True)

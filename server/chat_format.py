@@ -31,7 +31,7 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from server.dsml import DSML, render_tool_calls
+from tessera.server.dsml import DSML, render_tool_calls
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"

@@ -1,4 +1,4 @@
-"""`tessera`: the one console script. `serve` lives here; the engine's subcommands come from engine.tools.commands.
+"""`tessera`: the one console script. `serve` lives here; the engine's subcommands come from tessera.engine.tools.commands.
 
 `serve`'s flags are generated from the Settings schema (one flag per field, its description as help), so
 the CLI cannot drift from the settings. Only flags actually given become overrides: an absent flag leaves
@@ -13,8 +13,8 @@ from typing import Any, Sequence
 
 from pydantic import ValidationError
 
-from engine.tools import commands
-from server.settings import Settings, load_settings
+from tessera.engine.tools import commands
+from tessera.server.settings import Settings, load_settings
 
 # Fields whose flag is spelled differently from the field name.
 _FLAG_NAMES = {"api_keys": "--api-key"}
@@ -62,7 +62,7 @@ def _serve(args: argparse.Namespace) -> int:
     except (ValidationError, FileNotFoundError, ValueError) as exc:
         print(f"tessera serve: invalid settings:\n{_describe(exc)}", file=sys.stderr)
         return 2
-    from server.serve import serve  # uvicorn and the app only once the settings are good
+    from tessera.server.serve import serve  # uvicorn and the app only once the settings are good
 
     return serve(settings)
 

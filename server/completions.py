@@ -12,10 +12,10 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine.serving.protocol import SamplingParams
-from server.generation import ChoiceRun, Piece, close_runs, collect_all, merge_pieces, open_runs
-from server.logprobs import CompletionLogprobsBuilder
-from server.prepare import (
+from tessera.engine.serving.protocol import SamplingParams
+from tessera.server.generation import ChoiceRun, Piece, close_runs, collect_all, merge_pieces, open_runs
+from tessera.server.logprobs import CompletionLogprobsBuilder
+from tessera.server.prepare import (
     RequestLimits,
     ServedModel,
     check_model,
@@ -27,9 +27,9 @@ from server.prepare import (
     text_prompt_ids,
     until_disconnected,
 )
-from server.schemas import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Usage
-from server.sse import Chunk, Keepalive, sse_response
-from server.workers import WorkerPool
+from tessera.server.schemas import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Usage
+from tessera.server.sse import Chunk, Keepalive, sse_response
+from tessera.server.workers import WorkerPool
 
 
 def _prompt_ids(body: CompletionRequest, served: ServedModel) -> list[tuple[list[int], str]]:

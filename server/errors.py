@@ -16,10 +16,10 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.serving.protocol import AdmissionError
-from server.chat_format import ChatFormatError
-from server.schemas import Unsupported
-from server.structured_output import GrammarError
+from tessera.engine.serving.protocol import AdmissionError
+from tessera.server.chat_format import ChatFormatError
+from tessera.server.schemas import Unsupported
+from tessera.server.structured_output import GrammarError
 
 logger = logging.getLogger("tessera.server")
 
@@ -176,7 +176,7 @@ def _from_http(exc: StarletteHTTPException, request: Request | None) -> APIError
 
 def report_client_error(error: APIError, route: str, metrics: Any | None) -> None:
     """Every 4xx is logged with its code and param and counted by reason (docs/OBSERVABILITY.md).
-    `metrics`: the app's server.metrics.Metrics (None before an app exists)."""
+    `metrics`: the app's tessera.server.metrics.Metrics (None before an app exists)."""
     if not 400 <= error.status < 500:
         return
     reason = error.code or error.type

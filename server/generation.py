@@ -14,7 +14,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
-from engine.serving.protocol import (
+from tessera.engine.serving.protocol import (
     AdmissionError,
     Done,
     EngineClient,
@@ -26,9 +26,9 @@ from engine.serving.protocol import (
     SamplingParams,
     Token,
 )
-from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from server.errors import APIError, internal_error, invalid_request, overloaded, unavailable
-from server.metrics import Metrics
+from tessera.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from tessera.server.errors import APIError, internal_error, invalid_request, overloaded, unavailable
+from tessera.server.metrics import Metrics
 
 
 @dataclass

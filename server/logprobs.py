@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from engine.serving.protocol import PromptLogprob, Token
-from engine.model.tokenizer import Tokenizer
-from server.schemas import CompletionLogprobs, TokenLogprob, TopLogprob
+from tessera.engine.serving.protocol import PromptLogprob, Token
+from tessera.engine.model.tokenizer import Tokenizer
+from tessera.server.schemas import CompletionLogprobs, TokenLogprob, TopLogprob
 
 
 LOGPROB_FLOOR = -9999.0  # vLLM's value for -inf

@@ -31,10 +31,10 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from starlette.responses import Response
 
-from engine.serving.protocol import Done, EngineStats, Error, Event, Progress, PromptLogprobs, StepStats, Token
+from tessera.engine.serving.protocol import Done, EngineStats, Error, Event, Progress, PromptLogprobs, StepStats, Token
 
 if TYPE_CHECKING:
-    from server.settings import Settings
+    from tessera.server.settings import Settings
 
 # ---- bucket families -------------------------------------------------------------------------------
 # vLLM's boundaries (vllm/v1/metrics/loggers.py) kept as a subset, so a vLLM dashboard's `le` thresholds still
@@ -61,7 +61,7 @@ PREFILL_STAGE_BUCKETS = (
 _M = TypeVar("_M", Gauge, Counter, Histogram)
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
-REJECTION_REASONS = ("queue_full", "too_long", "never_fits", "shutting_down")  # engine.serving.protocol.AdmissionReason
+REJECTION_REASONS = ("queue_full", "too_long", "never_fits", "shutting_down")  # tessera.engine.serving.protocol.AdmissionReason
 PREFILL_STAGES = ("indexer_score", "topk", "attention", "moe", "other")  # engine/model/trace.py STAGES
 
 # tessera_ family -> the vllm: names with exactly its meaning (counters by their name without `_total`).
@@ -281,7 +281,7 @@ class Metrics:
         decode_s: float | None = None,
     ) -> None:
         """A request ended (finish_reason: stop | length | abort | error). A phase the request never reached,
-        or whose split is unknown, is None and is not observed (as in engine.serving.protocol.RequestTimings)."""
+        or whose split is unknown, is None and is not observed (as in tessera.engine.serving.protocol.RequestTimings)."""
         self._success.labels(self.model_name, finish_reason).inc()
         self._request_prompt_tokens.observe(num_prompt_tokens)
         self._request_generation_tokens.observe(num_generation_tokens)
@@ -408,7 +408,7 @@ class RequestTracker:
         self.num_streamed_tokens += 1
 
     def _on_done(self, done: Done) -> None:
-        # A stop token is generated but never streamed (engine.serving.protocol.Done): it arrived with Done.
+        # A stop token is generated but never streamed (tessera.engine.serving.protocol.Done): it arrived with Done.
         now = self._clock()
         for _ in range(done.num_generated_tokens - self.num_streamed_tokens):
             self._on_token(now)

@@ -13,16 +13,16 @@ from typing import Awaitable, Callable, Sequence, TypeVar
 
 from starlette.requests import Request
 
-from engine.serving.protocol import EngineClient, SamplingParams, TokenConstraint
-from engine.model.tokenizer import Tokenizer, TooManyTokens
-from server.chat_format import render_prompt, render_with_template
-from server.errors import APIError, ClientDisconnected, context_length_exceeded, invalid_request, model_not_found
-from server.generation import ChoiceRun
-from server.metrics import Metrics
-from server.schemas import ChatCompletionRequest, SamplingFields
-from server.settings import Settings
-from server.structured_output import GrammarCompiler
-from server.version import system_fingerprint
+from tessera.engine.serving.protocol import EngineClient, SamplingParams, TokenConstraint
+from tessera.engine.model.tokenizer import Tokenizer, TooManyTokens
+from tessera.server.chat_format import render_prompt, render_with_template
+from tessera.server.errors import APIError, ClientDisconnected, context_length_exceeded, invalid_request, model_not_found
+from tessera.server.generation import ChoiceRun
+from tessera.server.metrics import Metrics
+from tessera.server.schemas import ChatCompletionRequest, SamplingFields
+from tessera.server.settings import Settings
+from tessera.server.structured_output import GrammarCompiler
+from tessera.server.version import system_fingerprint
 
 T = TypeVar("T")
 

@@ -11,12 +11,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.responses import Response
 
-from server.chat import create_chat_completion
-from server.completions import create_completion
-from server.errors import UNAVAILABLE_RETRY_AFTER_S, model_not_found
-from server.openapi import body_doc
-from server.prepare import ServedModel, chat_prompt_ids, check_model, check_token_ids, text_prompt_ids
-from server.schemas import (
+from tessera.server.chat import create_chat_completion
+from tessera.server.completions import create_completion
+from tessera.server.errors import UNAVAILABLE_RETRY_AFTER_S, model_not_found
+from tessera.server.openapi import body_doc
+from tessera.server.prepare import ServedModel, chat_prompt_ids, check_model, check_token_ids, text_prompt_ids
+from tessera.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -27,9 +27,9 @@ from server.schemas import (
     TokenizeResponse,
     VersionInfo,
 )
-from server.state import AppState
-from server.version import tessera_version
-from server.workers import json_body
+from tessera.server.state import AppState
+from tessera.server.version import tessera_version
+from tessera.server.workers import json_body
 
 router = APIRouter()
 

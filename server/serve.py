@@ -19,11 +19,11 @@ from types import FrameType
 
 import uvicorn
 
-from server.app import create_app, default_metrics
-from server.metrics import Metrics
-from server.prepare import ModelInfo, ServedModel, served_model_name
-from server.settings import Settings
-from server.state import AppState
+from tessera.server.app import create_app, default_metrics
+from tessera.server.metrics import Metrics
+from tessera.server.prepare import ModelInfo, ServedModel, served_model_name
+from tessera.server.settings import Settings
+from tessera.server.state import AppState
 
 logger = logging.getLogger("tessera.serve")
 
@@ -36,8 +36,8 @@ def build_engine(settings: Settings, metrics: Metrics | None = None) -> ServedMo
     `metrics`: the app's, already serving /metrics while this loads; None builds one (`AppState.attach`
     subscribes it to the engine's steps). The engine is imported here, not at the top, so the server can be
     imported and tested without MLX or a model."""
-    from engine.serving.factory import EngineOptions
-    from engine.serving.factory import build_engine as build_engine_core
+    from tessera.engine.serving.factory import EngineOptions
+    from tessera.engine.serving.factory import build_engine as build_engine_core
 
     name = served_model_name(settings)
     built = build_engine_core(EngineOptions(
@@ -107,7 +107,7 @@ def serve(settings: Settings) -> int:
     configure_logging(settings.log_level)
     logger.info("effective settings: %s", json.dumps(settings.public_dict(), sort_keys=True))
     if settings.world > 1:  # under `mlx.launch` every rank runs this; ranks other than 0 serve no HTTP
-        from engine.parallel.follower import follow_if_launched_follower
+        from tessera.engine.parallel.follower import follow_if_launched_follower
 
         code = follow_if_launched_follower(settings.model, settings.indexer_tile, settings.world)
         if code is not None:

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.types import Receive, Scope, Send
 
-from server.errors import to_api_error
+from tessera.server.errors import to_api_error
 
 PING_INTERVAL_S = 10  # under the common 30-60 s idle timeouts of proxies and load balancers
 

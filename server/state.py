@@ -9,12 +9,12 @@ import logging
 import time
 from typing import Literal
 
-from engine.serving.protocol import EngineStats
-from server.errors import unavailable
-from server.metrics import Metrics
-from server.prepare import RequestLimits, ServedModel
-from server.settings import Settings
-from server.workers import WorkerPool
+from tessera.engine.serving.protocol import EngineStats
+from tessera.server.errors import unavailable
+from tessera.server.metrics import Metrics
+from tessera.server.prepare import RequestLimits, ServedModel
+from tessera.server.settings import Settings
+from tessera.server.workers import WorkerPool
 
 logger = logging.getLogger("tessera.server")
 

@@ -1,4 +1,4 @@
-"""Per-token cost of structured-output masking on a real (random-weight) model: `python -m server.structured_bench`.
+"""Per-token cost of structured-output masking on a real (random-weight) model: `python -m tessera.server.structured_bench`.
 
 Decode steps of one request, free vs under a JSON-schema grammar, in alternating order (A B B A …) in one
 process so drift cancels. Also times the grammar work alone (mask + accept per token) and the mask's application
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine.model.tokenizer import Tokenizer
-from engine.serving.protocol import DecodeSlot, PrefillChunk, SamplingParams, StepPlan
-from engine.serving.runner import build_runner
-from engine.tools.make_model import make_model
-from server.structured_output import GrammarCompiler, full_grammar, json_grammar
+from tessera.engine.model.tokenizer import Tokenizer
+from tessera.engine.serving.protocol import DecodeSlot, PrefillChunk, SamplingParams, StepPlan
+from tessera.engine.serving.runner import build_runner
+from tessera.engine.tools.make_model import make_model
+from tessera.server.structured_output import GrammarCompiler, full_grammar, json_grammar
 
 # Never finishes within the measured steps: the grammar stays active on every token.
 LONG_SCHEMA = {"type": "array", "items": {"type": "object", "properties": {

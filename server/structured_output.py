@@ -23,8 +23,8 @@ from typing import Any
 
 import llguidance
 
-from engine.model.tokenizer import Tokenizer
-from server.dsml import DSML, TOOL_CALLS_END, TOOL_CALLS_START, THINK_END
+from tessera.engine.model.tokenizer import Tokenizer
+from tessera.server.dsml import DSML, TOOL_CALLS_END, TOOL_CALLS_START, THINK_END
 
 logger = logging.getLogger("tessera.server")
 

@@ -19,7 +19,7 @@ import anyio.to_thread
 from fastapi import Request
 from pydantic import BaseModel
 
-from server.errors import invalid_request
+from tessera.server.errors import invalid_request
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)

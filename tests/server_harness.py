@@ -22,16 +22,16 @@ import openai
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.serving.engine_loop import AsyncEngine
+from tessera.engine.serving.engine_loop import AsyncEngine
 from tests.support.fake_runner import ScriptedRunner
-from engine.serving.protocol import SamplingParams, StepOutput, StepPlan
-from engine.serving.scheduler import SchedulerConfig
-from engine.model.tokenizer import Tokenizer
-from engine.tools.tokenizer_train import train_tokenizer
-from server.app import create_app
-from server.metrics import Metrics
-from server.prepare import ModelInfo
-from server.settings import Settings
+from tessera.engine.serving.protocol import SamplingParams, StepOutput, StepPlan
+from tessera.engine.serving.scheduler import SchedulerConfig
+from tessera.engine.model.tokenizer import Tokenizer
+from tessera.engine.tools.tokenizer_train import train_tokenizer
+from tessera.server.app import create_app
+from tessera.server.metrics import Metrics
+from tessera.server.prepare import ModelInfo
+from tessera.server.settings import Settings
 
 MODEL_NAME = "tessera-test"
 

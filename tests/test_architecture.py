@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NAMESPACE = "tessera"
 PACKAGES = ("engine", "server", "kernels")  # the checkout's folders; installed as tessera.engine, ... (pyproject.toml)
 WEB = ("fastapi", "starlette", "uvicorn", "sse_starlette", "pydantic", "pydantic_settings", "prometheus_client")
-MLX_FREE = ("engine.serving.protocol", "engine.serving.request", "engine.serving.scheduler")
+MLX_FREE = ("tessera.engine.serving.protocol", "tessera.engine.serving.request", "tessera.engine.serving.scheduler")
 
 
 def modules() -> dict[str, Path]:
@@ -92,10 +92,10 @@ def test_the_import_graph_has_no_cycles():
 
 def test_the_cycle_finder_finds_a_cycle():
     """The check above can fail: app -> routes -> app (the circle this layout removed) is reported."""
-    graph = {"server.app": {"server.routes"}, "server.routes": {"server.state", "server.app"}, "server.state": set()}
-    assert find_cycle(sorted(graph), graph.__getitem__) == ["server.app", "server.routes", "server.app"]
-    del graph["server.routes"]
-    assert find_cycle(["server.app", "server.state"], lambda m: graph.get(m, set())) is None
+    graph = {"tessera.server.app": {"tessera.server.routes"}, "tessera.server.routes": {"tessera.server.state", "tessera.server.app"}, "tessera.server.state": set()}
+    assert find_cycle(sorted(graph), graph.__getitem__) == ["tessera.server.app", "tessera.server.routes", "tessera.server.app"]
+    del graph["tessera.server.routes"]
+    assert find_cycle(["tessera.server.app", "tessera.server.state"], lambda m: graph.get(m, set())) is None
 
 
 def test_engine_and_kernels_never_import_web_code_or_the_server():

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from engine.model.loader import load_model
-from engine.tools import bench
-from engine.tools.bench import RunOptions, bench_with_model
-from engine.tools.make_model import make_model
+from tessera.engine.model.loader import load_model
+from tessera.engine.tools import bench
+from tessera.engine.tools.bench import RunOptions, bench_with_model
+from tessera.engine.tools.make_model import make_model
 from tests.support.tiling_model import make_tiling_model
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def model(model_dir):
 
 
 def test_bench_prefill_cli_reports_how_it_ran(model_dir):
-    cmd = [sys.executable, "-m", "server.cli", "bench", "prefill", "--model", str(model_dir), "--ctx", "256",
+    cmd = [sys.executable, "-m", "tessera.server.cli", "bench", "prefill", "--model", str(model_dir), "--ctx", "256",
            "--chunk", "128", "--tile", "32", "--no-stage-sync", "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
@@ -62,7 +62,7 @@ def test_bench_matrix_writes_the_five_rows(model_dir, tmp_path):
 
 
 def test_bench_compare_cli_rejects_a_malformed_setting(model_dir):
-    cmd = [sys.executable, "-m", "server.cli", "bench", "compare", "--model", str(model_dir), "--ctx", "256",
+    cmd = [sys.executable, "-m", "tessera.server.cli", "bench", "compare", "--model", str(model_dir), "--ctx", "256",
            "--settings", "128:128", "128:256"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 2 and "setting '128:256': the tile must be between 1 and the chunk" in out.stderr
@@ -111,9 +111,9 @@ def test_a_blocking_setting_reaches_the_tile_loop(model, monkeypatch):
 
 
 def test_blocking_and_pipelined_tiles_give_the_same_logits(model):
-    from engine.model.deepseek_v4 import Segment
-    from engine.model.trace import ForwardTrace
-    from engine.tools.replay import random_tokens
+    from tessera.engine.model.deepseek_v4 import Segment
+    from tessera.engine.model.trace import ForwardTrace
+    from tessera.engine.tools.replay import random_tokens
 
     tokens = random_tokens(model.cfg.vocab_size, 200, seed=3)
     logits = []
@@ -127,14 +127,14 @@ def test_blocking_and_pipelined_tiles_give_the_same_logits(model):
 
 @pytest.mark.parametrize("spec,expected", [("4096:1024", (4096, 1024, True)), ("4096:1024:blocking", (4096, 1024, False))])
 def test_compare_settings_parse_the_blocking_suffix(spec, expected):
-    from engine.tools.commands import _setting
+    from tessera.engine.tools.commands import _setting
 
     s = _setting(spec)
     assert (s.chunk, s.tile, s.pipelined) == expected
 
 
 def test_bench_compare_cli_rejects_an_unknown_tile_mode(model_dir):
-    cmd = [sys.executable, "-m", "server.cli", "bench", "compare", "--model", str(model_dir), "--ctx", "256",
+    cmd = [sys.executable, "-m", "tessera.server.cli", "bench", "compare", "--model", str(model_dir), "--ctx", "256",
            "--settings", "128:32:async"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 2 and "expected C:T or C:T:blocking" in out.stderr

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from engine.model.config import CSA, HCA, WINDOW
-from engine.model.loader import load_model
-from engine.tools.bench_decode import cache_bytes_read, expected_experts, weights_bytes_touched
-from engine.tools.make_model import make_model
+from tessera.engine.model.config import CSA, HCA, WINDOW
+from tessera.engine.model.loader import load_model
+from tessera.engine.tools.bench_decode import cache_bytes_read, expected_experts, weights_bytes_touched
+from tessera.engine.tools.make_model import make_model
 
 OVERRIDES = dict(layer_types=[WINDOW, CSA, HCA, CSA], num_hidden_layers=4, compress_rates={CSA: 4, HCA: 32})
 
@@ -23,7 +23,7 @@ def model_dir(tmp_path_factory):
 
 
 def _bench(model_dir, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "server.cli", "bench", "decode", "--model", str(model_dir), "--ctx", "70",
+    cmd = [sys.executable, "-m", "tessera.server.cli", "bench", "decode", "--model", str(model_dir), "--ctx", "70",
            "--chunk", "32", "--tile", "8", "--steps", "4", *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 

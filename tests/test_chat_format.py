@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from server.chat_format import ChatFormatError, render_prompt, render_with_template
-from server.dsml import parse_completion
+from tessera.server.chat_format import ChatFormatError, render_prompt, render_with_template
+from tessera.server.dsml import parse_completion
 
 WEATHER_TOOL = {
     "type": "function",

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.tools import commands, consistency, reference_check
-from engine.tools.check_limits import ConsistencyLimits
-from engine.tools.consistency import ConsistencyReport
-from engine.tools.reference_check import ReferenceReport
-from kernels import device_checks
+from tessera.engine.tools import commands, consistency, reference_check
+from tessera.engine.tools.check_limits import ConsistencyLimits
+from tessera.engine.tools.consistency import ConsistencyReport
+from tessera.engine.tools.reference_check import ReferenceReport
+from tessera.kernels import device_checks
 
 ROOT = Path(__file__).resolve().parents[1]
 H200_KERNEL_REPORT = json.loads((ROOT / "docs" / "bench" / "h200-check-kernels.json").read_text())
@@ -71,7 +71,7 @@ def test_check_kernels_without_cuda_exits_2_and_says_so():
     """The real command on this machine: no CUDA device, nothing checked — never a silent pass."""
     if device_checks.indexer_cuda.on_cuda():
         pytest.skip("has a CUDA device: the kernels run (tests/test_kernels_cuda.py)")
-    out = subprocess.run([sys.executable, "-m", "engine.tools.commands", "check", "kernels", "--json"],
+    out = subprocess.run([sys.executable, "-m", "tessera.engine.tools.commands", "check", "kernels", "--json"],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 2 and "no CUDA device" in out.stderr
 

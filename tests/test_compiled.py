@@ -12,7 +12,7 @@ import sys
 import mlx.core as mx
 import pytest
 
-from engine.model import compiled, hyper
+from tessera.engine.model import compiled, hyper
 
 HC, WIDTH, ITERS, EPS = 4, 48, 20, 1e-6
 
@@ -120,21 +120,21 @@ def test_environment_switch(value, expected):
     env = {k: v for k, v in os.environ.items() if k != compiled.ENV_VAR}
     if value is not None:
         env[compiled.ENV_VAR] = value
-    code = "from engine.model.compiled import compile_enabled; print(compile_enabled())"
+    code = "from tessera.engine.model.compiled import compile_enabled; print(compile_enabled())"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == expected
 
 
 def test_environment_switch_rejects_other_values():
     env = {**os.environ, compiled.ENV_VAR: "off"}
-    out = subprocess.run([sys.executable, "-c", "import engine.model.compiled"], env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", "import tessera.engine.model.compiled"], env=env, capture_output=True, text=True)
     assert out.returncode != 0 and "TESSERA_COMPILE must be 0 (off) or 1 (on)" in out.stderr
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("hashed", [False, True], ids=["learned", "hash"])
 def test_moe_gives_the_same_bits_compiled_and_plain(dtype, hashed):
-    from engine.model.moe import MoEWeights, moe
+    from tessera.engine.model.moe import MoEWeights, moe
 
     experts, dim, inner, vocab, top_k = 6, 32, 24, 50, 2
     keys = iter(mx.random.split(mx.random.key(7), 10))
@@ -171,7 +171,7 @@ def _reference_rope(x, cos, sin):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("enabled", [True, False], ids=["compiled", "plain"])
 def test_rope_gives_the_reference_bits_for_every_shape(dtype, enabled):
-    from engine.model.rope import apply_rope
+    from tessera.engine.model.rope import apply_rope
 
     compiled.set_compile_enabled(enabled)
     for step, shape in enumerate([(1, 8, 48), (5, 8, 48), (3, 48), (9, 2, 48), (1, 48)]):
@@ -185,7 +185,7 @@ def test_rope_gives_the_reference_bits_for_every_shape(dtype, enabled):
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
 def test_norms_give_the_same_bits_compiled_and_plain_for_every_shape(dtype):
-    from engine.model.norms import rms_norm, unweighted_rms_norm
+    from tessera.engine.model.norms import rms_norm, unweighted_rms_norm
 
     for step, shape in enumerate([(1, 48), (7, 48), (3, 8, 48), (2, 64), (1, 48)]):  # rows, rank and width change
         weight = mx.random.normal((shape[-1],), key=mx.random.key(1)).astype(dtype)

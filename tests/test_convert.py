@@ -9,12 +9,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.model.loader import load_model
-from engine.model.quantized import QuantizedWeight
-from engine.tools.convert import ConvertError, convert
-from engine.tools.make_model import make_model, preset_config
-from engine.tools.official_checkpoint import write_official_checkpoint
-from engine.tools.reference_check import check_against
+from tessera.engine.model.loader import load_model
+from tessera.engine.model.quantized import QuantizedWeight
+from tessera.engine.tools.convert import ConvertError, convert
+from tessera.engine.tools.make_model import make_model, preset_config
+from tessera.engine.tools.official_checkpoint import write_official_checkpoint
+from tessera.engine.tools.reference_check import check_against
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_cli_make_model_official_then_convert_reports_bytes(tmp_path):
     import sys
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "engine.tools.commands", *args], capture_output=True, text=True)
+        return subprocess.run([sys.executable, "-m", "tessera.engine.tools.commands", *args], capture_output=True, text=True)
 
     made = cli("make-model", str(tmp_path / "src"), "--format", "official", "--no-tokenizer", "--seed", "2")
     assert made.returncode == 0 and "wrote official checkpoint" in made.stdout

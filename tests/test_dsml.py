@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from server.dsml import (
+from tessera.server.dsml import (
     Delta,
     ParsedOutput,
     StreamingOutputParser,

@@ -13,10 +13,10 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from engine.serving.protocol import SampledToken
-from server.app import create_app
-from server.metrics import Metrics
-from server.settings import Settings
+from tessera.engine.serving.protocol import SampledToken
+from tessera.server.app import create_app
+from tessera.server.metrics import Metrics
+from tessera.server.settings import Settings
 from server_harness import MODEL_NAME, LiveServer, live_server, make_tokenizer, serving
 
 CHAT = "/v1/chat/completions"
@@ -192,7 +192,7 @@ def test_a_500_keeps_the_keepalive_connection(server: LiveServer, monkeypatch: p
     def broken(*args: Any) -> list[int]:
         raise RuntimeError("secret detail of a bug")
 
-    monkeypatch.setattr("server.chat.chat_prompt_ids", broken)
+    monkeypatch.setattr("tessera.server.chat.chat_prompt_ids", broken)
     errors_before = server.scrape().get(("tessera_http_errors_total",
                                          frozenset({("model_name", MODEL_NAME), ("status", "500")})), 0)
     with httpx.Client(base_url=server.base_url, timeout=30,
@@ -339,7 +339,7 @@ def test_a_disconnect_storm_frees_everything(tokenizer):
 
 
 def test_without_a_budget_admission_uses_a_fraction_of_the_device_memory():
-    from engine.serving.factory import device_memory_bytes, memory_budget_of
+    from tessera.engine.serving.factory import device_memory_bytes, memory_budget_of
 
     total, where = device_memory_bytes()
     assert total > 2**28 and where  # this CPU machine's RAM

@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.serving.engine_loop import AsyncEngine
-from engine.serving.protocol import AdmissionError, Done, Error, SamplingParams, StepPlan, Token
-from engine.serving.scheduler import SchedulerConfig
+from tessera.engine.serving.engine_loop import AsyncEngine
+from tessera.engine.serving.protocol import AdmissionError, Done, Error, SamplingParams, StepPlan, Token
+from tessera.engine.serving.scheduler import SchedulerConfig
 from server_harness import live_server, make_tokenizer
 from tests.support.fake_runner import ScriptedRunner
 
@@ -149,9 +149,9 @@ def test_over_http_a_dead_engine_turns_ready_503_and_ends_streams_at_once(tokeni
 
 
 def test_model_runner_rolls_back_a_step_that_raised_after_writing_its_caches(tmp_path):
-    from engine.serving.protocol import DecodeSlot, NewRequest, PrefillChunk
-    from engine.serving.runner import build_runner
-    from engine.tools.make_model import make_model
+    from tessera.engine.serving.protocol import DecodeSlot, NewRequest, PrefillChunk
+    from tessera.engine.serving.runner import build_runner
+    from tessera.engine.tools.make_model import make_model
 
     runner = build_runner(make_model(tmp_path, "tiny", seed=3, with_tokenizer=False), prefill_chunk=64,
                           indexer_tile=16)
@@ -195,7 +195,7 @@ def test_model_runner_rolls_back_a_step_that_raised_after_writing_its_caches(tmp
 def test_tessera_serve_exits_non_zero_when_the_engine_dies():
     from types import SimpleNamespace
 
-    from server.serve import _watch_engine
+    from tessera.server.serve import _watch_engine
 
     callbacks: list = []
     served = SimpleNamespace(engine=SimpleNamespace(on_death=callbacks.append))

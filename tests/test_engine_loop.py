@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from engine.serving.engine_loop import AsyncEngine, EngineLoop
+from tessera.engine.serving.engine_loop import AsyncEngine, EngineLoop
 from tests.support.fake_runner import ScriptedRunner
-from engine.serving.protocol import AdmissionError, Done, Error, Progress, SamplingParams, StepStats, Token
-from engine.serving.request import Request
-from engine.serving.scheduler import SchedulerConfig
+from tessera.engine.serving.protocol import AdmissionError, Done, Error, Progress, SamplingParams, StepStats, Token
+from tessera.engine.serving.request import Request
+from tessera.engine.serving.scheduler import SchedulerConfig
 
 TIMEOUT_S = 10.0
 

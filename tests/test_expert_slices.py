@@ -8,9 +8,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.model import expert_slices
-from engine.model.expert_slices import overflowing_expert, sorted_gather_mm
-from engine.tools.make_model import preset_config
+from tessera.engine.model import expert_slices
+from tessera.engine.model.expert_slices import overflowing_expert, sorted_gather_mm
+from tessera.engine.tools.make_model import preset_config
 
 
 def _mlx_cuda_offset(group: int, itemsize: int, expert_elements: int) -> int:
@@ -57,8 +57,8 @@ def test_rows_of_one_slice_only():
 
 @pytest.mark.parametrize("tokens", [5, 200])  # 10 pairs: clamped slices; 400 pairs: cut slices
 def test_the_moe_on_cuda_runs_sliced_experts_and_gets_the_same_output(monkeypatch, tokens):
-    from engine.model import moe as moe_module
-    from engine.model.moe import MoEWeights, moe
+    from tessera.engine.model import moe as moe_module
+    from tessera.engine.model.moe import MoEWeights, moe
 
     rng = np.random.default_rng(0)
     experts, dim, inter = 9, 16, 24

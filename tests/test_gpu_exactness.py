@@ -15,16 +15,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.model import attention
-from engine.model.attention import ATTENTION_ROWS, PROJECTION_ROWS, attention_blocks, window_key_indices
-from engine.model.config import CSA, HCA, WINDOW
-from engine.model.loader import load_model
-from engine.tools import commands
-from engine.tools.make_model import make_model
-from engine.tools.replay import random_tokens, run_sequence
-from kernels import indexer_cuda, topk_cuda
-from kernels.indexer import mask_invisible, select_topk_reference
-from kernels.sparse_attention import mixed_attention_reference
+from tessera.engine.model import attention
+from tessera.engine.model.attention import ATTENTION_ROWS, PROJECTION_ROWS, attention_blocks, window_key_indices
+from tessera.engine.model.config import CSA, HCA, WINDOW
+from tessera.engine.model.loader import load_model
+from tessera.engine.tools import commands
+from tessera.engine.tools.make_model import make_model
+from tessera.engine.tools.replay import random_tokens, run_sequence
+from tessera.kernels import indexer_cuda, topk_cuda
+from tessera.kernels.indexer import mask_invisible, select_topk_reference
+from tessera.kernels.sparse_attention import mixed_attention_reference
 from tests.equivalence.row_invariant_blas import row_invariant_blas
 
 OVERRIDES = dict(layer_types=[WINDOW, CSA, HCA, CSA], num_hidden_layers=4, compress_rates={CSA: 4, HCA: 32})

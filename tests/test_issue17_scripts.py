@@ -68,7 +68,7 @@ def test_stage_script_stops_the_prefill_at_its_deadline_and_says_so(tmp_path):
 @pytest.fixture(scope="module")
 def random_weights_dir(tmp_path_factory):
     """A tiny random-weights model (official format made in memory) with a tokenizer, as the GPU run's."""
-    from engine.tools.make_model import make_model
+    from tessera.engine.tools.make_model import make_model
 
     return make_model(tmp_path_factory.mktemp("rw"), "tiny", seed=2, fmt="official", in_memory=True)
 
@@ -96,7 +96,7 @@ def test_serve_script_reports_prefill_decode_and_every_ranks_memory(tmp_path, ra
 def test_check_parallel_on_random_in_memory_weights_is_exact(random_weights_dir):
     """Each rank makes only its layers' weights, and they are the one process's: Δ = 0."""
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "TESSERA_PARALLEL_TRANSPORT")}
-    done = _run(["-m", "engine.tools.commands", "check", "parallel", "--model", str(random_weights_dir), "--world", "2",
+    done = _run(["-m", "tessera.engine.tools.commands", "check", "parallel", "--model", str(random_weights_dir), "--world", "2",
                  "--tokens", "100", "--chunk", "32", "--tile", "8", "--decode", "2", "--json"], env=env)
     report = json.loads(done.stdout.splitlines()[-1])
     assert done.returncode == 0 and report["passed"], report

@@ -7,9 +7,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import indexer, indexer_cuda
-from kernels.indexer import indexer_scores_reference, mask_invisible, select_topk_reference, select_topk_threshold
-from kernels.sparse_attention import mixed_attention_reference, shared_rows
+from tessera.kernels import indexer, indexer_cuda
+from tessera.kernels.indexer import indexer_scores_reference, mask_invisible, select_topk_reference, select_topk_threshold
+from tessera.kernels.sparse_attention import mixed_attention_reference, shared_rows
 from tests.equivalence.row_invariant_blas import row_invariant_blas
 
 
@@ -112,7 +112,7 @@ def test_cuda_kernel_is_only_dispatched_on_cuda():
 @pytest.mark.parametrize("rows", [1, 9, 130])
 def test_sinkhorn_ordered_reference_is_the_reference_bit_for_bit(rows):
     """The order the CUDA Sinkhorn kernel sums in (kernels/sinkhorn.py) is the CPU reduction's order."""
-    from kernels.sinkhorn import sinkhorn_ordered, sinkhorn_reference
+    from tessera.kernels.sinkhorn import sinkhorn_ordered, sinkhorn_reference
 
     comb = mx.softmax(mx.random.normal((rows, 4, 4), key=mx.random.key(rows)) * 3, axis=-1) + 1e-6
     got, want = sinkhorn_ordered(comb, 20, 1e-6), sinkhorn_reference(comb, 20, 1e-6)

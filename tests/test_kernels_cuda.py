@@ -8,9 +8,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import device_checks, indexer_cuda, topk_cuda
-from kernels.cuda import on_cuda
-from kernels.indexer import indexer_scores_reference, select_topk_reference
+from tessera.kernels import device_checks, indexer_cuda, topk_cuda
+from tessera.kernels.cuda import on_cuda
+from tessera.kernels.indexer import indexer_scores_reference, select_topk_reference
 
 pytestmark = pytest.mark.skipif(not on_cuda(), reason="needs a CUDA device (MLX's CUDA build)")
 
@@ -44,7 +44,7 @@ def test_topk_kernel_selects_the_reference_rows_with_ties(t, n, k):
 @pytest.mark.parametrize("rows", [1, 37, 1000])
 def test_sinkhorn_kernel_equals_the_ordered_reference(rows):
     """Round-to-nearest adds and divisions in the reference's order: the same bits, token by token."""
-    from kernels.sinkhorn import sinkhorn_kernel, sinkhorn_ordered, sinkhorn_reference
+    from tessera.kernels.sinkhorn import sinkhorn_kernel, sinkhorn_ordered, sinkhorn_reference
 
     comb = mx.softmax(mx.random.normal((rows, 4, 4), key=mx.random.key(rows)) * 3, axis=-1) + 1e-6
     got = sinkhorn_kernel(comb, 20, 1e-6)

@@ -10,11 +10,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.model.config import ConfigError, config_from_dict
-from engine.model.loader import CheckpointError, load_model
-from engine.tools.make_model import make_model, preset_config
-from engine.tools.reference_check import tessera_logits
-from engine.tools.replay import random_tokens
+from tessera.engine.model.config import ConfigError, config_from_dict
+from tessera.engine.model.loader import CheckpointError, load_model
+from tessera.engine.tools.make_model import make_model, preset_config
+from tessera.engine.tools.reference_check import tessera_logits
+from tessera.engine.tools.replay import random_tokens
 
 
 @pytest.fixture(scope="module")

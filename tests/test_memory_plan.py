@@ -10,11 +10,11 @@ import sys
 import mlx.core as mx
 import pytest
 
-from engine.model.loader import load_model
-from engine.tools.make_model import make_model
-from engine.model.memory_plan import cache_bytes_at, cache_bytes_by_part, plan_for
-from engine.model.deepseek_v4 import Segment
-from engine.tools.replay import random_tokens
+from tessera.engine.model.loader import load_model
+from tessera.engine.tools.make_model import make_model
+from tessera.engine.model.memory_plan import cache_bytes_at, cache_bytes_by_part, plan_for
+from tessera.engine.model.deepseek_v4 import Segment
+from tessera.engine.tools.replay import random_tokens
 
 GiB = 2**30
 
@@ -35,7 +35,7 @@ def test_tiling_bounds_the_scratch_by_the_tile_not_the_chunk():
 
 
 def test_plan_cli_json(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "engine.tools.commands", "plan", "--preset", "v4-flash", "--ctx", "1048576",
+    out = subprocess.run([sys.executable, "-m", "tessera.engine.tools.commands", "plan", "--preset", "v4-flash", "--ctx", "1048576",
                           "--chunk", "4096", "--tile", "1024", "--json"], capture_output=True, text=True, check=True)
     plan = json.loads(out.stdout)
     assert plan["tile"] == 1024 and plan["peak_bytes"] > plan["weights_bytes"] > 0
@@ -86,8 +86,8 @@ def test_gpu_limits_count_one_attention_block_not_the_tile():
     """Attention runs on 128-row blocks whatever the tile: at 1M context with V4 Flash's attention
     shapes tile 4096 is fine (one block's logits: 128 × 64 × 8,321), and a context whose single
     block would pass 2³¹ elements is refused by naming max_context, even at tile 1."""
-    from engine.tools.make_model import preset_config
-    from engine.serving.runner import gpu_limit_errors
+    from tessera.engine.tools.make_model import preset_config
+    from tessera.engine.serving.runner import gpu_limit_errors
 
     cfg = preset_config("flash-attn")
     assert gpu_limit_errors(cfg, 4096, 1024, 1048576) == []
@@ -98,8 +98,8 @@ def test_gpu_limits_count_one_attention_block_not_the_tile():
 
 
 def test_gpu_limits_still_refuse_tile_wide_arrays_and_long_chunks():
-    from engine.tools.make_model import preset_config
-    from engine.serving.runner import gpu_limit_errors
+    from tessera.engine.tools.make_model import preset_config
+    from tessera.engine.serving.runner import gpu_limit_errors
 
     cfg = preset_config("flash-attn")
     (problem,) = gpu_limit_errors(cfg, 8192, 8192, 1048576)  # gathered rows: 8192 × (128 + 512) × 512
@@ -110,7 +110,7 @@ def test_gpu_limits_still_refuse_tile_wide_arrays_and_long_chunks():
 def test_attention_plan_counts_the_blocks_a_tile_touches_and_their_padding():
     """A tile's attention runs on the 128-row blocks it touches, all in one graph: an aligned tile
     plans exactly its rows, an unaligned one the whole blocks it reaches plus zero-padded copies."""
-    from engine.model.memory_plan import blocks_per_tile
+    from tessera.engine.model.memory_plan import blocks_per_tile
 
     assert blocks_per_tile(4096, 1024) == (8, 0)
     assert blocks_per_tile(3001, 3001) == (24, 0)  # one tile: blocks cut at the segment's end, no padding
@@ -126,8 +126,8 @@ def test_attention_plan_counts_the_blocks_a_tile_touches_and_their_padding():
 
 def test_official_weights_count_quantized_bytes_like_the_loader(tmp_path):
     """The plan's official-format bytes equal what the loader actually holds for that checkpoint."""
-    from engine.model.quantized import QuantizedWeight
-    from engine.model.weight_formats import format_weights_bytes
+    from tessera.engine.model.quantized import QuantizedWeight
+    from tessera.engine.model.weight_formats import format_weights_bytes
 
     model = load_model(make_model(tmp_path / "m", "tiny", seed=0, with_tokenizer=False, fmt="official"), dtype="float32")
     held = sum(w.nbytes for w in model.weights.values())
@@ -145,7 +145,7 @@ def test_v4_flash_formats_order_and_size():
 
 @pytest.mark.parametrize("budget,fits,status", [("139GiB", False, 1), ("180GiB", True, 0)])
 def test_plan_cli_says_whether_it_fits(budget, fits, status):
-    out = subprocess.run([sys.executable, "-m", "engine.tools.commands", "plan", "--preset", "v4-flash", "--ctx", "1048576",
+    out = subprocess.run([sys.executable, "-m", "tessera.engine.tools.commands", "plan", "--preset", "v4-flash", "--ctx", "1048576",
                           "--chunk", "4096", "--tile", "1024", "--weights", "official", "--memory-budget", budget, "--json"],
                          capture_output=True, text=True)
     plan = json.loads(out.stdout)
@@ -154,7 +154,7 @@ def test_plan_cli_says_whether_it_fits(budget, fits, status):
 
 
 def test_plan_cli_rejects_a_bad_budget():
-    out = subprocess.run([sys.executable, "-m", "engine.tools.commands", "plan", "--preset", "v4-flash", "--ctx", "4096",
+    out = subprocess.run([sys.executable, "-m", "tessera.engine.tools.commands", "plan", "--preset", "v4-flash", "--ctx", "4096",
                           "--chunk", "4096", "--memory-budget", "lots"], capture_output=True, text=True)
     assert out.returncode == 2 and "--memory-budget 'lots'" in out.stderr
 
@@ -163,8 +163,8 @@ def test_plan_counts_a_layers_dequantized_projections_for_quantized_prefill(tmp_
     """Steps of >= DENSE_MIN_ROWS rows compute on a transient dequantized copy of a layer's quantized
     projections (engine/model/quantized.py): the plan counts it — the loader's own quantized set —
     for a quantized model only, and only when the chunk reaches that many rows."""
-    from engine.model.quantized import DENSE_MIN_ROWS, QuantizedWeight
-    from engine.serving.runner import ModelRunner
+    from tessera.engine.model.quantized import DENSE_MIN_ROWS, QuantizedWeight
+    from tessera.engine.serving.runner import ModelRunner
 
     d = make_model(tmp_path / "official", "tiny", seed=1, with_tokenizer=False, fmt="official")
     model = load_model(d, dtype="float32")

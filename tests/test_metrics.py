@@ -17,13 +17,13 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from engine.serving.engine_loop import AsyncEngine
+from tessera.engine.serving.engine_loop import AsyncEngine
 from tests.support.fake_runner import ScriptedRunner
-from engine.serving.protocol import (
+from tessera.engine.serving.protocol import (
     Done, EngineStats, Error, Progress, RequestTimings, SamplingParams, StepStats, Token,
 )
-from engine.serving.scheduler import SchedulerConfig
-from server.metrics import (
+from tessera.engine.serving.scheduler import SchedulerConfig
+from tessera.server.metrics import (
     INTER_TOKEN_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, VLLM_ALIASES, Metrics,
     build_1_2_5_buckets, metrics_router,
 )
@@ -52,7 +52,7 @@ class FakeClock:
 
 
 def tracked(metrics: Metrics, num_prompt_tokens: int) -> tuple:
-    from server.metrics import RequestTracker
+    from tessera.server.metrics import RequestTracker
 
     clock = FakeClock()
     return RequestTracker(metrics, num_prompt_tokens, clock), clock

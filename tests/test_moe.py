@@ -11,9 +11,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.model import moe as moe_mod
-from engine.model.moe import MoEWeights, PaddedPlan, padded_slots, plan_padded, reference_routed_experts, route, routed_experts
-from engine.model.quantized import quantize
+from tessera.engine.model import moe as moe_mod
+from tessera.engine.model.moe import MoEWeights, PaddedPlan, padded_slots, plan_padded, reference_routed_experts, route, routed_experts
+from tessera.engine.model.quantized import quantize
 from tests.equivalence.row_invariant_blas import row_invariant_blas
 
 EXPERTS, DIM, INTER, TOP_K, LIMIT = 8, 64, 32, 2, 7.0

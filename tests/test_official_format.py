@@ -12,17 +12,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.model.fp_formats import E4M3_VALUES, decode_e8m0, encode_e4m3, pack_e2m1, unpack_e2m1
-from engine.model.loader import CheckpointError, load_model
-from engine.model.official_format import (
+from tessera.engine.model.fp_formats import E4M3_VALUES, decode_e8m0, encode_e4m3, pack_e2m1, unpack_e2m1
+from tessera.engine.model.loader import CheckpointError, load_model
+from tessera.engine.model.official_format import (
     dequantize_fp4, dequantize_fp8, mxfp4_from_packed, mxfp8_from_blocks, quantize_fp8, random_fp4, storage,
 )
-from engine.model.quantized import DENSE_MIN_ROWS, QuantizedWeight, linear, quantize
-from engine.model.safetensors_file import open_tensors, read_header, write_file
-from engine.tools.make_model import make_model, preset_config
-from engine.tools.official_checkpoint import write_official_checkpoint
-from engine.tools.reference_check import tessera_logits
-from engine.tools.replay import random_tokens
+from tessera.engine.model.quantized import DENSE_MIN_ROWS, QuantizedWeight, linear, quantize
+from tessera.engine.model.safetensors_file import open_tensors, read_header, write_file
+from tessera.engine.tools.make_model import make_model, preset_config
+from tessera.engine.tools.official_checkpoint import write_official_checkpoint
+from tessera.engine.tools.reference_check import tessera_logits
+from tessera.engine.tools.replay import random_tokens
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +133,7 @@ def test_make_model_official_is_deterministic(tmp_path):
 
 
 def test_shapes_transformers_cannot_dequantize_are_refused():
-    from engine.model.official_format import FormatError
+    from tessera.engine.model.official_format import FormatError
 
     with pytest.raises(FormatError, match=r"'layers.0.attn.wq_b.weight' \(200, 64\)"):
         quantize_fp8("layers.0.attn.wq_b.weight", np.zeros((200, 64), np.float32))
@@ -271,7 +271,7 @@ def test_make_model_official_from_reviewer_config(tmp_path):
 
 
 def test_progress_bar_counts_up_to_the_checkpoint_size(official_dir, monkeypatch, capsys):
-    import engine.model.loader as loader
+    import tessera.engine.model.loader as loader
 
     monkeypatch.setattr(loader, "PROGRESS_MIN_BYTES", 0)
     load_model(official_dir)

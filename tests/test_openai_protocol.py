@@ -185,7 +185,7 @@ def test_every_completion_object_and_chunk_carries_one_system_fingerprint(server
 
 
 def test_system_fingerprint_changes_with_the_checkpoint() -> None:
-    from server.version import system_fingerprint
+    from tessera.server.version import system_fingerprint
 
     assert system_fingerprint("/models/a") == system_fingerprint("/models/a")
     assert system_fingerprint("/models/a") != system_fingerprint("/models/b")

@@ -56,7 +56,7 @@ def test_sigterm_to_make_serve_stops_the_server(tmp_path: Path):
 
 
 def _blas_report(env_extra: dict[str, str]) -> str:
-    code = "from engine.serving.blas import blas_in_use; print(blas_in_use().describe())"
+    code = "from tessera.engine.serving.blas import blas_in_use; print(blas_in_use().describe())"
     env = {**os.environ, **env_extra}  # inherits how this process imports tessera (tests/conftest.py)
     env.pop("LD_PRELOAD", None) if "LD_PRELOAD" not in env_extra else None
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
@@ -79,15 +79,15 @@ def test_the_startup_log_names_openblas_when_it_is_preloaded():
 
 
 def test_the_first_start_says_what_it_generates_and_where(tmp_path: Path, caplog: pytest.LogCaptureFixture):
-    from engine.tools import default_model
+    from tessera.engine.tools import default_model
 
     target = tmp_path / "default-model"
-    with caplog.at_level(logging.INFO, logger="engine.tools.default_model"):
+    with caplog.at_level(logging.INFO, logger="tessera.engine.tools.default_model"):
         default_model.ensure_default_model(target)
     text = caplog.text
     assert str(target) in text and "once" in text
     assert "[1/2]" in text and "[2/2]" in text and "ready" in text
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="engine.tools.default_model"):
+    with caplog.at_level(logging.INFO, logger="tessera.engine.tools.default_model"):
         default_model.ensure_default_model(target)  # the second start reuses it, quietly
     assert "generating" not in caplog.text

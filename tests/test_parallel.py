@@ -12,13 +12,13 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from engine.model.deepseek_v4 import Segment
-from engine.model.loader import load_model
-from engine.model.memory_plan import cache_bytes_at, cache_bytes_by_part
-from engine.parallel.layout import split_layers
-from engine.parallel.serving import max_stage_cache_bytes
-from engine.parallel.transport import TRANSPORT_ENV
-from engine.tools.make_model import make_model
+from tessera.engine.model.deepseek_v4 import Segment
+from tessera.engine.model.loader import load_model
+from tessera.engine.model.memory_plan import cache_bytes_at, cache_bytes_by_part
+from tessera.engine.parallel.layout import split_layers
+from tessera.engine.parallel.serving import max_stage_cache_bytes
+from tessera.engine.parallel.transport import TRANSPORT_ENV
+from tessera.engine.tools.make_model import make_model
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def _check_parallel(model_dir: Path, *args: str, transport: str | None = None) -
     if transport is not None:  # forced; by default the ring backend moves streams point to point
         env[TRANSPORT_ENV] = transport
     env.pop("LD_PRELOAD", None)  # exactness: the same (reference) BLAS in every process
-    proc = subprocess.run([sys.executable, "-m", "engine.tools.commands", "check", "parallel", "--model", str(model_dir),
+    proc = subprocess.run([sys.executable, "-m", "tessera.engine.tools.commands", "check", "parallel", "--model", str(model_dir),
                            *args, "--json"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.stdout, proc.stderr
     return proc.returncode, json.loads(proc.stdout.splitlines()[-1])
@@ -129,6 +129,6 @@ def test_check_parallel_fails_past_its_threshold(tiny_dir):
 ])
 def test_check_parallel_rejects_bad_arguments(tiny_dir, args, message):
     env = dict(os.environ)  # inherits how this process imports tessera (tests/conftest.py)
-    proc = subprocess.run([sys.executable, "-m", "engine.tools.commands", "check", "parallel", "--model", str(tiny_dir),
+    proc = subprocess.run([sys.executable, "-m", "tessera.engine.tools.commands", "check", "parallel", "--model", str(tiny_dir),
                            "--tokens", "10", "--chunk", "4", *args], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr

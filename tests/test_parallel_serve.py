@@ -19,9 +19,9 @@ from typing import Iterator
 import httpx
 import pytest
 
-from engine.parallel.serving import RANK_LOST_EXIT_CODE
-from engine.parallel.transport import TRANSPORT_ENV
-from engine.tools.make_model import make_model
+from tessera.engine.parallel.serving import RANK_LOST_EXIT_CODE
+from tessera.engine.parallel.transport import TRANSPORT_ENV
+from tessera.engine.tools.make_model import make_model
 
 # The second prompt is longer than the chunk (32): its prefill takes several steps.
 PROMPTS = ["hello world, this is a test of the pipeline", "a second prompt, longer than one chunk of thirty-two tokens " * 3]
@@ -48,7 +48,7 @@ def _server(model_dir: Path, world: int, log: Path, transport: str | None = None
         env[TRANSPORT_ENV] = transport
     env.pop("LD_PRELOAD", None)  # exactness: the same BLAS in every process
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir), "--world", str(world),
+        proc = subprocess.Popen([sys.executable, "-m", "tessera.server.cli", "serve", "--model", str(model_dir), "--world", str(world),
                                  "--port", str(port), "--prefill-chunk", "32", "--indexer-tile", "8"],
                                 env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -98,7 +98,7 @@ def _memory_metrics(base: str) -> dict[str, float]:
 
 
 def _whole_weights_bytes(model_dir: Path) -> int:
-    from engine.model.loader import load_model
+    from tessera.engine.model.loader import load_model
 
     return sum(w.nbytes for w in load_model(model_dir).weights.values())
 
@@ -150,7 +150,7 @@ def test_under_mlx_launch_every_rank_runs_tessera_serve(model_dir, expected, tmp
     env.pop("LD_PRELOAD", None)
     with open(log, "wb") as out:
         proc = subprocess.Popen([str(launcher), "--hosts", "127.0.0.1,127.0.0.1", "--backend", "ring", "--python",
-                                 sys.executable, "--", "-m", "server.cli", "serve", "--model", str(model_dir), "--world", "2",
+                                 sys.executable, "--", "-m", "tessera.server.cli", "serve", "--model", str(model_dir), "--world", "2",
                                  "--port", str(port), "--prefill-chunk", "32", "--indexer-tile", "8"],
                                 env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:

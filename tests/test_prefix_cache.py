@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.model.loader import load_model
-from engine.serving.prefix_blocks import BLOCK_TOKENS, aligned_chunk_end, chained_keys, root_key
-from engine.serving.protocol import SamplingParams
-from engine.serving.request import Request
-from engine.serving.scheduler import Scheduler, SchedulerConfig
-from engine.tools.make_model import make_model
-from engine.tools.prefix_check import Engine
-from engine.tools.replay import random_tokens
+from tessera.engine.model.loader import load_model
+from tessera.engine.serving.prefix_blocks import BLOCK_TOKENS, aligned_chunk_end, chained_keys, root_key
+from tessera.engine.serving.protocol import SamplingParams
+from tessera.engine.serving.request import Request
+from tessera.engine.serving.scheduler import Scheduler, SchedulerConfig
+from tessera.engine.tools.make_model import make_model
+from tessera.engine.tools.prefix_check import Engine
+from tessera.engine.tools.replay import random_tokens
 from tests.equivalence.row_invariant_blas import row_invariant_blas
 from tests.server_harness import serving
 
@@ -45,7 +45,7 @@ def _without_openblas() -> dict:
 
 
 def test_a_restored_turn_is_bit_identical_to_the_same_request_without_the_cache(model_dir):
-    cmd = [sys.executable, "-m", "engine.tools.commands", "check", "prefix-cache", "--model", str(model_dir),
+    cmd = [sys.executable, "-m", "tessera.engine.tools.commands", "check", "prefix-cache", "--model", str(model_dir),
            "--fill", "96:32", "--reuse", "64:7", "--json"]
     out = subprocess.run(cmd, env=_without_openblas(), capture_output=True, text=True, timeout=600)
     report = json.loads(out.stdout.strip().splitlines()[-1])
@@ -155,9 +155,9 @@ def served_dir(tmp_path_factory):
 
 @contextmanager
 def _served(model_dir, **settings):
-    from server.app import create_app
-    from server.serve import build_engine
-    from server.settings import Settings
+    from tessera.server.app import create_app
+    from tessera.server.serve import build_engine
+    from tessera.server.settings import Settings
 
     app_settings = Settings(model=model_dir, prefill_chunk=96, indexer_tile=32, metrics_vllm_aliases=True, **settings)
     served = build_engine(app_settings)
@@ -203,7 +203,7 @@ def test_a_second_turn_over_http_hits_the_cache_and_answers_as_without_it(served
 
 
 def test_bench_multiturn_reports_both_arms_in_alternating_order(model):
-    from engine.tools.bench_multiturn import bench_multiturn_with_model
+    from tessera.engine.tools.bench_multiturn import bench_multiturn_with_model
 
     result = bench_multiturn_with_model(model, ctx=700, new=100, reply=40, chunk=256, tile=64, rounds=2)
     # Turn 1: 560 prompt tokens (saved at 512), a 40-token reply (its decode passes no block: 599 < 640).
@@ -218,14 +218,14 @@ def test_bench_multiturn_reports_both_arms_in_alternating_order(model):
     [(False, None, None, 0), (True, None, None, 4 * 2**30), (True, None, 1000, 250), (True, 100, 1000, 100)],
 )
 def test_prefix_cache_bytes_come_out_of_the_budget(enabled, requested, budget, expected):
-    from engine.serving.factory import EngineOptions, prefix_cache_bytes
+    from tessera.engine.serving.factory import EngineOptions, prefix_cache_bytes
 
     options = EngineOptions(None, 64, 64, None, 0, 4, 4, budget, prefix_cache=enabled, prefix_cache_bytes=requested)
     assert prefix_cache_bytes(options, budget) == expected
 
 
 def test_a_prefix_cache_as_large_as_the_budget_is_refused_naming_the_setting():
-    from engine.serving.factory import EngineOptions, prefix_cache_bytes
+    from tessera.engine.serving.factory import EngineOptions, prefix_cache_bytes
 
     options = EngineOptions(None, 64, 64, None, 0, 4, 4, 2000, prefix_cache=True, prefix_cache_bytes=1000)
     with pytest.raises(ValueError, match="prefix_cache_bytes .* --prefix-cache-bytes"):
@@ -234,9 +234,9 @@ def test_a_prefix_cache_as_large_as_the_budget_is_refused_naming_the_setting():
 
 @row_invariant_blas
 def test_a_sequence_whose_saved_prefix_was_evicted_saves_from_the_start_and_restores_exactly(model):
-    from engine.model.deepseek_v4 import Segment
-    from engine.serving.prefix_cache import Lineage, PrefixCache
-    from engine.tools.replay import run_sequence
+    from tessera.engine.model.deepseek_v4 import Segment
+    from tessera.engine.serving.prefix_cache import Lineage, PrefixCache
+    from tessera.engine.tools.replay import run_sequence
 
     tokens = random_tokens(model.cfg.vocab_size, 520, seed=31)
     cache_a, lineage = model.new_cache(), Lineage()
@@ -264,8 +264,8 @@ def test_replay_through_the_cache_equals_the_cold_replay_row_for_row(model):
     """Model level (engine/tools/replay.py): turn 1 (prompt + decode) fills the cache under chunk 96 / tile 32;
     turn 2 (turn 1 + new tokens) restores 384 tokens, where turn 1's decode crossed a block, and its rows
     equal a cold run's under chunk 64 / tile 7."""
-    from engine.serving.prefix_cache import PrefixCache
-    from engine.tools.replay import run_sequence, run_with_prefix_cache
+    from tessera.engine.serving.prefix_cache import PrefixCache
+    from tessera.engine.tools.replay import run_sequence, run_with_prefix_cache
 
     tokens = random_tokens(model.cfg.vocab_size, 560, seed=41)
     prefix_cache = PrefixCache(model.cfg, model.dtype, capacity_bytes=10**9)

@@ -24,13 +24,13 @@ from typing import Any, Iterator
 import openai
 import pytest
 
-from engine.serving.engine_loop import AsyncEngine
+from tessera.engine.serving.engine_loop import AsyncEngine
 from tests.support.fake_runner import ScriptedRunner
-from engine.serving.scheduler import SchedulerConfig
-from server.app import create_app
-from server.metrics import Metrics
-from server.prepare import ModelInfo
-from server.settings import Settings
+from tessera.engine.serving.scheduler import SchedulerConfig
+from tessera.server.app import create_app
+from tessera.server.metrics import Metrics
+from tessera.server.prepare import ModelInfo
+from tessera.server.settings import Settings
 from server_harness import free_port, make_tokenizer, serving
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "config" / "grafana" / "tessera.json"

@@ -6,11 +6,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.model.deepseek_v4 import Segment
-from engine.model.loader import load_model
-from engine.serving.protocol import PrefillChunk, SamplingParams, StepPlan
-from engine.serving.runner import ModelRunner
-from engine.tools.make_model import make_model
+from tessera.engine.model.deepseek_v4 import Segment
+from tessera.engine.model.loader import load_model
+from tessera.engine.serving.protocol import PrefillChunk, SamplingParams, StepPlan
+from tessera.engine.serving.runner import ModelRunner
+from tessera.engine.tools.make_model import make_model
 
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(7, 2048, size=45)]
 
@@ -80,8 +80,8 @@ def test_no_prompt_logprobs_unless_asked(model):
 
 def test_a_request_asking_for_prompt_logprobs_prefills_every_token_despite_a_cached_prefix():
     """Prompt logprobs come out of the prefill: a prefix-cache hit would leave the cached positions without."""
-    from engine.serving.request import Request
-    from engine.serving.scheduler import Scheduler, SchedulerConfig
+    from tessera.engine.serving.request import Request
+    from tessera.engine.serving.scheduler import Scheduler, SchedulerConfig
 
     asked = []
     config = SchedulerConfig(prefill_chunk=300, prefix_cache_bytes=1000)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.model import quantized
-from engine.model.quantized import QuantizedWeight
-from engine.tools import quant_bench
-from engine.tools.make_model import make_model
+from tessera.engine.model import quantized
+from tessera.engine.model.quantized import QuantizedWeight
+from tessera.engine.tools import quant_bench
+from tessera.engine.tools.make_model import make_model
 
 
 @pytest.fixture(scope="module")

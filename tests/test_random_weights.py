@@ -11,13 +11,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.model.deepseek_v4 import Segment
-from engine.model.loader import CheckpointError, load_model
-from engine.model.quantized import QuantizedWeight
-from engine.model.random_weights import RANDOM_WEIGHTS_FILE
-from engine.tools.make_model import make_model, preset_config, write_random_weights_dir
-from engine.tools.official_checkpoint import write_official_checkpoint
-from engine.tools.replay import random_tokens
+from tessera.engine.model.deepseek_v4 import Segment
+from tessera.engine.model.loader import CheckpointError, load_model
+from tessera.engine.model.quantized import QuantizedWeight
+from tessera.engine.model.random_weights import RANDOM_WEIGHTS_FILE
+from tessera.engine.tools.make_model import make_model, preset_config, write_random_weights_dir
+from tessera.engine.tools.official_checkpoint import write_official_checkpoint
+from tessera.engine.tools.replay import random_tokens
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_v4_flash_preset_is_the_real_layer_pattern():
 
 
 def test_tid2eid_is_sorted_in_row_blocks_the_gpu_accepts():
-    from engine.model.random_weights import SORT_ROWS, random_tid2eid
+    from tessera.engine.model.random_weights import SORT_ROWS, random_tid2eid
 
     assert SORT_ROWS <= 65535  # MLX's GPU sort limit per call
     key = mx.random.key(0)

@@ -11,12 +11,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.serving.engine_loop import AsyncEngine
-from engine.tools.make_model import make_model
-from engine.model.deepseek_v4 import Segment
-from engine.serving.protocol import Progress, SamplingParams, Token
-from engine.serving.runner import build_runner
-from engine.serving.scheduler import SchedulerConfig
+from tessera.engine.serving.engine_loop import AsyncEngine
+from tessera.engine.tools.make_model import make_model
+from tessera.engine.model.deepseek_v4 import Segment
+from tessera.engine.serving.protocol import Progress, SamplingParams, Token
+from tessera.engine.serving.runner import build_runner
+from tessera.engine.serving.scheduler import SchedulerConfig
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_engine_greedy_equals_model_greedy(runner):
 
 
 def test_one_prefill_step_in_the_interval_times_its_stages_and_sampling_is_unchanged(runner):
-    from engine.serving.protocol import DecodeSlot, PrefillChunk, StepPlan
+    from tessera.engine.serving.protocol import DecodeSlot, PrefillChunk, StepPlan
 
     prompt = list(range(1, 50))
     runner.stage_timing_interval, runner._prefill_steps = 2, 0

@@ -9,8 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.serving.protocol import SamplingParams
-from engine.serving.sampler import RequestRng, TokenHistory, process_logits, sample
+from tessera.engine.serving.protocol import SamplingParams
+from tessera.engine.serving.sampler import RequestRng, TokenHistory, process_logits, sample
 
 PROBS = [0.5, 0.3, 0.1, 0.05, 0.05]
 

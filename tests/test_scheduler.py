@@ -8,9 +8,9 @@ import random
 import pytest
 
 from tests.support.fake_runner import ScriptedRunner
-from engine.serving.protocol import Done, Error, Progress, SamplingParams, StepPlan, Token
-from engine.serving.request import Request
-from engine.serving.scheduler import AdmissionError, RequestEvent, Scheduler, SchedulerConfig
+from tessera.engine.serving.protocol import Done, Error, Progress, SamplingParams, StepPlan, Token
+from tessera.engine.serving.request import Request
+from tessera.engine.serving.scheduler import AdmissionError, RequestEvent, Scheduler, SchedulerConfig
 
 BYTES_PER_TOKEN = 10
 

@@ -19,8 +19,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.serving.protocol import Done, SamplingParams, Token
-from server.dsml import render_tool_calls
+from tessera.engine.serving.protocol import Done, SamplingParams, Token
+from tessera.server.dsml import render_tool_calls
 from server_harness import MODEL_NAME, LiveServer, free_port, live_server, make_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -420,7 +420,7 @@ def test_tessera_serve_embedded_default_model(tmp_path: Path) -> None:
     """The newcomer's path: no --model, TESSERA_PORT picks the port; a chat request works; SIGTERM drains."""
     port = free_port()
     env = {**os.environ, "TESSERA_PORT": str(port), "TESSERA_HOME": str(tmp_path)}
-    process = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--log-level", "warning"], cwd=REPO_ROOT,
+    process = subprocess.Popen([sys.executable, "-m", "tessera.server.cli", "serve", "--log-level", "warning"], cwd=REPO_ROOT,
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base_url = f"http://127.0.0.1:{port}"
     try:

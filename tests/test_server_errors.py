@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from server.app import create_app
-from server.settings import Settings
+from tessera.server.app import create_app
+from tessera.server.settings import Settings
 from server_harness import MODEL_NAME, LiveServer, live_server, make_tokenizer, serving
 
 CHAT = "/v1/chat/completions"

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from server.cli import build_parser, main, settings_from_args
-from server.settings import DEFAULT_CONFIG_FILE, Settings, load_settings
+from tessera.server.cli import build_parser, main, settings_from_args
+from tessera.server.settings import DEFAULT_CONFIG_FILE, Settings, load_settings
 
 
 @pytest.fixture(autouse=True)

@@ -9,9 +9,9 @@ import jsonschema
 import numpy as np
 import pytest
 
-from engine.serving.sampler import unpack_mask
-from server.dsml import THINK_END, parse_completion
-from server.structured_output import GrammarCompiler, ToolSpec, full_grammar, json_grammar, plain_or_block_rule, \
+from tessera.engine.serving.sampler import unpack_mask
+from tessera.server.dsml import THINK_END, parse_completion
+from tessera.server.structured_output import GrammarCompiler, ToolSpec, full_grammar, json_grammar, plain_or_block_rule, \
     tool_call_grammar
 from server_harness import make_tokenizer
 
@@ -111,7 +111,7 @@ def test_auto_single_call_is_text_or_one_call(tokenizer):
 
 
 def test_a_schema_llguidance_rejects_is_a_400_naming_the_field(tokenizer):
-    from server.errors import to_api_error
+    from tessera.server.errors import to_api_error
     grammars = GrammarCompiler(tokenizer)
     with pytest.raises(ValueError) as info:
         grammars.check(full_grammar(json_grammar({"type": "nonsense"}), False, None), "response_format.json_schema.schema")

@@ -13,14 +13,14 @@ import jsonschema
 import openai
 import pytest
 
-from engine.model.tokenizer import Tokenizer
-from engine.serving.engine_loop import AsyncEngine
-from engine.serving.runner import build_runner
-from engine.serving.scheduler import SchedulerConfig
-from engine.tools.make_model import make_model
-from server.app import create_app
-from server.prepare import ModelInfo
-from server.settings import Settings
+from tessera.engine.model.tokenizer import Tokenizer
+from tessera.engine.serving.engine_loop import AsyncEngine
+from tessera.engine.serving.runner import build_runner
+from tessera.engine.serving.scheduler import SchedulerConfig
+from tessera.engine.tools.make_model import make_model
+from tessera.server.app import create_app
+from tessera.server.prepare import ModelInfo
+from tessera.server.settings import Settings
 from tests.server_harness import serving
 
 MODEL = "tiny-random"

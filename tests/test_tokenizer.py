@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from engine.tools.tokenizer_train import SPECIAL_TOKENS, train_tokenizer
-from server.chat_format import ASSISTANT, BOS, EOS, THINK_END, THINK_START, USER, render_prompt
-from server.dsml import DSML
+from tessera.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from tessera.engine.tools.tokenizer_train import SPECIAL_TOKENS, train_tokenizer
+from tessera.server.chat_format import ASSISTANT, BOS, EOS, THINK_END, THINK_START, USER, render_prompt
+from tessera.server.dsml import DSML
 
 SAMPLES = [
     "Hello, world!",

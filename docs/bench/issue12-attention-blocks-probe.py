@@ -1,7 +1,7 @@
 """Issue 12 probe: MLX peak memory of one tile of `blockwise_attention` as the tile grows (how many
 128-row blocks MLX keeps live at once). Output and command: docs/bench/issue12-attention-blocks-probe.txt."""
 import sys, mlx.core as mx
-from engine.model.attention import blockwise_attention, AttentionGroup
+from tessera.engine.model.attention import blockwise_attention, AttentionGroup
 H, hd, R, W = 8, 128, 4000, 128
 def run(t):
     mx.random.seed(0)

@@ -10,10 +10,10 @@ import json
 import sys
 from pathlib import Path
 
-from engine.model import attention
-from engine.model.loader import load_model
-from engine.tools import commands
-from engine.tools.consistency import check_model_consistency
+from tessera.engine.model import attention
+from tessera.engine.model.loader import load_model
+from tessera.engine.tools import commands
+from tessera.engine.tools.consistency import check_model_consistency
 
 PER_TILE = lambda r0, r1, length, block=0: [(r0, r1, r0, r1)]  # noqa: E731
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine.model import attention
-from engine.model.loader import load_model
-from engine.tools import gpu_check
-from engine.tools.consistency import check_model_consistency
-from kernels import indexer_cuda, topk_cuda
+from tessera.engine.model import attention
+from tessera.engine.model.loader import load_model
+from tessera.engine.tools import gpu_check
+from tessera.engine.tools.consistency import check_model_consistency
+from tessera.kernels import indexer_cuda, topk_cuda
 
 OUT = Path(sys.argv[1])
 OUT.mkdir(parents=True, exist_ok=True)

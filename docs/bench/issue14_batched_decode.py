@@ -9,7 +9,7 @@ and stage, so its split is inflated). One JSON line per measurement to OUT as so
 progress on stdout.
 
 H200 (checkpoint generated there, ~65 s; a quantized checkpoint is dequantized to bf16 here):
-  python -m engine.tools.commands make-model /dev/shm/fw --preset flash-width --format official --no-tokenizer
+  python -m tessera.engine.tools.commands make-model /dev/shm/fw --preset flash-width --format official --no-tokenizer
   python docs/bench/issue14_batched_decode.py /dev/shm/fw /dev/shm/issue14-batched-h200.jsonl --ctx 16384 --batch 16 --cache-fill random
 CPU (the same code path, small sizes):
   python docs/bench/issue14_batched_decode.py /tmp/ba-small out.jsonl --ctx 2048 --batch 8 --chunk 1024 --tile 256 --cache-fill random
@@ -28,11 +28,11 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere inside the repo
 
-from engine.model import attention  # noqa: E402
-from engine.model.loader import load_model  # noqa: E402
-from engine.model.quantized import QuantizedWeight  # noqa: E402
-from engine.model.trace import ForwardTrace  # noqa: E402
-from engine.tools.bench_decode import CACHE_FILLS, DecodeOptions, _decode_step, _filled  # noqa: E402
+from tessera.engine.model import attention  # noqa: E402
+from tessera.engine.model.loader import load_model  # noqa: E402
+from tessera.engine.model.quantized import QuantizedWeight  # noqa: E402
+from tessera.engine.model.trace import ForwardTrace  # noqa: E402
+from tessera.engine.tools.bench_decode import CACHE_FILLS, DecodeOptions, _decode_step, _filled  # noqa: E402
 
 ARMS = {"batched": True, "per_sequence": False}
 
@@ -50,7 +50,7 @@ def main() -> None:
     t0 = time.perf_counter()
     model = load_model(Path(args.model))
     if any(isinstance(w, QuantizedWeight) for w in model.weights.values()):
-        from engine.tools.quant_bench import _dequantized_model
+        from tessera.engine.tools.quant_bench import _dequantized_model
 
         model = _dequantized_model(model, mx.bfloat16)
     emit("loaded", seconds=round(time.perf_counter() - t0, 2), dtype=str(model.dtype))

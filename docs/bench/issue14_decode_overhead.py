@@ -27,14 +27,14 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine.model.compiled import compile_enabled, set_compile_enabled
-from engine.model.deepseek_v4 import DeepseekV4, Segment
-from engine.model.dtypes import dtype_name
-from engine.model.loader import load_model
-from engine.model.trace import ForwardTrace
-from engine.tools.bench_decode import DecodeOptions, _decode_step, _filled, cache_bytes_read, copy_bandwidth, weights_bytes_touched
-from engine.tools.quant_bench import _dequantized_model
-from kernels import sinkhorn as sinkhorn_kernels
+from tessera.engine.model.compiled import compile_enabled, set_compile_enabled
+from tessera.engine.model.deepseek_v4 import DeepseekV4, Segment
+from tessera.engine.model.dtypes import dtype_name
+from tessera.engine.model.loader import load_model
+from tessera.engine.model.trace import ForwardTrace
+from tessera.engine.tools.bench_decode import DecodeOptions, _decode_step, _filled, cache_bytes_read, copy_bandwidth, weights_bytes_touched
+from tessera.engine.tools.quant_bench import _dequantized_model
+from tessera.kernels import sinkhorn as sinkhorn_kernels
 
 # arm -> (compilation, Sinkhorn kernel); rounds in the order A B C C B A
 ARMS = {"compiled+kernel": (True, True), "plain": (False, False), "compiled": (True, False)}

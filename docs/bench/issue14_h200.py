@@ -18,12 +18,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine.model.loader import load_model
-from engine.tools.bench import RunOptions, prefill_once
-from engine.tools.bench_decode import DecodeOptions, _decode_step, _prefill, bench_decode
-from engine.model.trace import ForwardTrace
-from engine.tools.quant_bench import _dequantized_model
-from engine.tools.replay import random_tokens
+from tessera.engine.model.loader import load_model
+from tessera.engine.tools.bench import RunOptions, prefill_once
+from tessera.engine.tools.bench_decode import DecodeOptions, _decode_step, _prefill, bench_decode
+from tessera.engine.model.trace import ForwardTrace
+from tessera.engine.tools.quant_bench import _dequantized_model
+from tessera.engine.tools.replay import random_tokens
 
 
 def emit(kind: str, **row) -> None:
@@ -83,7 +83,7 @@ def main(model_dir: str, mode: str) -> None:
 def moe_rate(model) -> None:
     """MoE of a stage-synced prefill, and one layer's MoE block alone on 4,096 rows, against the bf16
     matmul rate measured now (second H200 run: the first one's stage-synced prefill crashed)."""
-    from engine.model.moe import moe
+    from tessera.engine.model.moe import moe
 
     cfg = model.cfg
     per_token = (cfg.num_experts_per_tok + 1) * 3 * 2 * cfg.hidden_size * cfg.moe_intermediate_size

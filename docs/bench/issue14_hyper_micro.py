@@ -14,8 +14,8 @@ import time
 
 import mlx.core as mx
 
-from engine.model.compiled import set_compile_enabled
-from engine.model.hyper import HyperWeights, expand, hyper_weights
+from tessera.engine.model.compiled import set_compile_enabled
+from tessera.engine.model.hyper import HyperWeights, expand, hyper_weights
 
 HC, ITERS, EPS = 4, 20, 1e-6
 

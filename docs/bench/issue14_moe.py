@@ -28,9 +28,9 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from engine.model import moe as moe_mod
-from engine.model.moe import MoEWeights, moe, routed_experts, swiglu
-from engine.model.quantized import QuantizedWeight, quantize
+from tessera.engine.model import moe as moe_mod
+from tessera.engine.model.moe import MoEWeights, moe, routed_experts, swiglu
+from tessera.engine.model.quantized import QuantizedWeight, quantize
 
 LIMIT, SCALING = 10.0, 1.5
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine.model.deepseek_v4 import Segment
-from engine.model.loader import load_model
-from engine.tools.bench_decode import DecodeOptions, _prefill
-from engine.tools.replay import random_tokens
+from tessera.engine.model.deepseek_v4 import Segment
+from tessera.engine.model.loader import load_model
+from tessera.engine.tools.bench_decode import DecodeOptions, _prefill
+from tessera.engine.tools.replay import random_tokens
 
 
 def primitives(arrays) -> collections.Counter:
@@ -38,7 +38,7 @@ def main() -> None:
     p.add_argument("--compile", choices=["on", "off"], default=None)
     args = p.parse_args()
     if args.compile is not None:
-        from engine.model.compiled import set_compile_enabled
+        from tessera.engine.model.compiled import set_compile_enabled
 
         set_compile_enabled(args.compile == "on")
     model = load_model(args.model_dir)

@@ -116,7 +116,7 @@ def _gather_mm(mx, x, w, experts):
 # ---- variants ------------------------------------------------------------------------------------
 
 def _gather_check(mx, small: bool, freed: bool, sliced: bool) -> dict:
-    from engine.model import expert_slices
+    from tessera.engine.model import expert_slices
 
     experts, out_dim, in_dim = (8, 64, 32) if small else (256, 2048, 4096)
     mx.random.seed(0)
@@ -154,13 +154,13 @@ def _gather_check(mx, small: bool, freed: bool, sliced: bool) -> dict:
 
 
 def _prefill_variant(mx, name: str, args) -> dict:
-    from engine.model.loader import load_model
-    from engine.model.trace import ForwardTrace
-    from engine.model.deepseek_v4 import Segment
-    from engine.tools.bench import RunOptions, prefill_once
-    from engine.tools.quant_bench import _dequantized_model
-    from engine.tools.replay import random_tokens
-    from engine.model import expert_slices, moe as moe_module
+    from tessera.engine.model.loader import load_model
+    from tessera.engine.model.trace import ForwardTrace
+    from tessera.engine.model.deepseek_v4 import Segment
+    from tessera.engine.tools.bench import RunOptions, prefill_once
+    from tessera.engine.tools.quant_bench import _dequantized_model
+    from tessera.engine.tools.replay import random_tokens
+    from tessera.engine.model import expert_slices, moe as moe_module
 
     # As issue14_h200.py ran it: the official checkpoint, every quantized weight dequantized to bf16.
     model = _dequantized_model(load_model(args.model), mx.bfloat16)
@@ -170,14 +170,14 @@ def _prefill_variant(mx, name: str, args) -> dict:
         expert_slices.GROUPED_OFFSET_LIMIT = 2**62
         name = name[: -len("_unsliced")]
     if name == "synced_reference_kernels":
-        from kernels import indexer_cuda, topk_cuda
+        from tessera.kernels import indexer_cuda, topk_cuda
 
         indexer_cuda.is_supported = lambda *a: False
         topk_cuda.is_supported = lambda *a: False
     if name == "synced_contiguous_moe_input":
         original = moe_module.moe
         moe_module.moe = lambda x, *a: original(mx.contiguous(x) if hasattr(mx, "contiguous") else x + 0, *a)
-        import engine.model.deepseek_v4 as dv4
+        import tessera.engine.model.deepseek_v4 as dv4
 
         dv4.moe = moe_module.moe
     if name == "moe_block_after_clear":

@@ -1,7 +1,7 @@
 """Issue 17: `tessera serve --world W` over HTTP with one long prompt — prefill time, decode ms/token and
 every rank's peak memory, as a user of the server sees them.
 
-Starts `python -m server.cli serve --model DIR --world W ...` (rank 0 starts the other ranks: NCCL on
+Starts `python -m tessera.server.cli serve --model DIR --world W ...` (rank 0 starts the other ranks: NCCL on
 CUDA, the ring backend on the CPU; TESSERA_PARALLEL_TRANSPORT is passed through), waits for /ready,
 sends ONE streamed /v1/completions request whose prompt is --prompt-tokens random token ids
 (ignore_eos, greedy, --max-tokens tokens), then reads /metrics (`tessera_memory_bytes`: rank 0's kinds and
@@ -48,7 +48,7 @@ def main() -> int:
 
     port = args.port or _free_port()
     log_path = Path(str(args.out) + ".serve.log")
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(args.model), "--world", str(args.world),
+    cmd = [sys.executable, "-m", "tessera.server.cli", "serve", "--model", str(args.model), "--world", str(args.world),
            "--port", str(port), "--prefill-chunk", str(args.chunk), "--indexer-tile", str(args.tile),
            "--max-context", str(args.prompt_tokens + args.max_tokens), *args.serve_arg]
     emit(dict(event="start", command=cmd, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,

@@ -40,18 +40,18 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine.model.config import ModelConfig
-from engine.model.deepseek_v4 import DeepseekV4, Segment, advance_caches, last_rows
-from engine.model.dtypes import dtype_name
-from engine.model.loader import load_model
-from engine.model.memory_plan import cache_bytes_by_part, make_plan
-from engine.model.quantized import QuantizedWeight
-from engine.model.trace import ForwardTrace
-from engine.model.weights import layer_of
-from engine.parallel.layout import split_layers
-from engine.tools.cache_fill import fill_random
-from engine.tools.make_model import preset_config, write_random_weights_dir
-from engine.tools.replay import random_tokens
+from tessera.engine.model.config import ModelConfig
+from tessera.engine.model.deepseek_v4 import DeepseekV4, Segment, advance_caches, last_rows
+from tessera.engine.model.dtypes import dtype_name
+from tessera.engine.model.loader import load_model
+from tessera.engine.model.memory_plan import cache_bytes_by_part, make_plan
+from tessera.engine.model.quantized import QuantizedWeight
+from tessera.engine.model.trace import ForwardTrace
+from tessera.engine.model.weights import layer_of
+from tessera.engine.parallel.layout import split_layers
+from tessera.engine.tools.cache_fill import fill_random
+from tessera.engine.tools.make_model import preset_config, write_random_weights_dir
+from tessera.engine.tools.replay import random_tokens
 
 GiB = 2**30
 KIND_NAMES = {"sliding_attention": "window", "compressed_sparse_attention": "csa", "heavily_compressed_attention": "hca"}

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import tokenizers
 
-from engine.model.tokenizer import Tokenizer
-from engine.tools.tokenizer_train import train_tokenizer
+from tessera.engine.model.tokenizer import Tokenizer
+from tessera.engine.tools.tokenizer_train import train_tokenizer
 
 backend = Tokenizer.from_dir(train_tokenizer(Path(tempfile.mkdtemp()) / "tok", vocab_size=2048, seed=0))._backend
 text = ("hello world, this is a prompt with some words. " * 220000)[:10_000_000]

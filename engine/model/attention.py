@@ -24,17 +24,17 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
-from engine.model.attention_inputs import AttentionWeights, SegmentSlice
-from engine.model.cache import owned
-from engine.model.compressor import compress
-from engine.model.config import CSA, HCA, WINDOW, ModelConfig
-from engine.model.decode_attention import DecodeRows, decode_attention
-from engine.model.norms import rms_norm, unweighted_rms_norm
-from engine.model.quantized import for_rows, grouped_linear, linear
-from engine.model.rope import apply_rope, cos_sin
-from engine.model.trace import ForwardTrace
-from kernels.indexer import indexer_scores, select_topk
-from kernels.sparse_attention import mixed_attention, shared_rows
+from tessera.engine.model.attention_inputs import AttentionWeights, SegmentSlice
+from tessera.engine.model.cache import owned
+from tessera.engine.model.compressor import compress
+from tessera.engine.model.config import CSA, HCA, WINDOW, ModelConfig
+from tessera.engine.model.decode_attention import DecodeRows, decode_attention
+from tessera.engine.model.norms import rms_norm, unweighted_rms_norm
+from tessera.engine.model.quantized import for_rows, grouped_linear, linear
+from tessera.engine.model.rope import apply_rope, cos_sin
+from tessera.engine.model.trace import ForwardTrace
+from tessera.kernels.indexer import indexer_scores, select_topk
+from tessera.kernels.sparse_attention import mixed_attention, shared_rows
 
 
 # Query and output projections run on fixed blocks of this many rows of the step's batch, counted

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.model.cache import LayerCache
-from engine.model.compressor import CompressorWeights
-from engine.model.quantized import Weight
+from tessera.engine.model.cache import LayerCache
+from tessera.engine.model.compressor import CompressorWeights
+from tessera.engine.model.quantized import Weight
 
 
 @dataclass(frozen=True)

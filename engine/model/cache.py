@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
-from engine.model.config import CSA, ModelConfig, WINDOW
+from tessera.engine.model.config import CSA, ModelConfig, WINDOW
 
 
 def owned(rows: mx.array) -> mx.array:

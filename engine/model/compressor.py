@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.model.cache import CompressorFrontier, owned
-from engine.model.config import RopeSpec
-from engine.model.norms import rms_norm
-from engine.model.quantized import Weight, linear
-from engine.model.rope import apply_rope, cos_sin
+from tessera.engine.model.cache import CompressorFrontier, owned
+from tessera.engine.model.config import RopeSpec
+from tessera.engine.model.norms import rms_norm
+from tessera.engine.model.quantized import Weight, linear
+from tessera.engine.model.rope import apply_rope, cos_sin
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from engine.model.attention_inputs import AttentionWeights, SegmentSlice
-from engine.model.cache import owned
-from engine.model.compressor import compress_decode
-from engine.model.config import CSA, HCA, WINDOW, ModelConfig
-from engine.model.trace import ForwardTrace
-from kernels.indexer import indexer_scores_batched, select_topk
-from kernels.sparse_attention import mixed_attention
+from tessera.engine.model.attention_inputs import AttentionWeights, SegmentSlice
+from tessera.engine.model.cache import owned
+from tessera.engine.model.compressor import compress_decode
+from tessera.engine.model.config import CSA, HCA, WINDOW, ModelConfig
+from tessera.engine.model.trace import ForwardTrace
+from tessera.kernels.indexer import indexer_scores_batched, select_topk
+from tessera.kernels.sparse_attention import mixed_attention
 
 
 @dataclass(frozen=True)

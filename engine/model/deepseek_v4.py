@@ -12,14 +12,14 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from engine.model.attention import AttentionWeights, SegmentSlice, attention
-from engine.model.cache import SequenceCache
-from engine.model.compressor import CompressorWeights
-from engine.model.config import HASH_MOE, ModelConfig
-from engine.model.hyper import HyperWeights, expand, head_collapse, hyper_weights
-from engine.model.moe import MoEWeights, moe
-from engine.model.norms import rms_norm
-from engine.model.trace import ForwardTrace
+from tessera.engine.model.attention import AttentionWeights, SegmentSlice, attention
+from tessera.engine.model.cache import SequenceCache
+from tessera.engine.model.compressor import CompressorWeights
+from tessera.engine.model.config import HASH_MOE, ModelConfig
+from tessera.engine.model.hyper import HyperWeights, expand, head_collapse, hyper_weights
+from tessera.engine.model.moe import MoEWeights, moe
+from tessera.engine.model.norms import rms_norm
+from tessera.engine.model.trace import ForwardTrace
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from functools import cached_property
 
 import mlx.core as mx
 
-from engine.model.compiled import compile_enabled, shapeless
-from kernels import sinkhorn as sinkhorn_kernels
+from tessera.engine.model.compiled import compile_enabled, shapeless
+from tessera.kernels import sinkhorn as sinkhorn_kernels
 
 
 @dataclass(frozen=True)

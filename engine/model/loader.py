@@ -28,16 +28,16 @@ from typing import Callable, Iterator
 import mlx.core as mx
 import numpy as np
 
-from engine.model.config import ModelConfig, config_from_dict
-from engine.model.deepseek_v4 import DeepseekV4
-from engine.model.dtypes import DTYPES
-from engine.model.official_format import (
+from tessera.engine.model.config import ModelConfig, config_from_dict
+from tessera.engine.model.deepseek_v4 import DeepseekV4
+from tessera.engine.model.dtypes import DTYPES
+from tessera.engine.model.official_format import (
     dequantize_fp4, dequantize_fp8, fp4_scale_shape, fp8_scale_shape, mxfp4_from_packed, mxfp8_from_blocks,
 )
-from engine.model.quantized import QuantizedWeight, Weight
-from engine.model.random_weights import RANDOM_WEIGHTS_FILE, RandomWeightsSpec, random_official_weights, read_spec
-from engine.model.safetensors_file import RawTensor, SafetensorsError, open_tensors
-from engine.model.weights import canonical_name, expected_shapes, expert_key, layer_of, stacked_expert_names
+from tessera.engine.model.quantized import QuantizedWeight, Weight
+from tessera.engine.model.random_weights import RANDOM_WEIGHTS_FILE, RandomWeightsSpec, random_official_weights, read_spec
+from tessera.engine.model.safetensors_file import RawTensor, SafetensorsError, open_tensors
+from tessera.engine.model.weights import canonical_name, expected_shapes, expert_key, layer_of, stacked_expert_names
 
 PROGRESS_MIN_BYTES = 256 * 2**20  # a progress bar only where loading takes noticeable time
 _FLOAT_TAGS = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}

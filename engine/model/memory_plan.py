@@ -14,14 +14,14 @@ from dataclasses import asdict, dataclass, field, replace
 from math import prod
 from pathlib import Path
 
-from engine.model.attention import ATTENTION_ROWS, PROJECTION_ROWS, attention_blocks
-from engine.model.cache import RowBuffer
-from engine.model.config import CSA, HCA, V4_FLASH, WINDOW, ModelConfig, config_from_dict
-from engine.model.dtypes import DTYPES
-from engine.model.moe import PADDED_MAX_ROWS_PER_PAIR
-from engine.model.official_format import storage
-from engine.model.quantized import DENSE_MIN_ROWS
-from engine.model.weights import expected_shapes, layer_of
+from tessera.engine.model.attention import ATTENTION_ROWS, PROJECTION_ROWS, attention_blocks
+from tessera.engine.model.cache import RowBuffer
+from tessera.engine.model.config import CSA, HCA, V4_FLASH, WINDOW, ModelConfig, config_from_dict
+from tessera.engine.model.dtypes import DTYPES
+from tessera.engine.model.moe import PADDED_MAX_ROWS_PER_PAIR
+from tessera.engine.model.official_format import storage
+from tessera.engine.model.quantized import DENSE_MIN_ROWS
+from tessera.engine.model.weights import expected_shapes, layer_of
 
 GiB = 2**30
 
@@ -299,7 +299,7 @@ def plan_for(model_dir: Path | None, preset: str | None, ctx: int, chunk: int, t
     """weights_format: count the weights as engine/model/weight_formats.py holds them (None: all in dtype)."""
     plan = _plan_for(model_dir, preset, ctx, chunk, tile, dtype)
     if weights_format:
-        from engine.model.weight_formats import QUANTIZED_FORMATS, format_weights_bytes
+        from tessera.engine.model.weight_formats import QUANTIZED_FORMATS, format_weights_bytes
 
         cfg = _config_for(model_dir, preset)
         if weights_format in QUANTIZED_FORMATS:  # every quantized format keeps the dense projections mxfp8
@@ -315,7 +315,7 @@ def _config_for(model_dir: Path | None, preset: str | None) -> ModelConfig:
         return config_from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
     if preset == "v4-flash" or preset is None:
         return config_from_dict(V4_FLASH)
-    from engine.tools.make_model import preset_config
+    from tessera.engine.tools.make_model import preset_config
 
     return preset_config(preset)
 
@@ -328,7 +328,7 @@ def _plan_for(model_dir: Path | None, preset: str | None, ctx: int, chunk: int, 
     elif preset == "v4-flash" or preset is None:
         cfg, dtype = config_from_dict(V4_FLASH), dtype or "bfloat16"
     else:
-        from engine.tools.make_model import preset_config
+        from tessera.engine.tools.make_model import preset_config
 
         cfg, dtype = preset_config(preset), dtype or "float32"
     return make_plan(cfg, ctx, chunk, tile, dtype)

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from engine.model.compiled import shapeless
-from engine.model.expert_slices import sorted_gather_mm
-from engine.model.quantized import QuantizedWeight, Weight, linear
-from kernels.cuda import on_cuda
+from tessera.engine.model.compiled import shapeless
+from tessera.engine.model.expert_slices import sorted_gather_mm
+from tessera.engine.model.quantized import QuantizedWeight, Weight, linear
+from tessera.kernels.cuda import on_cuda
 
 # A step with at least this many (token, slot) pairs per routed expert on average runs the padded layout.
 # Below it most of the padded block would be padding and every expert's weights would be read even when

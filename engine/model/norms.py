@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from engine.model.compiled import shapeless
+from tessera.engine.model.compiled import shapeless
 
 
 @shapeless

@@ -21,10 +21,10 @@ import re
 import mlx.core as mx
 import numpy as np
 
-from engine.model.fp_formats import (
+from tessera.engine.model.fp_formats import (
     E2M1_VALUES, E4M3_MAX, decode_e4m3, decode_e8m0, e8m0_for, encode_e4m3, unpack_e2m1,
 )
-from engine.model.quantized import QuantizedWeight
+from tessera.engine.model.quantized import QuantizedWeight
 
 BLOCK = 128  # FP8 block edge (quantization_config.weight_block_size)
 FP4_GROUP = 32  # FP4 inputs per scale

@@ -32,12 +32,12 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from engine.model.config import ModelConfig
-from engine.model.fp_formats import E2M1_VALUES, E4M3_MAX
-from engine.model.init_rules import init_rule
-from engine.model.official_format import BLOCK, FP4_GROUP, MX_GROUP, FormatError, fp8_scale_shape, storage
-from engine.model.quantized import QuantizedWeight, Weight
-from engine.model.weights import expected_shapes, expert_key
+from tessera.engine.model.config import ModelConfig
+from tessera.engine.model.fp_formats import E2M1_VALUES, E4M3_MAX
+from tessera.engine.model.init_rules import init_rule
+from tessera.engine.model.official_format import BLOCK, FP4_GROUP, MX_GROUP, FormatError, fp8_scale_shape, storage
+from tessera.engine.model.quantized import QuantizedWeight, Weight
+from tessera.engine.model.weights import expected_shapes, expert_key
 
 RANDOM_WEIGHTS_FILE = "random_weights.json"
 FORMATS = ("official",)

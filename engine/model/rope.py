@@ -13,8 +13,8 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from engine.model.compiled import shapeless
-from engine.model.config import RopeSpec
+from tessera.engine.model.compiled import shapeless
+from tessera.engine.model.config import RopeSpec
 
 
 @lru_cache(maxsize=16)

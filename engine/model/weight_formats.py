@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from math import prod
 
-from engine.model.config import ModelConfig
-from engine.model.dtypes import DTYPES
-from engine.model.official_format import storage
-from engine.model.weights import expected_shapes
+from tessera.engine.model.config import ModelConfig
+from tessera.engine.model.dtypes import DTYPES
+from tessera.engine.model.official_format import storage
+from tessera.engine.model.weights import expected_shapes
 
 # format -> bytes per value of (dense fp8-class projections, routed experts)
 _QUANTIZED: dict[str, tuple[float, float]] = {

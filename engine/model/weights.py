@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from engine.model.config import CSA, HASH_MOE, ModelConfig
+from tessera.engine.model.config import CSA, HASH_MOE, ModelConfig
 
 # transformers' `save_pretrained` leaves these in its own spelling (its renames are anchored at the
 # start of the name, after which it adds `model.`); map them back to the official names.

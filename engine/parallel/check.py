@@ -1,7 +1,7 @@
 """`tessera check parallel`: the replay (chunked, tiled prefill + decode steps, engine/tools/replay.py) on a
 local world of pipeline ranks against one process — every logit row and every indexer selection.
 
-The ranks are child processes (`python -m engine.parallel.check --worker …`); each writes what it saw
+The ranks are child processes (`python -m tessera.engine.parallel.check --worker …`); each writes what it saw
 (rank 0 the logits, every rank its layers' selections and the bytes of weights it holds) to a work
 directory that this process compares with its own single-process run.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.tools.check_limits import PARALLEL_MAX_ABS_DIFF
+from tessera.engine.tools.check_limits import PARALLEL_MAX_ABS_DIFF
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,11 @@ def check_parallel(model_dir: Path, world: int, tokens: int, chunk: int, tile: i
                    overlap: bool = False) -> ParallelReport:
     """overlap: the ranks run the prefill chunks before the last without sending them back
     (PipelineStage.forward(logits=False)); their logits are not compared (nobody computes them)."""
-    from engine.model.loader import load_config, load_model
-    from engine.parallel.launch import new_local_world
-    from engine.parallel.layout import split_layers
-    from engine.tools.consistency import differing
-    from engine.tools.replay import random_tokens, run_sequence
+    from tessera.engine.model.loader import load_config, load_model
+    from tessera.engine.parallel.launch import new_local_world
+    from tessera.engine.parallel.layout import split_layers
+    from tessera.engine.tools.consistency import differing
+    from tessera.engine.tools.replay import random_tokens, run_sequence
 
     _check_shape_args(tokens, chunk, tile, decode)
     if world < 2:
@@ -115,9 +115,9 @@ def _run_ranks(local, model_dir: Path, tokens: int, chunk: int, tile: int, decod
     """Every rank as a child process; any that fails (or outlives `timeout_s`) fails the check, with its log."""
     import subprocess
 
-    from engine.parallel.launch import spawn_rank, stop_processes
+    from tessera.engine.parallel.launch import spawn_rank, stop_processes
 
-    argv = ["-m", "engine.parallel.check", "--worker", "--model", str(model_dir), "--tokens", str(tokens),
+    argv = ["-m", "tessera.engine.parallel.check", "--worker", "--model", str(model_dir), "--tokens", str(tokens),
             "--chunk", str(chunk), "--tile", str(tile), "--decode", str(decode), "--seed", str(seed),
             "--dtype", dtype, "--backend", local.backend, "--out", str(work)] + (["--overlap"] if overlap else [])
     procs = [spawn_rank(local, r, argv, work / f"rank{r}.log") for r in range(local.size)]
@@ -142,14 +142,14 @@ def _tail(path: Path, lines: int = 20) -> str:
 def _worker(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
-    from engine.model.deepseek_v4 import Segment
-    from engine.model.loader import load_config, load_model
-    from engine.model.trace import ForwardTrace
-    from engine.parallel.launch import init_group
-    from engine.parallel.layout import split_layers
-    from engine.parallel.pipeline import PipelineStage
-    from engine.parallel.transport import make_transport
-    from engine.tools.replay import random_tokens
+    from tessera.engine.model.deepseek_v4 import Segment
+    from tessera.engine.model.loader import load_config, load_model
+    from tessera.engine.model.trace import ForwardTrace
+    from tessera.engine.parallel.launch import init_group
+    from tessera.engine.parallel.layout import split_layers
+    from tessera.engine.parallel.pipeline import PipelineStage
+    from tessera.engine.parallel.transport import make_transport
+    from tessera.engine.tools.replay import random_tokens
 
     group = init_group(args.backend)
     rank = group.rank()
@@ -179,7 +179,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _worker_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.parallel.check")
+    p = argparse.ArgumentParser(prog="python -m tessera.engine.parallel.check")
     p.add_argument("--worker", action="store_true", required=True)
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--tokens", type=int, required=True)

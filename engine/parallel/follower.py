@@ -13,8 +13,8 @@ import threading
 import time
 from pathlib import Path
 
-from engine.parallel.launch import init_group, launched_world
-from engine.parallel.serving import join_launched_world, load_stage, run_follower
+from tessera.engine.parallel.launch import init_group, launched_world
+from tessera.engine.parallel.serving import join_launched_world, load_stage, run_follower
 
 logger = logging.getLogger("tessera.parallel")
 
@@ -49,13 +49,13 @@ def follow_if_launched_follower(model_dir: Path | None, indexer_tile: int, world
     launched = launched_world()
     if launched is None or launched[0] == 0:
         return None
-    from engine.tools.default_model import ensure_default_model
+    from tessera.engine.tools.default_model import ensure_default_model
 
     return follow(Path(model_dir) if model_dir is not None else ensure_default_model(), indexer_tile, launched[1], world)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.parallel.follower")
+    p = argparse.ArgumentParser(prog="python -m tessera.engine.parallel.follower")
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--tile", type=int, required=True, help="indexer tile, as rank 0's")
     p.add_argument("--backend", required=True)

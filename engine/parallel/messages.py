@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from engine.serving.protocol import DecodeSlot, PrefillChunk, StepPlan
+from tessera.engine.serving.protocol import DecodeSlot, PrefillChunk, StepPlan
 
 
 @dataclass(frozen=True)

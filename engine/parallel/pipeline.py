@@ -14,10 +14,10 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from engine.model.cache import SequenceCache
-from engine.model.deepseek_v4 import DeepseekV4, Segment, advance_caches, last_rows
-from engine.model.trace import ForwardTrace
-from engine.parallel.transport import Transport
+from tessera.engine.model.cache import SequenceCache
+from tessera.engine.model.deepseek_v4 import DeepseekV4, Segment, advance_caches, last_rows
+from tessera.engine.model.trace import ForwardTrace
+from tessera.engine.parallel.transport import Transport
 
 
 class PipelineStage:

@@ -26,19 +26,19 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from engine.model.cache import SequenceCache
-from engine.model.config import ModelConfig
-from engine.model.deepseek_v4 import Segment
-from engine.model.loader import load_config, load_model
-from engine.model.memory_plan import cache_bytes_at
-from engine.parallel.launch import (RankWatch, init_group, join_world, launched_world, new_local_world, spawn_rank,
+from tessera.engine.model.cache import SequenceCache
+from tessera.engine.model.config import ModelConfig
+from tessera.engine.model.deepseek_v4 import Segment
+from tessera.engine.model.loader import load_config, load_model
+from tessera.engine.model.memory_plan import cache_bytes_at
+from tessera.engine.parallel.launch import (RankWatch, init_group, join_world, launched_world, new_local_world, spawn_rank,
                                     stop_processes)
-from engine.parallel.layout import StageLayout, split_layers
-from engine.parallel.messages import StepMessage
-from engine.parallel.pipeline import PipelineStage
-from engine.parallel.transport import make_transport
-from engine.serving.protocol import StepOutput, StepPlan
-from engine.serving.runner import ModelRunner, default_compute_dtype
+from tessera.engine.parallel.layout import StageLayout, split_layers
+from tessera.engine.parallel.messages import StepMessage
+from tessera.engine.parallel.pipeline import PipelineStage
+from tessera.engine.parallel.transport import make_transport
+from tessera.engine.serving.protocol import StepOutput, StepPlan
+from tessera.engine.serving.runner import ModelRunner, default_compute_dtype
 
 logger = logging.getLogger("tessera.parallel")
 
@@ -162,7 +162,7 @@ def build_pipeline_runner(model_dir: Path, world: int, prefill_chunk: int, index
         atexit.register(_shut_down, runner, None, {})  # the launcher owns the processes (and stops all if one fails)
         return runner
     local = new_local_world(world, backend)
-    argv = ["-m", "engine.parallel.follower", "--model", str(model_dir), "--tile", str(indexer_tile),
+    argv = ["-m", "tessera.engine.parallel.follower", "--model", str(model_dir), "--tile", str(indexer_tile),
             "--backend", local.backend]
     followers = {rank: spawn_rank(local, rank, argv) for rank in range(1, world)}
     for rank, proc in followers.items():

@@ -19,12 +19,12 @@ import threading
 import time
 from typing import AsyncIterator, Callable, Iterable, Sequence
 
-from engine.serving.protocol import (
+from tessera.engine.serving.protocol import (
     AdmissionError, DecodeSlot, EngineStats, Error, Event, PrefillChunk, Runner, SampledToken, SamplingParams,
     StepOutput, StepPlan, StepSink, StepStats, is_terminal,
 )
-from engine.serving.request import Request
-from engine.serving.scheduler import RequestEvent, Scheduler, SchedulerConfig
+from tessera.engine.serving.request import Request
+from tessera.engine.serving.scheduler import RequestEvent, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine.model.loader import load_config
-from engine.model.tokenizer import Tokenizer
-from engine.serving.blas import blas_in_use
-from engine.serving.engine_loop import AsyncEngine
-from engine.serving.runner import build_runner
-from engine.serving.scheduler import SchedulerConfig
-from engine.tools.default_model import ensure_default_model
+from tessera.engine.model.loader import load_config
+from tessera.engine.model.tokenizer import Tokenizer
+from tessera.engine.serving.blas import blas_in_use
+from tessera.engine.serving.engine_loop import AsyncEngine
+from tessera.engine.serving.runner import build_runner
+from tessera.engine.serving.scheduler import SchedulerConfig
+from tessera.engine.tools.default_model import ensure_default_model
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def build_engine(options: EngineOptions) -> BuiltEngine:
     shape = dict(prefill_chunk=options.prefill_chunk, indexer_tile=options.indexer_tile, max_context=max_model_len,
                  stage_timing_interval=options.stage_timing_interval)
     if options.world > 1:  # pipeline parallel: this process is rank 0 (and starts the other ranks)
-        from engine.parallel.serving import build_pipeline_runner
+        from tessera.engine.parallel.serving import build_pipeline_runner
 
         if options.weights_dtype is not None:
             raise ValueError("weights_dtype is not supported with world > 1 yet: the pipeline ranks load quantized")

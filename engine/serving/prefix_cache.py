@@ -24,9 +24,9 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from engine.model.cache import LayerRows, ResumeState, SequenceCache, restored_cache, resume_state, rows_between
-from engine.model.config import ModelConfig
-from engine.serving.prefix_blocks import BLOCK_TOKENS, block_floor, chained_keys, root_key
+from tessera.engine.model.cache import LayerRows, ResumeState, SequenceCache, restored_cache, resume_state, rows_between
+from tessera.engine.model.config import ModelConfig
+from tessera.engine.serving.prefix_blocks import BLOCK_TOKENS, block_floor, chained_keys, root_key
 
 
 @dataclass(eq=False)

@@ -299,7 +299,7 @@ class AdmissionError(Exception):
 
 
 class EngineClient(Protocol):
-    """What the server holds (engine.serving.engine_loop.AsyncEngine implements it). Call from the event loop,
+    """What the server holds (tessera.engine.serving.engine_loop.AsyncEngine implements it). Call from the event loop,
     except `shutdown`, which blocks (run it in a thread)."""
 
     def generate(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> AsyncIterator[Event]:

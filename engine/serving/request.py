@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from engine.serving.protocol import FinishReason, RequestTimings, SamplingParams
+from tessera.engine.serving.protocol import FinishReason, RequestTimings, SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -19,17 +19,17 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 
-from engine.model.cache import SequenceCache, resume_state
-from engine.model.config import ModelConfig
-from engine.model.dtypes import dtype_name
-from engine.model.loader import load_model
-from engine.model.memory_plan import attention_call_elements, cache_bytes_at, make_plan, tile_array_elements
-from engine.model.quantized import QuantizedWeight
-from engine.model.deepseek_v4 import DeepseekV4, Segment
+from tessera.engine.model.cache import SequenceCache, resume_state
+from tessera.engine.model.config import ModelConfig
+from tessera.engine.model.dtypes import dtype_name
+from tessera.engine.model.loader import load_model
+from tessera.engine.model.memory_plan import attention_call_elements, cache_bytes_at, make_plan, tile_array_elements
+from tessera.engine.model.quantized import QuantizedWeight
+from tessera.engine.model.deepseek_v4 import DeepseekV4, Segment
 import numpy as np
 
-from engine.serving.prefix_cache import Lineage, PrefixCache, PrefixNode
-from engine.serving.protocol import (
+from tessera.engine.serving.prefix_cache import Lineage, PrefixCache, PrefixNode
+from tessera.engine.serving.protocol import (
     PrefillChunk,
     PromptLogprob,
     PromptLogprobs,
@@ -38,8 +38,8 @@ from engine.serving.protocol import (
     StepOutput,
     StepPlan,
 )
-from engine.serving.sampler import RequestRng, TokenHistory, sample
-from engine.model.trace import ForwardTrace
+from tessera.engine.serving.sampler import RequestRng, TokenHistory, sample
+from tessera.engine.model.trace import ForwardTrace
 
 
 logger = logging.getLogger(__name__)

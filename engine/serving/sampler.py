@@ -29,7 +29,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from engine.serving.protocol import SamplingParams
+from tessera.engine.serving.protocol import SamplingParams
 
 _GREEDY_TEMPERATURE = 1e-5  # vLLM's epsilon: temperatures below it sample greedily
 

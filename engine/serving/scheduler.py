@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
-from engine.serving.protocol import (
+from tessera.engine.serving.protocol import (
     AdmissionError,
     DecodeSlot,
     Done,
@@ -39,8 +39,8 @@ from engine.serving.protocol import (
     StepPlan,
     Token,
 )
-from engine.serving.prefix_blocks import BLOCK_TOKENS, aligned_chunk_end
-from engine.serving.request import Request, RequestStatus
+from tessera.engine.serving.prefix_blocks import BLOCK_TOKENS, aligned_chunk_end
+from tessera.engine.serving.request import Request, RequestStatus
 
 __all__ = ["AdmissionError", "Scheduler", "SchedulerConfig", "RequestEvent"]
 

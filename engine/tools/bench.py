@@ -13,13 +13,13 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from engine.model.dtypes import dtype_name
-from engine.model.loader import load_model
-from engine.model.memory_plan import make_plan
-from engine.model.deepseek_v4 import DeepseekV4, Segment
-from engine.tools.replay import random_tokens
-from engine.serving.runner import default_compute_dtype
-from engine.model.trace import STAGES, ForwardTrace
+from tessera.engine.model.dtypes import dtype_name
+from tessera.engine.model.loader import load_model
+from tessera.engine.model.memory_plan import make_plan
+from tessera.engine.model.deepseek_v4 import DeepseekV4, Segment
+from tessera.engine.tools.replay import random_tokens
+from tessera.engine.serving.runner import default_compute_dtype
+from tessera.engine.model.trace import STAGES, ForwardTrace
 
 MATRIX = ((4096, 4096), (2048, 2048), (1024, 1024), (4096, 2048), (4096, 1024))
 

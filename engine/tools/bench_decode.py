@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.model.compiled import compile_enabled
-from engine.model.config import CSA, HCA, WINDOW, ModelConfig
-from engine.model.deepseek_v4 import DeepseekV4, Segment
-from engine.model.dtypes import dtype_name
-from engine.model.trace import ForwardTrace
-from engine.tools.cache_fill import fill_random
-from engine.tools.replay import random_tokens
+from tessera.engine.model.compiled import compile_enabled
+from tessera.engine.model.config import CSA, HCA, WINDOW, ModelConfig
+from tessera.engine.model.deepseek_v4 import DeepseekV4, Segment
+from tessera.engine.model.dtypes import dtype_name
+from tessera.engine.model.trace import ForwardTrace
+from tessera.engine.tools.cache_fill import fill_random
+from tessera.engine.tools.replay import random_tokens
 
 # Decode stages as the report names them (engine/model/trace.py's prefill stages, the indexer's two joined).
 DECODE_STAGES = {"attention": ("attention",), "indexer": ("indexer_score", "topk"), "moe": ("moe",), "other": ("other",)}

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine.model.deepseek_v4 import DeepseekV4
-from engine.model.loader import load_model
-from engine.serving.protocol import SamplingParams
-from engine.serving.runner import default_compute_dtype
-from engine.tools.prefix_check import Engine
-from engine.tools.replay import random_tokens
+from tessera.engine.model.deepseek_v4 import DeepseekV4
+from tessera.engine.model.loader import load_model
+from tessera.engine.serving.protocol import SamplingParams
+from tessera.engine.serving.runner import default_compute_dtype
+from tessera.engine.tools.prefix_check import Engine
+from tessera.engine.tools.replay import random_tokens
 
 CACHE_BYTES = 8 * 2**30
 

@@ -18,10 +18,10 @@ from typing import Iterable
 
 import mlx.core as mx
 
-from engine.model.cache import CompressorFrontier, RowBuffer, SequenceCache
-from engine.model.config import CSA, WINDOW, ModelConfig
-from engine.model.memory_plan import simulated_capacity
-from engine.tools.replay import random_tokens
+from tessera.engine.model.cache import CompressorFrontier, RowBuffer, SequenceCache
+from tessera.engine.model.config import CSA, WINDOW, ModelConfig
+from tessera.engine.model.memory_plan import simulated_capacity
+from tessera.engine.tools.replay import random_tokens
 
 
 def fill_random(cache: SequenceCache, cfg: ModelConfig, ctx: int, layers: Iterable[int], chunk: int,

@@ -9,14 +9,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.model.dtypes import DTYPES
-from engine.tools.check_limits import (
+from tessera.engine.model.dtypes import DTYPES
+from tessera.engine.tools.check_limits import (
     KERNEL_MAX_DIFFERING_ROWS, KERNEL_MAX_REL_DIFF, PARALLEL_MAX_ABS_DIFF, REFERENCE_MAX_ABS_DIFF,
     REFERENCE_MIN_TOP1_AGREEMENT, ConsistencyLimits,
 )
 
 if TYPE_CHECKING:  # the handlers import the bench (and the model loader) only when a bench runs
-    from engine.tools.bench import RunOptions, Setting
+    from tessera.engine.tools.bench import RunOptions, Setting
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -51,9 +51,9 @@ def _add_checkpoint_format_args(p: argparse.ArgumentParser) -> None:
 
 
 def _make_model(args) -> int:
-    from engine.model.config import ConfigError
-    from engine.model.official_format import FormatError
-    from engine.tools.make_model import make_model
+    from tessera.engine.model.config import ConfigError
+    from tessera.engine.model.official_format import FormatError
+    from tessera.engine.tools.make_model import make_model
 
     overrides = {} if args.layers is None else {"layers": args.layers}
     if args.config is not None and not args.config.is_file():
@@ -186,7 +186,7 @@ def _verdict(report: dict, failures: list[str], as_json: bool) -> int:
 
 
 def _check_kernels(args) -> int:
-    from kernels import device_checks
+    from tessera.kernels import device_checks
 
     report = device_checks.check_indexer_kernel()
     if report.get("kernel") == device_checks.UNAVAILABLE:
@@ -197,13 +197,13 @@ def _check_kernels(args) -> int:
 
 
 def _check_gpu(args) -> int:
-    from engine.tools.gpu_check import check_gpu_command
+    from tessera.engine.tools.gpu_check import check_gpu_command
 
     return check_gpu_command(args.model, args.shape, args.dtype, args.allow_cpu, args.json, args.rows, args.out)
 
 
 def _check_reference(args) -> int:
-    from engine.tools import reference_check
+    from tessera.engine.tools import reference_check
 
     if args.against is not None:
         return _check_against(args)
@@ -217,7 +217,7 @@ def _check_reference(args) -> int:
 
 
 def _check_consistency(args) -> int:
-    from engine.tools import consistency
+    from tessera.engine.tools import consistency
 
     report = consistency.check_consistency(args.model, args.ctx, args.decode, args.chunk, args.tile, args.seed,
                                            args.dtype)
@@ -226,7 +226,7 @@ def _check_consistency(args) -> int:
 
 
 def _check_prefix_cache(args) -> int:
-    from engine.tools.prefix_check import check_prefix_cache
+    from tessera.engine.tools.prefix_check import check_prefix_cache
 
     report = check_prefix_cache(
         args.model, (args.fill.chunk, args.fill.tile), (args.reuse.chunk, args.reuse.tile), args.prompt_tokens, args.seed
@@ -245,7 +245,7 @@ def _add_reference_weight_args(p: argparse.ArgumentParser) -> None:
 
 
 def _check_against(args) -> int:
-    from engine.tools.reference_check import check_against
+    from tessera.engine.tools.reference_check import check_against
 
     report = check_against(args.model, args.against, args.tokens, args.chunk, args.tile, args.decode, args.seed)
     _print_report(report.as_dict(), args.json)
@@ -264,8 +264,8 @@ def _register_convert(subparsers) -> None:
 
 
 def _convert(args) -> int:
-    from engine.model.loader import CheckpointError
-    from engine.tools.convert import ConvertError, convert
+    from tessera.engine.model.loader import CheckpointError
+    from tessera.engine.tools.convert import ConvertError, convert
 
     try:
         report = convert(args.src, args.dst, args.quant, args.group_size, args.dense)
@@ -284,7 +284,7 @@ def _human_bytes(n: int) -> str:
 
 
 def _check_parallel(args) -> int:
-    from engine.parallel.check import check_parallel, parallel_failures
+    from tessera.engine.parallel.check import check_parallel, parallel_failures
 
     try:
         report = check_parallel(args.model, args.world, args.tokens, args.chunk, args.tile, args.decode, args.seed,
@@ -334,7 +334,7 @@ def _bytes_arg(text: str) -> int:
 
 
 def _plan(args) -> int:
-    from engine.model.memory_plan import format_plan, plan_for
+    from tessera.engine.model.memory_plan import format_plan, plan_for
 
     plan = plan_for(args.model, args.preset, args.ctx, args.chunk, args.tile or args.chunk, args.dtype,
                     args.weights, args.memory_budget)
@@ -416,7 +416,7 @@ def _add_prefill_run_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_options(args) -> RunOptions:
-    from engine.tools.bench import RunOptions
+    from tessera.engine.tools.bench import RunOptions
 
     return RunOptions(repeat=args.repeat, stage_sync=args.stage_sync)
 
@@ -424,7 +424,7 @@ def _run_options(args) -> RunOptions:
 def _setting(spec: str) -> Setting:
     """'4096:1024' -> Setting(4096, 1024); '4096:1024:blocking' -> the same with tile pipelining off;
     argparse turns the errors into a usage message."""
-    from engine.tools.bench import Setting
+    from tessera.engine.tools.bench import Setting
 
     chunk, sep, rest = spec.partition(":")
     tile, _, mode = rest.partition(":")
@@ -436,7 +436,7 @@ def _setting(spec: str) -> Setting:
 
 
 def _bench_compare(args) -> int:
-    from engine.tools.bench import bench_compare, compare_table
+    from tessera.engine.tools.bench import bench_compare, compare_table
 
     rows = bench_compare(args.model, args.ctx, args.settings, args.dtype, _run_options(args))
     print("\n".join(json.dumps(r) for r in rows) if args.json else compare_table(rows))
@@ -444,7 +444,7 @@ def _bench_compare(args) -> int:
 
 
 def _bench_multiturn(args) -> int:
-    from engine.tools.bench_multiturn import bench_multiturn
+    from tessera.engine.tools.bench_multiturn import bench_multiturn
 
     if not 0 < args.new and 0 < args.reply and args.new + args.reply < args.ctx:
         print("error: --new and --reply must be positive and leave turn 1 a prompt (new + reply < ctx)", file=sys.stderr)
@@ -464,14 +464,14 @@ def _positive(text: str) -> int:
 
 
 def _bench_decode(args) -> int:
-    from engine.tools.bench import load_for_bench
-    from engine.tools.bench_decode import DecodeOptions, bench_decode
+    from tessera.engine.tools.bench import load_for_bench
+    from tessera.engine.tools.bench_decode import DecodeOptions, bench_decode
 
     if args.tile > args.chunk:
         print(f"error: --tile ({args.tile}) must be at most --chunk ({args.chunk})", file=sys.stderr)
         return 2
     if args.compile is not None:
-        from engine.model.compiled import set_compile_enabled
+        from tessera.engine.model.compiled import set_compile_enabled
 
         set_compile_enabled(args.compile == "on")
     options = DecodeOptions(chunk=args.chunk, tile=args.tile, steps=args.steps, stage_sync=args.stage_sync,
@@ -482,14 +482,14 @@ def _bench_decode(args) -> int:
 
 
 def _bench_indexer(args) -> int:
-    from kernels.device_checks import bench_indexer
+    from tessera.kernels.device_checks import bench_indexer
 
     _print_report(bench_indexer(args.tile, args.rows, args.heads, args.dim, repeat=args.repeat), args.json)
     return 0
 
 
 def _bench_prefill(args) -> int:
-    from engine.tools.bench import bench_prefill
+    from tessera.engine.tools.bench import bench_prefill
 
     result = bench_prefill(args.model, args.ctx, args.chunk, args.tile or args.chunk, args.dtype, _run_options(args))
     _print_report(result, args.json)
@@ -497,7 +497,7 @@ def _bench_prefill(args) -> int:
 
 
 def _bench_matrix(args) -> int:
-    from engine.tools.bench import bench_matrix
+    from tessera.engine.tools.bench import bench_matrix
 
     table = bench_matrix(args.model, args.ctx, args.dtype, args.out, _run_options(args))
     print(table)
@@ -513,9 +513,9 @@ def _print_report(report: dict, as_json: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The engine's commands without the server's dependencies (`python -m engine.tools.commands …`),
+    """The engine's commands without the server's dependencies (`python -m tessera.engine.tools.commands …`),
     for machines that carry only MLX and numpy, such as the GPU box."""
-    parser = argparse.ArgumentParser(prog="python -m engine.tools.commands")
+    parser = argparse.ArgumentParser(prog="python -m tessera.engine.tools.commands")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.func(args)

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.model.loader import load_model
-from engine.model.deepseek_v4 import DeepseekV4
-from engine.tools.check_limits import ConsistencyLimits
-from engine.tools.replay import random_tokens, run_sequence
-from engine.serving.runner import default_compute_dtype
+from tessera.engine.model.loader import load_model
+from tessera.engine.model.deepseek_v4 import DeepseekV4
+from tessera.engine.tools.check_limits import ConsistencyLimits
+from tessera.engine.tools.replay import random_tokens, run_sequence
+from tessera.engine.serving.runner import default_compute_dtype
 
 
 # The fresh whole-sequence prefill runs in one untiled chunk up to this many tokens: MLX's GPU sorts

@@ -20,10 +20,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from engine.model.loader import iter_weights
-from engine.model.official_format import storage
-from engine.model.quantized import QuantizedWeight, Weight, quantize
-from engine.model.safetensors_file import ShardedWriter
+from tessera.engine.model.loader import iter_weights
+from tessera.engine.model.official_format import storage
+from tessera.engine.model.quantized import QuantizedWeight, Weight, quantize
+from tessera.engine.model.safetensors_file import ShardedWriter
 
 QUANTS = ("affine4", "affine8", "mxfp4")
 DEFAULT_GROUP = {"affine4": 64, "affine8": 64, "mxfp4": 32}

@@ -13,9 +13,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from engine.model.weights import expected_shapes
-from engine.tools.make_model import preset_config, write_checkpoint
-from engine.tools.tokenizer_train import train_tokenizer
+from tessera.engine.model.weights import expected_shapes
+from tessera.engine.tools.make_model import preset_config, write_checkpoint
+from tessera.engine.tools.tokenizer_train import train_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from engine.model.loader import load_config, load_model
-from engine.tools.consistency import differing
-from engine.tools.replay import random_tokens, run_sequence
+from tessera.engine.model.loader import load_config, load_model
+from tessera.engine.tools.consistency import differing
+from tessera.engine.tools.replay import random_tokens, run_sequence
 
 
 @dataclass(frozen=True)
@@ -147,8 +147,8 @@ def invariance_tiles(rows: int) -> tuple[int, ...]:
 
 def run_gpu_check(model_dir: Path, shapes: tuple[Shape, ...] = MATRIX, dtypes: tuple[str, ...] = DTYPES,
                   rows: int = 3001, log=print) -> GpuCheckReport:
-    from kernels.cuda import on_cuda
-    from kernels.device_checks import check_indexer_kernel
+    from tessera.kernels.cuda import on_cuda
+    from tessera.kernels.device_checks import check_indexer_kernel
 
     cuda = on_cuda()
     log(f"device: {mx.default_device()} (CUDA kernels {'on' if cuda else 'unavailable'})")
@@ -194,8 +194,8 @@ def check_row_invariance(t: int = 3001, n: int = 750, index_heads: int = 64, ind
     """A row's indexer scores, top-k and attention output computed for the whole batch of `t` rows
     vs in tiles (inputs sliced out of larger buffers, as the engine's are): exact, except the raw
     batched attention, reported for information."""
-    from engine.model.dtypes import DTYPES as MX_DTYPES
-    from kernels.indexer import indexer_scores, select_topk
+    from tessera.engine.model.dtypes import DTYPES as MX_DTYPES
+    from tessera.kernels.indexer import indexer_scores, select_topk
 
     rng = np.random.default_rng(seed)
     arr = lambda *shape: mx.array(rng.standard_normal(shape, dtype=np.float32))  # noqa: E731
@@ -223,8 +223,8 @@ def check_row_invariance(t: int = 3001, n: int = 750, index_heads: int = 64, ind
 def _attention_invariance(arr, t, heads, head_dim, window, topk, tiles, dtype, name, exact, info) -> None:
     """Window + selected rows (CSA) and window + shared rows (HCA), whole vs tiles: the raw batched
     call (information) and the engine's fixed-block call (must be exact)."""
-    from engine.model.attention import AttentionGroup, blockwise_attention
-    from kernels.sparse_attention import mixed_attention, shared_rows
+    from tessera.engine.model.attention import AttentionGroup, blockwise_attention
+    from tessera.kernels.sparse_attention import mixed_attention, shared_rows
 
     q = arr(t, heads, head_dim).astype(dtype)
     sinks, scale = arr(heads), head_dim**-0.5
@@ -257,7 +257,7 @@ def _attention_invariance(arr, t, heads, head_dim, window, topk, tiles, dtype, n
 
 def make_check_model(out_dir: Path, layers: int = 3) -> Path:
     """flash-attn widths (64 heads × 512, indexer 64 × 128, top-512) with window, CSA and HCA layers."""
-    from engine.tools.make_model import make_model
+    from tessera.engine.tools.make_model import make_model
 
     return make_model(Path(out_dir), "flash-attn", seed=0, with_tokenizer=False, dtype="bfloat16", layers=layers)
 
@@ -282,7 +282,7 @@ def check_gpu_command(model: Path | None, shape_specs: list[str] | None, dtypes:
     import sys
     import tempfile
 
-    from kernels.cuda import on_cuda
+    from tessera.kernels.cuda import on_cuda
 
     try:
         shapes = tuple(parse_shape(s) for s in shape_specs) if shape_specs else MATRIX

@@ -14,10 +14,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from engine.model.config import CSA, HCA, V4_FLASH, WINDOW, ModelConfig, config_from_dict
-from engine.model.dtypes import DTYPES
-from engine.model.weights import expected_shapes
-from engine.tools.random_init import random_value
+from tessera.engine.model.config import CSA, HCA, V4_FLASH, WINDOW, ModelConfig, config_from_dict
+from tessera.engine.model.dtypes import DTYPES
+from tessera.engine.model.weights import expected_shapes
+from tessera.engine.tools.random_init import random_value
 
 _YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
 
@@ -73,8 +73,8 @@ def preset_config(preset: str, **overrides: Any) -> ModelConfig:
 
 def write_random_weights_dir(out_dir: Path, cfg: ModelConfig, seed: int = 0) -> Path:
     """config.json (as an official checkpoint's) + random_weights.json; no weight files."""
-    from engine.model.random_weights import RandomWeightsSpec, write_spec
-    from engine.tools.official_checkpoint import write_official_config
+    from tessera.engine.model.random_weights import RandomWeightsSpec, write_spec
+    from tessera.engine.tools.official_checkpoint import write_official_config
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -115,13 +115,13 @@ def make_model(out_dir: Path, preset: str = "tiny", seed: int = 0, with_tokenize
             raise ValueError("--in-memory makes official-format weights: use it with --format official")
         write_random_weights_dir(out_dir, cfg, seed)
     elif fmt == "official":
-        from engine.tools.official_checkpoint import write_official_checkpoint
+        from tessera.engine.tools.official_checkpoint import write_official_checkpoint
 
         write_official_checkpoint(out_dir, cfg, seed)
     else:
         write_checkpoint(out_dir, cfg, seed, dtype)
     if with_tokenizer:
-        from engine.tools.tokenizer_train import train_tokenizer
+        from tessera.engine.tools.tokenizer_train import train_tokenizer
 
         # a random-weights model may be V4 Flash's size: its vocabulary is padded past what the corpus trains
         train_tokenizer(Path(out_dir), vocab_size=cfg.vocab_size, seed=seed, pad=in_memory)

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.model.config import ModelConfig
-from engine.model.official_format import QUANTIZATION_CONFIG, quantize_fp8, random_fp4, storage
-from engine.model.safetensors_file import ShardedWriter
-from engine.model.weights import expected_shapes
-from engine.tools.random_init import random_value
+from tessera.engine.model.config import ModelConfig
+from tessera.engine.model.official_format import QUANTIZATION_CONFIG, quantize_fp8, random_fp4, storage
+from tessera.engine.model.safetensors_file import ShardedWriter
+from tessera.engine.model.weights import expected_shapes
+from tessera.engine.tools.random_init import random_value
 
 SHARD_BYTES = 4 * 2**30
 

@@ -15,15 +15,15 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.model.deepseek_v4 import DeepseekV4
-from engine.model.loader import load_model
-from engine.serving.engine_loop import EngineLoop
-from engine.serving.prefix_blocks import BLOCK_TOKENS
-from engine.serving.protocol import Event, SamplingParams, Token
-from engine.serving.request import Request
-from engine.serving.runner import ModelRunner
-from engine.serving.scheduler import SchedulerConfig
-from engine.tools.replay import random_tokens
+from tessera.engine.model.deepseek_v4 import DeepseekV4
+from tessera.engine.model.loader import load_model
+from tessera.engine.serving.engine_loop import EngineLoop
+from tessera.engine.serving.prefix_blocks import BLOCK_TOKENS
+from tessera.engine.serving.protocol import Event, SamplingParams, Token
+from tessera.engine.serving.request import Request
+from tessera.engine.serving.runner import ModelRunner
+from tessera.engine.serving.scheduler import SchedulerConfig
+from tessera.engine.tools.replay import random_tokens
 
 CACHE_BYTES = 1 << 30
 

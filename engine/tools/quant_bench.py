@@ -1,7 +1,7 @@
 """Quantized (official FP8/FP4 -> MLX mxfp8/mxfp4) vs the same weights dequantized to bf16: prefill
 and decode seconds, in alternating order (Q D D Q …) in one process so drift cancels.
 
-Run: `python -m engine.tools.quant_bench MODEL_DIR --ctx 4096 --decode 32 --rounds 2`. Three settings:
+Run: `python -m tessera.engine.tools.quant_bench MODEL_DIR --ctx 4096 --decode 32 --rounds 2`. Three settings:
 "quantized" (as served: prefill chunks of >= DENSE_MIN_ROWS rows run the attention and shared-expert
 projections dense on transiently dequantized weights, decode runs quantized_matmul), "quantized_qmm"
 (quantized_matmul at every row count, the rule switched off) and "bf16" (every weight dequantized at
@@ -23,12 +23,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine.model.deepseek_v4 import DeepseekV4, Segment
-from engine.model.loader import load_model
-from engine.model import quantized as quantized_module
-from engine.model.quantized import QuantizedWeight, dequantized, quantize
-from engine.tools.make_model import preset_config
-from engine.tools.replay import random_tokens
+from tessera.engine.model.deepseek_v4 import DeepseekV4, Segment
+from tessera.engine.model.loader import load_model
+from tessera.engine.model import quantized as quantized_module
+from tessera.engine.model.quantized import QuantizedWeight, dequantized, quantize
+from tessera.engine.tools.make_model import preset_config
+from tessera.engine.tools.replay import random_tokens
 
 
 def _weight_bytes(model: DeepseekV4) -> int:
@@ -173,7 +173,7 @@ def matmul_bench(preset: str, rows_list: list[int], repeat: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.tools.quant_bench")
+    p = argparse.ArgumentParser(prog="python -m tessera.engine.tools.quant_bench")
     p.add_argument("model", type=Path, nargs="?", help="an official-format (or converted) checkpoint")
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--chunk", type=int, default=4096)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.model.config import ModelConfig
-from engine.model.init_rules import init_rule
+from tessera.engine.model.config import ModelConfig
+from tessera.engine.model.init_rules import init_rule
 
 
 def random_value(name: str, shape: tuple[int, ...], cfg: ModelConfig, rng: np.random.Generator) -> np.ndarray:

@@ -14,10 +14,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from engine.model.loader import load_model
-from engine.model.deepseek_v4 import DeepseekV4
-from engine.tools.check_limits import REFERENCE_MAX_ABS_DIFF, REFERENCE_MIN_TOP1_AGREEMENT
-from engine.tools.replay import random_tokens, run_sequence
+from tessera.engine.model.loader import load_model
+from tessera.engine.model.deepseek_v4 import DeepseekV4
+from tessera.engine.tools.check_limits import REFERENCE_MAX_ABS_DIFF, REFERENCE_MIN_TOP1_AGREEMENT
+from tessera.engine.tools.replay import random_tokens, run_sequence
 
 
 class ReferenceUnavailable(RuntimeError):

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from engine.model.cache import resume_state
-from engine.model.deepseek_v4 import DeepseekV4, Segment
-from engine.serving.prefix_blocks import aligned_chunk_end
-from engine.serving.prefix_cache import Lineage, PrefixCache
-from engine.model.trace import ForwardTrace
+from tessera.engine.model.cache import resume_state
+from tessera.engine.model.deepseek_v4 import DeepseekV4, Segment
+from tessera.engine.serving.prefix_blocks import aligned_chunk_end
+from tessera.engine.serving.prefix_cache import Lineage, PrefixCache
+from tessera.engine.model.trace import ForwardTrace
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from engine.model.tokenizer import DEFAULT_BOS_TOKEN, DEFAULT_EOS_TOKEN
+from tessera.engine.model.tokenizer import DEFAULT_BOS_TOKEN, DEFAULT_EOS_TOKEN
 
 # Fixed ids at the start of the vocabulary: (text, is_special). Special tokens are control tokens
 # that `skip_special_tokens` drops; <think>, </think> and ｜DSML｜ are not, so reasoning and tool-call

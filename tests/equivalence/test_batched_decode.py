@@ -9,14 +9,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.model.cache import CompressorFrontier
-from engine.model.compressor import CompressorWeights, compress, compress_decode
-from engine.model.config import CSA, HCA, WINDOW, RopeSpec
-from engine.model import attention, decode_attention
-from engine.model.deepseek_v4 import Segment
-from engine.model.loader import load_model
-from engine.tools.make_model import make_model
-from engine.tools.replay import random_tokens
+from tessera.engine.model.cache import CompressorFrontier
+from tessera.engine.model.compressor import CompressorWeights, compress, compress_decode
+from tessera.engine.model.config import CSA, HCA, WINDOW, RopeSpec
+from tessera.engine.model import attention, decode_attention
+from tessera.engine.model.deepseek_v4 import Segment
+from tessera.engine.model.loader import load_model
+from tessera.engine.tools.make_model import make_model
+from tessera.engine.tools.replay import random_tokens
 from tests.equivalence.row_invariant_blas import row_invariant_blas
 
 OVERRIDES = dict(layer_types=[WINDOW, CSA, HCA, CSA], num_hidden_layers=4, compress_rates={CSA: 4, HCA: 32})

@@ -12,15 +12,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.model.deepseek_v4 import Segment
-from engine.model.loader import load_model
-from engine.serving.engine_loop import EngineLoop
-from engine.serving.protocol import Done, Event, SamplingParams, StepStats, Token
-from engine.serving.request import Request
-from engine.serving.runner import ModelRunner
-from engine.serving.scheduler import SchedulerConfig
-from engine.tools.make_model import make_model
-from engine.tools.replay import random_tokens
+from tessera.engine.model.deepseek_v4 import Segment
+from tessera.engine.model.loader import load_model
+from tessera.engine.serving.engine_loop import EngineLoop
+from tessera.engine.serving.protocol import Done, Event, SamplingParams, StepStats, Token
+from tessera.engine.serving.request import Request
+from tessera.engine.serving.runner import ModelRunner
+from tessera.engine.serving.scheduler import SchedulerConfig
+from tessera.engine.tools.make_model import make_model
+from tessera.engine.tools.replay import random_tokens
 from tests.equivalence.row_invariant_blas import row_invariant_blas
 
 CHUNK = 16  # the step's token budget: long prompts prefill over several steps while others decode

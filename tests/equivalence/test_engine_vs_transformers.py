@@ -10,11 +10,11 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from engine.model.config import CSA, HCA, WINDOW
-from engine.tools.make_model import make_model
-from engine.model.loader import load_model
-from engine.tools.reference_check import compare, reference_logits, tessera_logits
-from engine.tools.replay import random_tokens
+from tessera.engine.model.config import CSA, HCA, WINDOW
+from tessera.engine.tools.make_model import make_model
+from tessera.engine.model.loader import load_model
+from tessera.engine.tools.reference_check import compare, reference_logits, tessera_logits
+from tessera.engine.tools.replay import random_tokens
 
 TOLERANCE = 1e-4
 
@@ -96,7 +96,7 @@ def test_check_reference_cli_reports_json(tmp_path):
     import sys
 
     model_dir = make_model(tmp_path / "m", "tiny", seed=4, with_tokenizer=False)
-    out = subprocess.run([sys.executable, "-m", "engine.tools.commands", "check", "reference", "--model", str(model_dir),
+    out = subprocess.run([sys.executable, "-m", "tessera.engine.tools.commands", "check", "reference", "--model", str(model_dir),
                           "--tokens", "150", "--chunk", "37", "--decode", "5", "--json"],
                          capture_output=True, text=True, check=True)
     report = json.loads(out.stdout)

@@ -1,7 +1,7 @@
 """Over HTTP on the real (tiny, random) model: a greedy or seeded request gives the same text whether it is sent
 alone or concurrently with requests of other lengths, and streaming it gives the same text as not streaming.
 
-The server is `tessera serve`'s own wiring (server.serve.build_engine + create_app) on a free loopback port,
+The server is `tessera serve`'s own wiring (tessera.server.serve.build_engine + create_app) on a free loopback port,
 driven with the openai client. Bit-exact batching needs a row-invariant BLAS (`row_invariant_blas`).
 """
 
@@ -15,11 +15,11 @@ from typing import Iterator
 import openai
 import pytest
 
-from engine.serving.protocol import StepStats
-from engine.tools.make_model import make_model
-from server.app import create_app
-from server.serve import build_engine
-from server.settings import Settings
+from tessera.engine.serving.protocol import StepStats
+from tessera.engine.tools.make_model import make_model
+from tessera.server.app import create_app
+from tessera.server.serve import build_engine
+from tessera.server.settings import Settings
 from tests.equivalence.row_invariant_blas import row_invariant_blas
 from tests.server_harness import serving
 

@@ -12,13 +12,13 @@ import pytest
 pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from engine.model import attention, quantized
-from engine.model.config import CSA, HCA
-from engine.model.loader import load_model
-from engine.model.quantized import QuantizedWeight
-from engine.tools.make_model import make_model
-from engine.tools.reference_check import compare, reference_logits, tessera_logits
-from engine.tools.replay import random_tokens
+from tessera.engine.model import attention, quantized
+from tessera.engine.model.config import CSA, HCA
+from tessera.engine.model.loader import load_model
+from tessera.engine.model.quantized import QuantizedWeight
+from tessera.engine.tools.make_model import make_model
+from tessera.engine.tools.reference_check import compare, reference_logits, tessera_logits
+from tessera.engine.tools.replay import random_tokens
 from tests.equivalence.row_invariant_blas import row_invariant_blas
 
 TOLERANCE = 1e-4

@@ -3,7 +3,7 @@ computing on the quantized weights, and `--weights-dtype bfloat16|float32` (weig
 debugging) gives the same greedy text with logprobs within 1e-4 while holding more weight bytes.
 
 The server is `tessera serve`'s own wiring: flags parsed by the CLI parser into Settings, then
-server.serve.build_engine + create_app on a free loopback port, driven with the openai client.
+tessera.server.serve.build_engine + create_app on a free loopback port, driven with the openai client.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.tools.make_model import make_model
-from server.app import create_app
-from server.cli import build_parser, settings_from_args
-from server.serve import build_engine
+from tessera.engine.tools.make_model import make_model
+from tessera.server.app import create_app
+from tessera.server.cli import build_parser, settings_from_args
+from tessera.server.serve import build_engine
 from tests.server_harness import serving
 
 LOGPROB_TOLERANCE = 1e-4

@@ -13,12 +13,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.model.deepseek_v4 import Segment
-from engine.model.loader import load_model
-from engine.model.trace import ForwardTrace
-from engine.tools.consistency import check_model_consistency, differing
+from tessera.engine.model.deepseek_v4 import Segment
+from tessera.engine.model.loader import load_model
+from tessera.engine.model.trace import ForwardTrace
+from tessera.engine.tools.consistency import check_model_consistency, differing
 from tests.support.tiling_model import CHUNK, CTX, make_tiling_model
-from engine.tools.replay import random_tokens, run_sequence
+from tessera.engine.tools.replay import random_tokens, run_sequence
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -64,7 +64,7 @@ def _without_openblas() -> dict:
 
 @pytest.mark.parametrize("chunk,tile", [(64, 64), (50, 16), (37, 1)])
 def test_check_consistency_cli_is_exact_with_row_invariant_blas(model_dir, chunk, tile):
-    cmd = [sys.executable, "-m", "server.cli", "check", "consistency", "--model", str(model_dir), "--ctx", "301",
+    cmd = [sys.executable, "-m", "tessera.server.cli", "check", "consistency", "--model", str(model_dir), "--ctx", "301",
            "--decode", "64", "--chunk", str(chunk), "--tile", str(tile), "--json"]
     out = subprocess.run(cmd, env=_without_openblas(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from engine.serving.protocol import (
+from tessera.engine.serving.protocol import (
     DecodeSlot,
     PrefillChunk,
     PromptLogprob,

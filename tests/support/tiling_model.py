@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.model.attention import PROJECTION_ROWS
-from engine.model.config import CSA, HCA, WINDOW
-from engine.tools.make_model import make_model
+from tessera.engine.model.attention import PROJECTION_ROWS
+from tessera.engine.model.config import CSA, HCA, WINDOW
+from tessera.engine.tools.make_model import make_model
 
 # top-k 16 of up to ~100 visible rows; HCA ratio 32 so a 400-token run crosses 12 of its
 # boundaries and 100 of the ratio-4 ones; window 16.
