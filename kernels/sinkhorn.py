@@ -14,31 +14,22 @@ where it is supported: CUDA, float32, compilation on — engine/model/compiled.p
 
 from __future__ import annotations
 
-import os
 
 import mlx.core as mx
 
 from tessera.kernels.cuda import compiled_kernel, on_cuda
+from tessera.kernels.switch import Switch
 
 ENV_VAR = "TESSERA_SINKHORN_KERNEL"
-
-
-def _from_environment() -> bool:
-    value = os.environ.get(ENV_VAR, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV_VAR} must be 0 (off) or 1 (on), got {value!r}")
-    return value == "1"
-
-
-_state = {"enabled": _from_environment()}
+_switch = Switch(ENV_VAR)
 
 
 def set_kernel_enabled(enabled: bool) -> None:
-    _state["enabled"] = bool(enabled)
+    _switch.set(enabled)
 
 
 def kernel_enabled() -> bool:
-    return _state["enabled"]
+    return _switch.enabled()
 
 
 def sinkhorn_reference(comb: mx.array, iters: int, eps: float) -> mx.array:
@@ -76,7 +67,7 @@ def sinkhorn_ordered(comb: mx.array, iters: int, eps: float) -> mx.array:
 
 
 def is_supported(comb: mx.array) -> bool:
-    return _state["enabled"] and on_cuda() and comb.dtype == mx.float32 and comb.ndim == 3 and comb.shape[1] == comb.shape[2]
+    return _switch.enabled() and on_cuda() and comb.dtype == mx.float32 and comb.ndim == 3 and comb.shape[1] == comb.shape[2]
 
 
 _SOURCE = r"""

@@ -18,31 +18,23 @@ Switch: the environment variable TESSERA_COMPILE=0 turns compilation off (1, the
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import mlx.core as mx
 
+from tessera.kernels.switch import Switch
+
 ENV_VAR = "TESSERA_COMPILE"
-
-
-def _from_environment() -> bool:
-    value = os.environ.get(ENV_VAR, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV_VAR} must be 0 (off) or 1 (on), got {value!r}")
-    return value == "1"
-
-
-_state = {"enabled": _from_environment()}
+_switch = Switch(ENV_VAR)
 
 
 def compile_enabled() -> bool:
-    return _state["enabled"]
+    return _switch.enabled()
 
 
 def set_compile_enabled(enabled: bool) -> None:
     """Turns the compiled paths on or off for every later call (takes effect on the next graph built)."""
-    _state["enabled"] = bool(enabled)
+    _switch.set(enabled)
 
 
 class ShapelessCompiled:
@@ -53,7 +45,7 @@ class ShapelessCompiled:
         self.compiled = mx.compile(fn, shapeless=True)
 
     def __call__(self, *args):
-        return (self.compiled if _state["enabled"] else self.plain)(*args)
+        return (self.compiled if _switch.enabled() else self.plain)(*args)
 
 
 def shapeless(fn: Callable) -> ShapelessCompiled:
