@@ -152,7 +152,11 @@ def test_under_mlx_launch_every_rank_runs_tessera_serve(model_dir, expected, tmp
         proc = subprocess.Popen([str(launcher), "--hosts", "127.0.0.1,127.0.0.1", "--backend", "ring", "--python",
                                  sys.executable, "--", "-m", "tessera.server.cli", "serve", "--model", str(model_dir), "--world", "2",
                                  "--port", str(port), "--prefill-chunk", "32", "--indexer-tile", "8"],
-                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                # mlx.launch forwards its stdin to every rank: at EOF (/dev/null, a closed
+                                # stdin) its select loop spins a core, which starved this 2-core box's ranks.
+                                # An open pipe with no data keeps it polling.
+                                stdin=subprocess.PIPE)
     try:
         base = _wait_ready(proc, port, log)
         _assert_same([_complete(base, p) for p in PROMPTS], expected)
