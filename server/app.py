@@ -26,7 +26,7 @@ from tessera.server.errors import (
     unauthorized,
 )
 from tessera.server.metrics import Metrics, metrics_router
-from tessera.server.openapi import install_openapi
+from tessera.server.openapi import PROTECTED_PREFIXES, install_openapi
 from tessera.server.prepare import ModelInfo, ServedModel, served_model_name
 from tessera.server.routes import router
 from tessera.server.settings import Settings
@@ -37,8 +37,6 @@ V4_MAX_CONTEXT = 1_048_576  # DeepSeek-V4's max_position_embeddings: token-count
 
 class EdgeGuard:
     """Pure ASGI middleware, before any parsing: API keys on inference routes, then the body-size limit."""
-
-    _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
     def __init__(self, app: ASGIApp, api_keys: list[str], max_body_bytes: int, metrics: Metrics | None = None) -> None:
         self.app = app
@@ -51,7 +49,7 @@ class EdgeGuard:
             await self.app(scope, receive, send)
             return
         try:
-            if self._key_digests and scope["path"].startswith(self._PROTECTED_PREFIXES):
+            if self._key_digests and scope["path"].startswith(PROTECTED_PREFIXES):
                 self._check_key(_header(scope, b"authorization"))
             if scope["method"] in ("POST", "PUT", "PATCH"):
                 receive = await self._buffered_body(scope, receive)

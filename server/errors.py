@@ -88,10 +88,12 @@ def overloaded(message: str) -> APIError:
                     headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)})
 
 
+RETRY_LATER_HEADERS = {"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)}  # loading, draining, or a dead engine
+
+
 def unavailable(message: str) -> APIError:
     """Loading or draining: readiness is 503 too, so a load balancer has already stopped sending."""
-    return APIError(503, message, type="server_error", code="service_unavailable",
-                    headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)})
+    return APIError(503, message, type="server_error", code="service_unavailable", headers=RETRY_LATER_HEADERS)
 
 
 def internal_error(message: str = "The server failed to process this request") -> APIError:

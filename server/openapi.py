@@ -25,7 +25,7 @@ REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/detokenize": DetokenizeRequest,
 }
 
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")  # as app.EdgeGuard checks keys
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")  # routes that need an API key (app.EdgeGuard checks them)
 
 _ERROR_DESCRIPTIONS = {
     400: "Invalid request: the message names the parameter (`param`)",
@@ -90,7 +90,7 @@ def _document_errors(path: str, method: str, operation: dict[str, Any]) -> None:
     responses = operation.setdefault("responses", {})
     responses.pop("422", None)
     statuses = {500}
-    if path.startswith(_PROTECTED_PREFIXES):
+    if path.startswith(PROTECTED_PREFIXES):
         statuses.add(401)
     if method == "post":
         statuses |= {400, 404, 413, 503}

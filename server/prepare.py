@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Sequence, TypeVar
 
 from starlette.requests import Request
@@ -51,11 +51,11 @@ class ServedModel:
     tokenizer: Tokenizer
     info: ModelInfo
     metrics: Metrics  # the app's (AppState.metrics): each ChoiceRun reports its request to it
-    grammars: GrammarCompiler = None  # type: ignore[assignment]  # structured outputs; made from the tokenizer
+    grammars: GrammarCompiler = field(init=False)  # structured outputs; made from the tokenizer
 
     def __post_init__(self) -> None:
-        if self.grammars is None:  # lazy inside: llguidance reads the tokenizer on the first constrained request
-            object.__setattr__(self, "grammars", GrammarCompiler(self.tokenizer))
+        # lazy inside: llguidance reads the tokenizer on the first constrained request
+        object.__setattr__(self, "grammars", GrammarCompiler(self.tokenizer))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 from tessera.server.chat import create_chat_completion
 from tessera.server.completions import create_completion
-from tessera.server.errors import UNAVAILABLE_RETRY_AFTER_S, model_not_found
+from tessera.server.errors import RETRY_LATER_HEADERS, model_not_found
 from tessera.server.openapi import body_doc
 from tessera.server.prepare import ServedModel, chat_prompt_ids, check_model, check_token_ids, text_prompt_ids
 from tessera.server.schemas import (
@@ -32,9 +32,6 @@ from tessera.server.version import tessera_version
 from tessera.server.workers import json_body
 
 router = APIRouter()
-
-_RETRY_LATER = {"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)}
-
 
 def _state(request: Request) -> AppState:
     return request.app.state.tessera
@@ -126,7 +123,7 @@ async def health(request: Request) -> JSONResponse:
     state = _state(request)
     served = state.served
     if served is not None and not state.is_draining and not served.engine.stats().is_alive:
-        return JSONResponse({"status": "engine_dead"}, status_code=503, headers=_RETRY_LATER)
+        return JSONResponse({"status": "engine_dead"}, status_code=503, headers=RETRY_LATER_HEADERS)
     return JSONResponse({"status": "ok"})
 
 
@@ -136,7 +133,7 @@ async def ready(request: Request) -> JSONResponse:
     phase = _state(request).phase
     if phase == "ready":
         return JSONResponse({"status": phase})
-    return JSONResponse({"status": phase}, status_code=503, headers=_RETRY_LATER)
+    return JSONResponse({"status": phase}, status_code=503, headers=RETRY_LATER_HEADERS)
 
 
 @router.get("/version", response_model=VersionInfo)
