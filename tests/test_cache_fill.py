@@ -79,3 +79,21 @@ def test_bench_decode_cache_fill_random_cli(model, tmp_path):
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert (r["ctx"], r["cache_fill"], len(r["step_ms"])) == (5000, "random", 3)
+
+
+def test_rewind_puts_a_cache_back_exactly_as_a_failed_step_needs(model):
+    """A step that appended rows and then failed is undone by `rewind` (engine/serving/runner.py): the cache
+    has its old rows, windows and frontiers, and continues exactly like one that never ran the step."""
+    from tessera.engine.model.cache import resume_state, rewind
+
+    cache, twin = _prefilled(model, 70, 32), _prefilled(model, 70, 32)
+    before, ids = _layout(cache), list(cache.token_ids)
+    state = resume_state(cache)
+    mx.eval(model.forward([Segment(cache, random_tokens(model.cfg.vocab_size, 40, seed=1))], tile=8), cache.arrays())
+    assert _layout(cache) != before  # 70 -> 110 closed CSA and HCA groups
+    rewind(cache, state)
+    assert _layout(cache) == before and cache.token_ids == ids
+    nxt = random_tokens(model.cfg.vocab_size, 5, seed=2)
+    got = model.forward([Segment(cache, nxt)], tile=8, all_logits=True)[0]
+    want = model.forward([Segment(twin, nxt)], tile=8, all_logits=True)[0]
+    assert mx.array_equal(got, want).item()

@@ -275,3 +275,12 @@ def test_replay_through_the_cache_equals_the_cold_replay_row_for_row(model):
     cold = run_sequence(model, tokens, 520, 64, 7)
     assert turn2.num_cached == 384
     assert (turn2.logits == cold.logits[384:]).all()
+
+
+@pytest.mark.parametrize("new,reply", [(50, 0), (0, 10), (60, 40), (90, 20)])
+def test_bench_multiturn_refuses_arguments_that_leave_turn_1_no_prompt(tmp_path, capsys, new, reply):
+    from tessera.engine.tools.commands import main
+
+    argv = ["bench", "multiturn", "--model", str(tmp_path), "--ctx", "100", "--new", str(new), "--reply", str(reply)]
+    assert main(argv) == 2  # before any model is loaded: tmp_path holds none
+    assert "--new and --reply must be positive" in capsys.readouterr().err

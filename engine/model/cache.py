@@ -241,6 +241,21 @@ def resume_state(cache: SequenceCache) -> ResumeState:
     return ResumeState(cache.num_tokens, layers)
 
 
+def rewind(cache: SequenceCache, state: ResumeState) -> None:
+    """Puts `cache` back to `state`, taken from it earlier: rows appended since are dropped by count (the
+    model only appends past `num_rows` and rebinds windows and frontiers, never writes kept arrays)."""
+    cache.num_tokens = state.num_tokens
+    del cache.token_ids[state.num_tokens:]
+    for layer, saved in zip(cache.layers, state.layers):
+        layer.window = saved.window
+        if layer.compressed is not None:
+            layer.compressed.num_rows = saved.num_compressed
+        if layer.index_keys is not None:
+            layer.index_keys.num_rows = saved.num_index_keys
+        layer.compressor = _frontier_copy(saved.compressor)
+        layer.indexer_compressor = _frontier_copy(saved.indexer_compressor)
+
+
 def rows_between(cache: SequenceCache, start: ResumeState | None, end: ResumeState) -> tuple[LayerRows, ...]:
     """Copies of the rows each layer appended between two states of this cache (start None: from 0)."""
     out = []

@@ -60,8 +60,7 @@ class PipelineStage:
                 payload = self.model.run_layers(streams, segments, self.model.layer_ids, tile, timer)
                 if last_hop and not logits:  # nothing goes back: the layers' cache rows are what matter
                     mx.eval(payload)
-                    break
-                if last_hop and not all_logits:
+                elif last_hop and not all_logits:
                     payload = last_rows(payload, segments)
             if last_hop and not logits:
                 break

@@ -13,13 +13,13 @@ then), and the chunk's prompt logprobs come back in the StepOutput: no second pa
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 import mlx.core as mx
 
-from tessera.engine.model.cache import SequenceCache, resume_state
+from tessera.engine.model.cache import SequenceCache, resume_state, rewind
 from tessera.engine.model.config import ModelConfig
 from tessera.engine.model.dtypes import dtype_name
 from tessera.engine.model.loader import load_model
@@ -80,30 +80,12 @@ class _Sequence:
 
 
 def _restorer(seq: _Sequence) -> Callable[[], None]:
-    """A function that puts a sequence's cache (and its pending prefix state) back to how they are now. The
-    forward pass only appends rows past each buffer's `num_rows` and rebinds windows and compressor frontiers
-    (it never writes into kept arrays), so the counts and references are the whole state."""
-    cache, pending = seq.cache, seq.lineage.pending
-    num_tokens, num_ids = cache.num_tokens, len(cache.token_ids)
-    layers = [
-        (layer, layer.window, layer.compressed.num_rows if layer.compressed else 0,
-         layer.index_keys.num_rows if layer.index_keys else 0,
-         replace(layer.compressor) if layer.compressor else None,
-         replace(layer.indexer_compressor) if layer.indexer_compressor else None)
-        for layer in cache.layers
-    ]
+    """A function that puts a sequence's cache (and its pending prefix state) back to how they are now."""
+    state, pending = resume_state(seq.cache), seq.lineage.pending
 
     def restore() -> None:
-        cache.num_tokens = num_tokens
-        del cache.token_ids[num_ids:]
+        rewind(seq.cache, state)
         seq.lineage.pending = pending
-        for layer, window, num_compressed, num_index_keys, compressor, indexer_compressor in layers:
-            layer.window = window
-            if layer.compressed is not None:
-                layer.compressed.num_rows = num_compressed
-            if layer.index_keys is not None:
-                layer.index_keys.num_rows = num_index_keys
-            layer.compressor, layer.indexer_compressor = compressor, indexer_compressor
 
     return restore
 

@@ -446,7 +446,7 @@ def _bench_compare(args) -> int:
 def _bench_multiturn(args) -> int:
     from tessera.engine.tools.bench_multiturn import bench_multiturn
 
-    if not 0 < args.new and 0 < args.reply and args.new + args.reply < args.ctx:
+    if not (0 < args.new and 0 < args.reply and args.new + args.reply < args.ctx):
         print("error: --new and --reply must be positive and leave turn 1 a prompt (new + reply < ctx)", file=sys.stderr)
         return 2
     result = bench_multiturn(args.model, args.ctx, args.new, args.reply, args.chunk, args.tile, args.rounds, args.dtype)

@@ -102,28 +102,6 @@ def format_matrix(rows: list[MatrixRow]) -> str:
     return "\n".join(lines)
 
 
-def kernel_violations(report: dict) -> list[str]:
-    """What in `check kernels`' report breaks the contract (an unavailable kernel is not a violation
-    here; `run_gpu_check` decides what a missing CUDA device means)."""
-    if "kernel" in report:
-        return []
-    out = []
-    for case in ("ties", "random"):
-        r = report[case]
-        if not r["masks_equal"]:
-            out.append(f"indexer kernel ({case}): masks differ")
-        if r["differing_selection_rows"]:
-            out.append(f"indexer kernel ({case}): {r['differing_selection_rows']} rows select differently")
-    if report["ties"]["max_abs_diff"] != 0.0:
-        out.append(f"indexer kernel (ties, exact in fp32): max |Δ| {report['ties']['max_abs_diff']}")
-    if not report["tile_invariant"]:
-        out.append("indexer kernel: a row's scores depend on the tile")
-    for case, r in report["topk_kernel"].items():
-        if isinstance(r, dict) and r.get("differing_rows"):
-            out.append(f"top-k kernel ({case}): {r['differing_rows']} rows differ from the reference")
-    return out
-
-
 @dataclass(frozen=True)
 class GpuCheckReport:
     device: str
@@ -148,12 +126,12 @@ def invariance_tiles(rows: int) -> tuple[int, ...]:
 def run_gpu_check(model_dir: Path, shapes: tuple[Shape, ...] = MATRIX, dtypes: tuple[str, ...] = DTYPES,
                   rows: int = 3001, log=print) -> GpuCheckReport:
     from tessera.kernels.cuda import on_cuda
-    from tessera.kernels.device_checks import check_indexer_kernel
+    from tessera.kernels.device_checks import UNAVAILABLE, check_indexer_kernel, kernel_failures
 
     cuda = on_cuda()
     log(f"device: {mx.default_device()} (CUDA kernels {'on' if cuda else 'unavailable'})")
-    kernels = check_indexer_kernel() if cuda else {"kernel": "unavailable on this device"}
-    violations = kernel_violations(kernels)
+    kernels = check_indexer_kernel() if cuda else {"kernel": UNAVAILABLE}
+    violations = kernel_failures(kernels, max_differing_rows=0)  # the same verdict as `check kernels`, no row may differ
     cfg = load_config(Path(model_dir))  # the row-invariance checks run at the model's widths
     invariance = check_row_invariance(index_heads=cfg.index_n_heads, index_dim=cfg.index_head_dim, topk=cfg.index_topk,
                                       heads=cfg.num_attention_heads, head_dim=cfg.head_dim, window=cfg.sliding_window,
