@@ -14,6 +14,7 @@ from functools import cached_property
 import mlx.core as mx
 
 from tessera.engine.model.compiled import compile_enabled, shapeless
+from tessera.engine.model.norms import unweighted_rms_norm
 from tessera.kernels import sinkhorn as sinkhorn_kernels
 
 
@@ -47,7 +48,7 @@ def hyper_weights(streams: mx.array, w: HyperWeights, sinkhorn_iters: int, hc_ep
 @shapeless
 def _mix_logits(flat: mx.array, fn: mx.array, scale: mx.array, base: mx.array, norm_eps: float) -> mx.array:
     """flat: [T, hc·D] -> [T, (2 + hc)·hc] float32: normed streams through the mixing weights, scaled, biased."""
-    normed = _unweighted_rms_norm(flat.astype(mx.float32), norm_eps)
+    normed = unweighted_rms_norm.plain(flat.astype(mx.float32), norm_eps)  # inlined: this trace is compiled
     return (normed @ fn.astype(mx.float32).T) * scale + base.astype(mx.float32)
 
 
@@ -91,11 +92,6 @@ def head_collapse(streams: mx.array, fn: mx.array, base: mx.array, scale: mx.arr
 
 @shapeless
 def _head_collapse(flat, streams, fn, base, scale, hc_eps: float, norm_eps: float) -> mx.array:
-    mixes = _unweighted_rms_norm(flat.astype(mx.float32), norm_eps) @ fn.astype(mx.float32).T  # [T, hc]
-    pre = mx.sigmoid(mixes * scale.astype(mx.float32) + base.astype(mx.float32)) + hc_eps
-    return (pre[..., None] * streams).sum(axis=1).astype(streams.dtype)
-
-
-def _unweighted_rms_norm(x32: mx.array, eps: float) -> mx.array:
-    """x32: [T, N] float32 (engine/model/norms.py's unweighted_rms_norm, already in float32)."""
-    return x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    """The per-layer collapse's mixing and pre-weighted sum, with the head's hc mixes (pre only)."""
+    mixes = _mix_logits.plain(flat, fn, scale.astype(mx.float32), base, norm_eps)  # [T, hc]
+    return _collapse.plain(mx.sigmoid(mixes) + hc_eps, streams)
