@@ -20,8 +20,9 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -49,8 +50,10 @@ _STOP_GRACE_S = 10.0
 class PipelineRunner:
     """The Runner of rank 0: tells the followers each step, then runs it through the pipeline."""
 
-    def __init__(self, runner: ModelRunner, stage: PipelineStage) -> None:
+    def __init__(self, runner: ModelRunner, stage: PipelineStage,
+                 name_lost_rank: Callable[[], None] | None = None) -> None:
         self._runner, self._stage = runner, stage
+        self._name_lost_rank = name_lost_rank  # exits naming the follower if one died (local world only)
         self._stopped = False
         self._follower_memory: dict[str, int] = {}
 
@@ -58,6 +61,8 @@ class PipelineRunner:
         try:
             return self._execute(plan)
         except Exception:  # noqa: BLE001 — any failure mid-step leaves the ranks out of step
+            if self._name_lost_rank is not None:
+                self._name_lost_rank()
             logger.critical("a pipelined step failed on rank 0; the ranks are out of step, exiting", exc_info=True)
             sys.stderr.flush()
             os._exit(RANK_LOST_EXIT_CODE)
@@ -169,7 +174,8 @@ def build_pipeline_runner(model_dir: Path, world: int, prefill_chunk: int, index
         logger.info("started rank %d (pid %d)", rank, proc.pid)
     watch = RankWatch(followers, lambda rank, code: _rank_lost(rank, code, followers))
     try:
-        runner = _rank_0_runner(load_stage(Path(model_dir), join_world(local, 0), local.backend), *shape)
+        runner = _rank_0_runner(load_stage(Path(model_dir), join_world(local, 0), local.backend), *shape,
+                                name_lost_rank=lambda: _name_lost_follower(followers))
     except BaseException:
         watch.expect_exit()
         stop_processes(list(followers.values()), grace_s=0)
@@ -179,9 +185,10 @@ def build_pipeline_runner(model_dir: Path, world: int, prefill_chunk: int, index
 
 
 def _rank_0_runner(stage: PipelineStage, prefill_chunk: int, indexer_tile: int, max_context: int | None,
-                   stage_timing_interval: int) -> PipelineRunner:
+                   stage_timing_interval: int, name_lost_rank: Callable[[], None] | None = None) -> PipelineRunner:
     # ModelRunner takes the stage as its model: the same cfg, dtype, weights, new_cache and forward.
-    return PipelineRunner(ModelRunner(stage, prefill_chunk, indexer_tile, max_context, stage_timing_interval), stage)
+    runner = ModelRunner(stage, prefill_chunk, indexer_tile, max_context, stage_timing_interval)
+    return PipelineRunner(runner, stage, name_lost_rank)
 
 
 def join_launched_world(world: int, backend: str) -> mx.distributed.Group:
@@ -189,6 +196,18 @@ def join_launched_world(world: int, backend: str) -> mx.distributed.Group:
     if group.size() != world:
         raise ValueError(f"--world {world} but the launcher started {group.size()} ranks")
     return group
+
+
+def _name_lost_follower(followers: dict[int, subprocess.Popen], wait_s: float = 1.0) -> None:
+    """A step that fails on rank 0 is most often a follower that died (the hop to it broke): if one exits
+    within `wait_s`, report it as the rank watch would, instead of the step's transport error."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        for rank, proc in followers.items():
+            code = proc.poll()
+            if code is not None:
+                _rank_lost(rank, code, followers)
+        time.sleep(0.05)
 
 
 def _rank_lost(rank: int, code: int, followers: dict[int, subprocess.Popen]) -> None:
