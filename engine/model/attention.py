@@ -296,9 +296,10 @@ def _finish(running: list[mx.array], timer: ForwardTrace) -> None:
 def _emit_compressed(x: mx.array, seg: SegmentSlice, w: AttentionWeights, cfg: ModelConfig, layer: int) -> None:
     cache, ratio, eps = seg.cache, cfg.compress_ratio(layer), cfg.rms_norm_eps
     overlapping, rope = cfg.is_overlapping(layer), cfg.rope_for(layer)
-    cache.compressed.append(compress(x, w.compressor, cache.compressor, ratio, overlapping, rope, eps))
+    rows, cache.compressor = compress(x, w.compressor, cache.compressor, ratio, overlapping, rope, eps)
+    cache.compressed.append(rows)
     if cfg.has_indexer(layer):
-        keys = compress(x, w.index_compressor, cache.indexer_compressor, ratio, overlapping, rope, eps)
+        keys, cache.indexer_compressor = compress(x, w.index_compressor, cache.indexer_compressor, ratio, overlapping, rope, eps)
         cache.index_keys.append(keys)
 
 

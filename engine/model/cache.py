@@ -5,9 +5,11 @@ lives here too, so the memory plan and the scheduler read one source of truth.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from tessera.engine.model.config import CSA, ModelConfig, WINDOW
 
@@ -29,11 +31,13 @@ class RowBuffer:
         self.width, self.dtype = width, dtype
         self.num_rows = 0
         self._data: mx.array | None = None
+        self._views: dict[tuple[int, bool], mx.array] = {}  # (num_rows, stacked) -> view of the current data
 
     def append(self, rows: mx.array) -> None:
         n = rows.shape[0]
         if n == 0:
             return
+        self._views = {}  # views of the data before this append must not outlive it (they would pin its buffer)
         needed = self.num_rows + n
         if self._data is None or needed > self._data.shape[0]:
             capacity = max(needed, self.num_rows + self.num_rows // 4, self.STEP)
@@ -42,7 +46,7 @@ class RowBuffer:
             if self.num_rows:
                 grown[: self.num_rows] = self._data[: self.num_rows]
             self._data = grown
-        self._data[self.num_rows : needed] = rows.astype(self.dtype)
+        self._data[self.num_rows : needed] = rows if rows.dtype == self.dtype else rows.astype(self.dtype)
         self.num_rows = needed
 
     @classmethod
@@ -59,10 +63,28 @@ class RowBuffer:
         return buffer
 
     def view(self) -> mx.array:
-        """[num_rows, width]."""
-        if self._data is None:
-            return mx.zeros((0, self.width), dtype=self.dtype)
-        return self._data[: self.num_rows]
+        """[num_rows, width]. The same array until the next append (or rewind), so decode steps between
+        two appends do not slice every sequence's buffer again."""
+        return self._view(stacked=False)
+
+    def stackable_view(self) -> mx.array:
+        """[1, num_rows, width]: `view` with a leading axis, for concatenating equal-length buffers."""
+        return self._view(stacked=True)
+
+    def _view(self, stacked: bool) -> mx.array:
+        key = (self.num_rows, stacked)
+        if key not in self._views:
+            if self._data is None:
+                rows = mx.zeros((0, self.width), dtype=self.dtype)
+            else:
+                rows = self._data[: self.num_rows]
+            self._views = {k: v for k, v in self._views.items() if k[0] == self.num_rows}
+            self._views[key] = rows[None] if stacked else rows
+        return self._views[key]
+
+    def data(self) -> mx.array | None:
+        """The buffer (capacity rows; rows past num_rows are unused), for gathers of rows < num_rows."""
+        return self._data
 
     def rows(self, start: int, end: int) -> mx.array:
         """[end - start, width]: a copy of rows [start, end), independent of later appends."""
@@ -81,45 +103,195 @@ class RowBuffer:
         return 0 if self._data is None else self._data.nbytes
 
 
-@dataclass
-class CompressorFrontier:
-    """What a compressor carries between calls: the open group's projected rows (fewer than `ratio`,
-    gate without the positional bias) and, for the overlapping ratio-4 compressor, the previous
-    window's Ca half (kv and biased gate) (docs/ARCHITECTURE.md: transformers' own cached decode gets this wrong)."""
+@dataclass(frozen=True)
+class Stacked:
+    """Row `index` of `batch` [b, ...]: one sequence's share of state that a decode step produced for
+    b sequences at once. Kept as a reference, not cut out, so the next step of the same sequences
+    takes the whole array back as it is (`stacked`): no per-sequence slice, copy or stack."""
 
-    pending_kv: mx.array | None = None  # [n_open, width]
-    pending_gate: mx.array | None = None  # [n_open, width]
-    overlap_kv: mx.array | None = None  # [ratio, head_dim]
-    overlap_gate: mx.array | None = None  # [ratio, head_dim]
-    num_emitted: int = 0
+    batch: mx.array
+    index: int
 
-    def arrays(self) -> list[mx.array]:
-        return [a for a in (self.pending_kv, self.pending_gate, self.overlap_kv, self.overlap_gate) if a is not None]
+    def value(self) -> mx.array:
+        return self.batch[self.index]
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays())
+        return self.batch.nbytes // self.batch.shape[0]
+
+
+def stacked(parts: Sequence[mx.array | Stacked]) -> mx.array:
+    """B per-sequence values of one shape (plain arrays, or rows of step-wide arrays) -> [B, ...].
+
+    The rows of one array in their order (the same sequences as the step before) are that array;
+    otherwise one gather per array they come from and one stack of the plain ones, so the cost
+    grows with how many arrays the rows come from, not with B."""
+    first = parts[0]
+    if isinstance(first, Stacked) and all(isinstance(p, Stacked) and p.batch is first.batch for p in parts):
+        indices = [p.index for p in parts]
+        if indices == list(range(first.batch.shape[0])):
+            return first.batch
+        return first.batch[mx.array(indices)]
+    sources: dict[int, tuple[mx.array, list[int], list[int]]] = {}  # id(batch) -> (batch, rows, positions)
+    plain: list[int] = []
+    for position, part in enumerate(parts):
+        if isinstance(part, Stacked):
+            sources.setdefault(id(part.batch), (part.batch, [], []))
+            sources[id(part.batch)][1].append(part.index)
+            sources[id(part.batch)][2].append(position)
+        else:
+            plain.append(position)
+    pieces, order = [], []
+    for batch, rows, positions in sources.values():
+        pieces.append(batch[mx.array(rows)])
+        order += positions
+    if plain:
+        pieces.append(mx.stack([parts[i] for i in plain]))
+        order += plain
+    joined = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)
+    if order == list(range(len(parts))):
+        return joined
+    return joined[mx.array(np.argsort(np.array(order)))]
+
+
+def value(part: mx.array | Stacked) -> mx.array:
+    return part.value() if isinstance(part, Stacked) else part
+
+
+@dataclass(frozen=True)
+class FrontierSlots:
+    """The open groups and overlap halves of b compressor frontiers, stacked (b = 1 after a prefill,
+    B after a decode step of B sequences). Every open group has `ratio` slots; a frontier's first
+    `num_open` are its open rows, the rest unused."""
+
+    kv: mx.array  # [b, ratio, width]
+    gate: mx.array  # [b, ratio, width] (without the positional bias)
+    overlap_kv: mx.array | None = None  # [b, ratio, head_dim] (overlapping compressors, once a window closed)
+    overlap_gate: mx.array | None = None  # [b, ratio, head_dim] (biased)
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.kv, self.gate, self.overlap_kv, self.overlap_gate) if a is not None]
+
+
+@dataclass(frozen=True)
+class CompressorFrontier:
+    """What a compressor carries between calls: the open group's projected rows (fewer than `ratio`,
+    gate without the positional bias) and, for the overlapping ratio-4 compressor, the previous
+    window's Ca half (kv and biased gate) (docs/ARCHITECTURE.md: transformers' own cached decode gets this wrong).
+
+    A value: a compressor call returns a new frontier, never writes one, so a snapshot of a cache
+    (`resume_state`) holds the frontier itself, not a copy. Its arrays are row `row` of `slots`
+    (shared with the sequences it was decoded with); `slots` None: nothing open, no window closed."""
+
+    num_emitted: int = 0
+    num_open: int = 0
+    slots: FrontierSlots | None = None
+    row: int = 0
+
+    @classmethod
+    def holding(cls, pending_kv: mx.array, pending_gate: mx.array, overlap_kv: mx.array | None,
+                overlap_gate: mx.array | None, num_emitted: int, ratio: int) -> "CompressorFrontier":
+        """One sequence's frontier from its arrays: pending [n_open < ratio, width], overlap [ratio, d] or None."""
+        num_open = pending_kv.shape[0]
+        if num_open >= ratio:
+            raise ValueError(f"an open group holds fewer than ratio={ratio} rows, not {num_open}")
+        spare = mx.zeros((ratio - num_open, pending_kv.shape[1]), dtype=pending_kv.dtype)
+        one = lambda a: None if a is None else owned(a)[None]  # noqa: E731
+        slots = FrontierSlots(
+            mx.concatenate([pending_kv, spare])[None], mx.concatenate([pending_gate, spare])[None],
+            one(overlap_kv), one(overlap_gate),
+        )
+        return cls(num_emitted, num_open, slots, 0)
+
+    @property
+    def pending_kv(self) -> mx.array | None:
+        """[num_open, width] (None when nothing is open)."""
+        return None if not self.num_open else self.slots.kv[self.row, : self.num_open]
+
+    @property
+    def pending_gate(self) -> mx.array | None:
+        return None if not self.num_open else self.slots.gate[self.row, : self.num_open]
+
+    @property
+    def overlap_kv(self) -> mx.array | None:
+        """[ratio, head_dim], None before the first window closed (or for a non-overlapping compressor)."""
+        if self.slots is None or self.slots.overlap_kv is None or not self.num_emitted:
+            return None
+        return self.slots.overlap_kv[self.row]
+
+    @property
+    def overlap_gate(self) -> mx.array | None:
+        if self.slots is None or self.slots.overlap_gate is None or not self.num_emitted:
+            return None
+        return self.slots.overlap_gate[self.row]
+
+    def contents(self) -> list[mx.array]:
+        """This sequence's arrays (open rows, overlap halves), for comparing frontiers."""
+        parts = (self.pending_kv, self.pending_gate, self.overlap_kv, self.overlap_gate)
+        return [a for a in parts if a is not None]
+
+    def arrays(self) -> list[mx.array]:
+        """The arrays holding this frontier's memory (step-wide when it was decoded in a batch)."""
+        return [] if self.slots is None else self.slots.arrays()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this sequence's open rows and overlap halves (what it needs)."""
+        if self.slots is None:
+            return 0
+        per_row = lambda a: a.nbytes // (a.shape[0] * a.shape[1])  # noqa: E731  one slot of one frontier
+        total = 2 * self.num_open * per_row(self.slots.kv)
+        if self.num_emitted and self.slots.overlap_kv is not None:
+            total += 2 * self.slots.overlap_kv.nbytes // self.slots.overlap_kv.shape[0]
+        return total
 
 
 @dataclass
 class LayerCache:
-    window: mx.array  # [≤ sliding_window - 1, head_dim]: the rows a later query can still see
+    """`window` reads and writes the window rows; a decode step stores them as a row of its step-wide
+    window array (`stored_window`, a `Stacked`), which the next step takes back whole."""
+
+    stored_window: mx.array | Stacked  # [≤ sliding_window - 1, head_dim]: the rows a later query can still see
     compressed: RowBuffer | None = None  # [num_compressed, head_dim] (CSA/HCA)
     compressor: CompressorFrontier | None = None
     index_keys: RowBuffer | None = None  # [num_compressed, index_head_dim] (CSA)
     indexer_compressor: CompressorFrontier | None = None
 
+    @property
+    def window(self) -> mx.array:
+        return value(self.stored_window)
+
+    @window.setter
+    def window(self, rows: mx.array | Stacked) -> None:
+        self.stored_window = rows
+
+    @property
+    def num_window_rows(self) -> int:
+        w = self.stored_window
+        return w.batch.shape[1] if isinstance(w, Stacked) else w.shape[0]
+
     def arrays(self) -> list[mx.array]:
-        out = [self.window]
+        w = self.stored_window
+        out = [w.batch if isinstance(w, Stacked) else w]
         for part in (self.compressed, self.compressor, self.index_keys, self.indexer_compressor):
             if part is not None:
                 out += part.arrays()
         return out
 
+    def contents(self) -> list[mx.array]:
+        """This sequence's own arrays (window, compressed rows, frontiers, index keys), for comparisons."""
+        out = [self.window]
+        for buf, frontier in ((self.compressed, self.compressor), (self.index_keys, self.indexer_compressor)):
+            if buf is not None:
+                out.append(buf.view())
+            if frontier is not None:
+                out += frontier.contents()
+        return out
+
     @property
     def nbytes_by_part(self) -> dict[str, int]:
         return {
-            "window": self.window.nbytes,
+            "window": self.stored_window.nbytes,
             "compressed": self.compressed.nbytes if self.compressed else 0,
             "index_keys": self.index_keys.nbytes if self.index_keys else 0,
             "frontier": sum(f.nbytes for f in (self.compressor, self.indexer_compressor) if f is not None),
@@ -140,7 +312,7 @@ class SequenceCache:
     def for_model(cls, cfg: ModelConfig, dtype: mx.Dtype = mx.float32) -> "SequenceCache":
         layers = []
         for i, kind in enumerate(cfg.layer_types):
-            layer = LayerCache(window=mx.zeros((0, cfg.head_dim), dtype=dtype))
+            layer = LayerCache(mx.zeros((0, cfg.head_dim), dtype=dtype))
             if kind != WINDOW:
                 layer.compressed = RowBuffer(cfg.head_dim, dtype)
                 layer.compressor = CompressorFrontier()
@@ -152,6 +324,10 @@ class SequenceCache:
 
     def arrays(self) -> list[mx.array]:
         return [a for layer in self.layers for a in layer.arrays()]
+
+    def contents(self) -> list[mx.array]:
+        """Every layer's `contents`: this sequence's arrays, whatever arrays they are stored in."""
+        return [a for layer in self.layers for a in layer.contents()]
 
     @property
     def nbytes_by_part(self) -> dict[str, int]:
@@ -174,9 +350,11 @@ class LayerState:
     """One layer's cache at some token count, minus its append-only rows: those are only counted.
 
     The arrays are shared, never copied: the cache replaces its window and frontier arrays at every
-    step instead of writing into them (attention.py, compressor.py), so a reference stays valid."""
+    step instead of writing into them (attention.py, decode_attention.py, compressor.py), so a
+    reference stays valid. After a batched decode step they are rows of that step's arrays (`Stacked`,
+    `FrontierSlots`): `detached` cuts them out for a state kept longer than a step."""
 
-    window: mx.array  # [≤ sliding_window - 1, head_dim]
+    window: mx.array | Stacked  # [≤ sliding_window - 1, head_dim]
     compressor: CompressorFrontier | None
     indexer_compressor: CompressorFrontier | None
     num_compressed: int
@@ -189,7 +367,8 @@ class LayerState:
 
     def arrays(self) -> list[mx.array]:
         frontiers = (self.compressor, self.indexer_compressor)
-        return [self.window] + [a for f in frontiers if f is not None for a in f.arrays()]
+        window = self.window.batch if isinstance(self.window, Stacked) else self.window
+        return [window] + [a for f in frontiers if f is not None for a in f.arrays()]
 
 
 @dataclass(frozen=True)
@@ -222,17 +401,35 @@ class LayerRows:
         return sum(a.nbytes for a in self.arrays())
 
 
-def _frontier_copy(frontier: CompressorFrontier | None) -> CompressorFrontier | None:
-    return None if frontier is None else replace(frontier)
+def detached(state: ResumeState) -> ResumeState:
+    """`state` with its window and frontiers in arrays of their own (each a few rows), for a state
+    kept past the step it was taken in (the prefix cache): rows of a batched step's arrays would keep
+    every sequence's share of them alive."""
+    layers = tuple(
+        LayerState(owned(value(layer.window)), _detached(layer.compressor), _detached(layer.indexer_compressor),
+                   layer.num_compressed, layer.num_index_keys)
+        for layer in state.layers
+    )
+    return ResumeState(state.num_tokens, layers)
+
+
+def _detached(frontier: CompressorFrontier | None) -> CompressorFrontier | None:
+    if frontier is None or frontier.slots is None or frontier.slots.kv.shape[0] == 1:
+        return frontier
+    row = lambda a: None if a is None else owned(a[frontier.row : frontier.row + 1])  # noqa: E731
+    slots = FrontierSlots(*(row(a) for a in (frontier.slots.kv, frontier.slots.gate, frontier.slots.overlap_kv,
+                                               frontier.slots.overlap_gate)))
+    return CompressorFrontier(frontier.num_emitted, frontier.num_open, slots, 0)
 
 
 def resume_state(cache: SequenceCache) -> ResumeState:
-    """The cache's state now (shares its arrays; see LayerState)."""
+    """The cache's state now: references to its window and frontiers, no copy and no graph op (see
+    LayerState) — the runner takes one per sequence and step to undo a failed step."""
     layers = tuple(
         LayerState(
-            window=layer.window,
-            compressor=_frontier_copy(layer.compressor),
-            indexer_compressor=_frontier_copy(layer.indexer_compressor),
+            window=layer.stored_window,
+            compressor=layer.compressor,
+            indexer_compressor=layer.indexer_compressor,
             num_compressed=layer.compressed.num_rows if layer.compressed else 0,
             num_index_keys=layer.index_keys.num_rows if layer.index_keys else 0,
         )
@@ -252,8 +449,8 @@ def rewind(cache: SequenceCache, state: ResumeState) -> None:
             layer.compressed.num_rows = saved.num_compressed
         if layer.index_keys is not None:
             layer.index_keys.num_rows = saved.num_index_keys
-        layer.compressor = _frontier_copy(saved.compressor)
-        layer.indexer_compressor = _frontier_copy(saved.indexer_compressor)
+        layer.compressor = saved.compressor
+        layer.indexer_compressor = saved.indexer_compressor
 
 
 def rows_between(cache: SequenceCache, start: ResumeState | None, end: ResumeState) -> tuple[LayerRows, ...]:
@@ -283,10 +480,10 @@ def restored_cache(
         layer.window = saved.window
         if layer.compressed is not None:
             layer.compressed.append(_joined([span[i].compressed for span in spans]))
-            layer.compressor = _frontier_copy(saved.compressor)
+            layer.compressor = saved.compressor
         if layer.index_keys is not None:
             layer.index_keys.append(_joined([span[i].index_keys for span in spans]))
-            layer.indexer_compressor = _frontier_copy(saved.indexer_compressor)
+            layer.indexer_compressor = saved.indexer_compressor
         if (layer.compressed and layer.compressed.num_rows != saved.num_compressed) or (
             layer.index_keys and layer.index_keys.num_rows != saved.num_index_keys
         ):

@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
-from tessera.engine.model.cache import CompressorFrontier, owned
+from tessera.engine.model.cache import CompressorFrontier, FrontierSlots, Stacked, stacked
 from tessera.engine.model.config import RopeSpec
 from tessera.engine.model.norms import rms_norm
 from tessera.engine.model.quantized import Weight, linear
@@ -37,11 +38,9 @@ def compress(
     overlapping: bool,
     rope: RopeSpec,
     eps: float,
-) -> mx.array:
-    """x: [L, hidden] (tokens following the frontier) -> newly completed rows [n, head_dim].
-
-    Updates `frontier` in place (the open group, the overlap half, the emitted count).
-    """
+) -> tuple[mx.array, CompressorFrontier]:
+    """x: [L, hidden] (tokens following the frontier) -> (newly completed rows [n, head_dim], the
+    frontier after them). `frontier` is a value: read, never written."""
     kv = linear(x, weights.wkv)  # [L, width]
     gate = linear(x, weights.wgate)  # [L, width]
     if frontier.pending_kv is not None:
@@ -49,29 +48,31 @@ def compress(
         gate = mx.concatenate([frontier.pending_gate, gate])
     num_windows = kv.shape[0] // ratio
     usable = num_windows * ratio
-    frontier.pending_kv, frontier.pending_gate = owned(kv[usable:]), owned(gate[usable:])
     head_dim = weights.norm.shape[0]
     if num_windows == 0:
-        return mx.zeros((0, head_dim), dtype=x.dtype)
-
+        after = CompressorFrontier.holding(kv, gate, frontier.overlap_kv, frontier.overlap_gate, frontier.num_emitted, ratio)
+        return mx.zeros((0, head_dim), dtype=x.dtype), after
+    pending_kv, pending_gate = kv[usable:], gate[usable:]
     kv = kv[:usable].reshape(num_windows, ratio, -1)  # [n, ratio, width]
     gate = gate[:usable].reshape(num_windows, ratio, -1) + weights.ape
+    overlap = (None, None)
     if overlapping:
-        kv, gate = _overlap_slots(kv, gate, frontier, head_dim)
+        kv, gate, overlap = _overlap_slots(kv, gate, frontier, head_dim)
     pooled = (kv * mx.softmax(gate.astype(mx.float32), axis=1, precise=True).astype(kv.dtype)).sum(axis=1)
     rows = rms_norm(pooled, weights.norm, eps)  # [n, head_dim]
 
     first = frontier.num_emitted * ratio
     positions = mx.arange(num_windows) * ratio + first
     cos, sin = cos_sin(rope, positions)
-    frontier.num_emitted += num_windows
-    return apply_rope(rows, cos, sin)
+    after = CompressorFrontier.holding(pending_kv, pending_gate, *overlap, frontier.num_emitted + num_windows, ratio)
+    return apply_rope(rows, cos, sin), after
 
 
 def _overlap_slots(
     kv: mx.array, gate: mx.array, frontier: CompressorFrontier, head_dim: int
-) -> tuple[mx.array, mx.array]:
-    """[n, ratio, 2d] windows -> [n, 2·ratio, d] slots: previous window's Ca, then this window's Cb.
+) -> tuple[mx.array, mx.array, tuple[mx.array, mx.array]]:
+    """[n, ratio, 2d] windows -> [n, 2·ratio, d] slots: previous window's Ca, then this window's Cb;
+    and the last window's Ca half (kv, gate), the next call's overlap.
 
     Window 0's Ca slots come from the frontier; before any window closed they are zero kv with a
     -inf gate (softmax weight 0), as in the reference.
@@ -80,14 +81,18 @@ def _overlap_slots(
     ca_kv, cb_kv = kv[..., :head_dim], kv[..., head_dim:]
     ca_gate, cb_gate = gate[..., :head_dim], gate[..., head_dim:]
     if frontier.overlap_kv is None:
-        first_kv = mx.zeros((1, ratio, head_dim), dtype=kv.dtype)
-        first_gate = mx.full((1, ratio, head_dim), -mx.inf, dtype=gate.dtype)
+        first_kv, first_gate = _no_overlap(1, ratio, head_dim, kv.dtype, gate.dtype)
     else:
         first_kv, first_gate = frontier.overlap_kv[None], frontier.overlap_gate[None]
     prev_kv = mx.concatenate([first_kv, ca_kv[:-1]])
     prev_gate = mx.concatenate([first_gate, ca_gate[:-1]])
-    frontier.overlap_kv, frontier.overlap_gate = owned(ca_kv[-1]), owned(ca_gate[-1])
-    return mx.concatenate([prev_kv, cb_kv], axis=1), mx.concatenate([prev_gate, cb_gate], axis=1)
+    slots = mx.concatenate([prev_kv, cb_kv], axis=1), mx.concatenate([prev_gate, cb_gate], axis=1)
+    return *slots, (ca_kv[-1], ca_gate[-1])
+
+
+def _no_overlap(n: int, ratio: int, head_dim: int, kv_dtype: mx.Dtype, gate_dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """The Ca slots before any window closed: zero kv, -inf gate -> [n, ratio, d] each."""
+    return mx.zeros((n, ratio, head_dim), dtype=kv_dtype), mx.full((n, ratio, head_dim), -mx.inf, dtype=gate_dtype)
 
 
 def compress_decode(
@@ -98,61 +103,88 @@ def compress_decode(
     overlapping: bool,
     rope: RopeSpec,
     eps: float,
-) -> list[mx.array | None]:
-    """x: [B, hidden], the next token of each of B sequences (frontiers[i] is sequence i's) -> per
-    sequence the row its token completed ([1, head_dim]) or None.
+) -> tuple[list[mx.array | None], list[CompressorFrontier]]:
+    """x: [B, hidden], the next token of each of B sequences (frontiers[i] is sequence i's) -> (per
+    sequence the row its token completed ([1, head_dim]) or None, the frontiers after the step).
 
-    The same rows and frontier updates as `compress` on each token alone: the projections run once
-    for the batch, and the windows that close are pooled, normed and rotated as one [E, ratio, ·]
-    batch (every op is per window, as in `compress`'s [n, ratio, ·] batch of windows)."""
-    kv_all, gate_all = linear(x, weights.wkv), linear(x, weights.wgate)  # [B, width]
-    closing: list[tuple[int, mx.array, mx.array]] = []
-    for i, frontier in enumerate(frontiers):
-        kv, gate = kv_all[i : i + 1], gate_all[i : i + 1]
-        fresh = frontier.pending_kv is not None  # a concatenation owns its buffer; a bare slice does not
-        if fresh:
-            kv = mx.concatenate([frontier.pending_kv, kv])
-            gate = mx.concatenate([frontier.pending_gate, gate])
-        if kv.shape[0] < ratio:
-            frontier.pending_kv, frontier.pending_gate = (kv, gate) if fresh else (owned(kv), owned(gate))
-        else:
-            frontier.pending_kv, frontier.pending_gate = owned(kv[ratio:]), owned(gate[ratio:])
-            closing.append((i, kv, gate))
-    emitted: list[mx.array | None] = [None] * len(frontiers)
-    if not closing:
-        return emitted
-    closed = [frontiers[i] for i, _, _ in closing]
-    kv = mx.stack([c[1] for c in closing])  # [E, ratio, width]
-    gate = mx.stack([c[2] for c in closing]) + weights.ape
-    head_dim = weights.norm.shape[0]
+    The same rows and frontiers as `compress` on each token alone, in a number of graph ops that does
+    not grow with B: the open groups of all B sequences live in one [B, ratio, width] array
+    (`FrontierSlots`), each token is written into its sequence's next slot by one scatter, and the
+    windows that close are pooled, normed and rotated as one [E, ratio, ·] batch (every op is per
+    window, as in `compress`'s [n, ratio, ·] batch of windows). The new frontiers are rows of the
+    step's arrays, which the next step of the same sequences takes back whole (cache.stacked)."""
+    num = len(frontiers)
+    kv_new, gate_new = linear(x, weights.wkv), linear(x, weights.wgate)  # [B, width]
+    slots = _stacked_slots(frontiers, ratio, kv_new.shape[1], weights.norm.shape[0], overlapping, kv_new.dtype)
+    open_now = np.array([f.num_open for f in frontiers])
+    at = mx.array(open_now.reshape(num, 1, 1))  # [B, 1, 1]: each token's slot
+    kv = mx.put_along_axis(slots.kv, at, kv_new[:, None, :], axis=1)  # [B, ratio, width]
+    gate = mx.put_along_axis(slots.gate, at, gate_new[:, None, :], axis=1)
+    closing = [i for i in range(num) if open_now[i] + 1 == ratio]
+    emitted: list[mx.array | None] = [None] * num
+    overlap_kv, overlap_gate = slots.overlap_kv, slots.overlap_gate
+    if closing:
+        rows, overlap_kv, overlap_gate = _closed_windows(kv, gate, slots, closing, frontiers, weights, ratio, overlapping, rope, eps)
+        for e, i in enumerate(closing):
+            emitted[i] = rows[e : e + 1]
+    after_slots = FrontierSlots(kv, gate, overlap_kv, overlap_gate)
+    shut = set(closing)
+    after = [
+        CompressorFrontier(f.num_emitted + (i in shut), 0 if i in shut else f.num_open + 1, after_slots, i)
+        for i, f in enumerate(frontiers)
+    ]
+    return emitted, after
+
+
+def _stacked_slots(
+    frontiers: list[CompressorFrontier], ratio: int, width: int, head_dim: int, overlapping: bool, dtype: mx.Dtype
+) -> FrontierSlots:
+    """The B frontiers' slots as one FrontierSlots of B rows (those of one earlier step: taken whole).
+    A frontier with no slots yet gets zero open slots and the "no window closed yet" overlap."""
+    def parts(field: str, fill) -> list:
+        out = []
+        for f in frontiers:
+            arr = None if f.slots is None else getattr(f.slots, field)
+            out.append(fill() if arr is None else Stacked(arr, f.row))
+        return out
+
+    zeros = lambda: mx.zeros((ratio, width), dtype=dtype)  # noqa: E731
+    kv, gate = stacked(parts("kv", zeros)), stacked(parts("gate", zeros))
+    if not overlapping:
+        return FrontierSlots(kv, gate)
+    no_kv, no_gate = (a[0] for a in _no_overlap(1, ratio, head_dim, dtype, dtype))
+    return FrontierSlots(kv, gate, stacked(parts("overlap_kv", lambda: no_kv)), stacked(parts("overlap_gate", lambda: no_gate)))
+
+
+def _closed_windows(
+    kv: mx.array, gate: mx.array, slots: FrontierSlots, closing: list[int], frontiers: list[CompressorFrontier],
+    weights: CompressorWeights, ratio: int, overlapping: bool, rope: RopeSpec, eps: float,
+) -> tuple[mx.array, mx.array | None, mx.array | None]:
+    """The windows of rows `closing` (full after this token) -> (their rows [E, head_dim], the
+    overlap halves after the step [B, ratio, d] or None)."""
+    num, head_dim = kv.shape[0], weights.norm.shape[0]
+    if len(closing) < num:
+        pick = mx.array(closing)
+        kv_w, gate_w = kv[pick], gate[pick]  # [E, ratio, width]
+    else:
+        pick, kv_w, gate_w = None, kv, gate
+    gate_w = gate_w + weights.ape
+    overlap_kv, overlap_gate = slots.overlap_kv, slots.overlap_gate
     if overlapping:
-        kv, gate = _overlap_slots_per_window(kv, gate, closed, head_dim)
-    pooled = (kv * mx.softmax(gate.astype(mx.float32), axis=1, precise=True).astype(kv.dtype)).sum(axis=1)
-    rows = rms_norm(pooled, weights.norm, eps)  # [E, head_dim]
-    cos, sin = cos_sin(rope, mx.array([f.num_emitted * ratio for f in closed]))
-    rows = apply_rope(rows, cos, sin)
-    for e, (i, _, _) in enumerate(closing):
-        frontiers[i].num_emitted += 1
-        emitted[i] = rows[e : e + 1]
-    return emitted
-
-
-def _overlap_slots_per_window(
-    kv: mx.array, gate: mx.array, frontiers: list[CompressorFrontier], head_dim: int
-) -> tuple[mx.array, mx.array]:
-    """`_overlap_slots` for E windows of E different sequences (one window each, frontiers[e] is
-    window e's): [E, ratio, 2d] -> [E, 2·ratio, d]."""
-    ratio = kv.shape[1]
-    ca_kv, cb_kv = kv[..., :head_dim], kv[..., head_dim:]
-    ca_gate, cb_gate = gate[..., :head_dim], gate[..., head_dim:]
-    prev_kv, prev_gate = [], []
-    for e, frontier in enumerate(frontiers):
-        if frontier.overlap_kv is None:
-            prev_kv.append(mx.zeros((ratio, head_dim), dtype=kv.dtype))
-            prev_gate.append(mx.full((ratio, head_dim), -mx.inf, dtype=gate.dtype))
+        prev_kv = overlap_kv if pick is None else overlap_kv[pick]  # [E, ratio, d]
+        prev_gate = overlap_gate if pick is None else overlap_gate[pick]
+        ca_kv, ca_gate = kv_w[..., :head_dim], gate_w[..., :head_dim]
+        if pick is None:
+            overlap_kv, overlap_gate = ca_kv, ca_gate
         else:
-            prev_kv.append(frontier.overlap_kv)
-            prev_gate.append(frontier.overlap_gate)
-        frontier.overlap_kv, frontier.overlap_gate = owned(ca_kv[e]), owned(ca_gate[e])
-    prev_kv, prev_gate = mx.stack(prev_kv), mx.stack(prev_gate)  # [E, ratio, d]
-    return mx.concatenate([prev_kv, cb_kv], axis=1), mx.concatenate([prev_gate, cb_gate], axis=1)
+            shut = mx.array(np.isin(np.arange(num), closing).reshape(num, 1, 1))
+            order = mx.array(np.cumsum(np.isin(np.arange(num), closing)) - 1)  # row b -> its closing index
+            order = mx.maximum(order, 0)
+            overlap_kv = mx.where(shut, ca_kv[order], overlap_kv)
+            overlap_gate = mx.where(shut, ca_gate[order], overlap_gate)
+        kv_w = mx.concatenate([prev_kv, kv_w[..., head_dim:]], axis=1)  # [E, 2·ratio, d]
+        gate_w = mx.concatenate([prev_gate, gate_w[..., head_dim:]], axis=1)
+    pooled = (kv_w * mx.softmax(gate_w.astype(mx.float32), axis=1, precise=True).astype(kv_w.dtype)).sum(axis=1)
+    rows = rms_norm(pooled, weights.norm, eps)  # [E, head_dim]
+    cos, sin = cos_sin(rope, mx.array([frontiers[i].num_emitted * ratio for i in closing]))
+    return apply_rope(rows, cos, sin), overlap_kv, overlap_gate

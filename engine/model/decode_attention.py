@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from tessera.engine.model.attention_inputs import AttentionWeights, SegmentSlice
-from tessera.engine.model.cache import owned
+from tessera.engine.model.cache import LayerCache, Stacked, owned, stacked
 from tessera.engine.model.compressor import compress_decode
 from tessera.engine.model.config import CSA, HCA, WINDOW, ModelConfig
 from tessera.engine.model.trace import ForwardTrace
@@ -89,40 +89,60 @@ def _in_order(outs: list[mx.array], order: list[int]) -> mx.array:
 
 
 def _emit_compressed(rows: DecodeRows, w: AttentionWeights, cfg: ModelConfig, layer: int) -> None:
-    """Every row's token into its compressors (one batched projection and pooling per compressor);
+    """Every row's token into its compressors (one batched update per compressor, cache.FrontierSlots);
     completed rows are appended to the caches before anything is scored (the tiling invariant)."""
     ratio, overlapping, rope, eps = cfg.compress_ratio(layer), cfg.is_overlapping(layer), cfg.rope_for(layer), cfg.rms_norm_eps
     caches = [s.cache for s in rows.segments]
-    emitted = compress_decode(rows.x, w.compressor, [c.compressor for c in caches], ratio, overlapping, rope, eps)
-    for cache, row in zip(caches, emitted):
+    emitted, after = compress_decode(rows.x, w.compressor, [c.compressor for c in caches], ratio, overlapping, rope, eps)
+    for cache, row, frontier in zip(caches, emitted, after):
+        cache.compressor = frontier
         if row is not None:
             cache.compressed.append(row)
     if cfg.has_indexer(layer):
         frontiers = [c.indexer_compressor for c in caches]
-        emitted = compress_decode(rows.x, w.index_compressor, frontiers, ratio, overlapping, rope, eps)
-        for cache, row in zip(caches, emitted):
+        emitted, after = compress_decode(rows.x, w.index_compressor, frontiers, ratio, overlapping, rope, eps)
+        for cache, row, frontier in zip(caches, emitted, after):
+            cache.indexer_compressor = frontier
             if row is not None:
                 cache.index_keys.append(row)
 
 
 def _window_rows(rows: DecodeRows, cfg: ModelConfig) -> tuple[mx.array, mx.array]:
     """Each row's W window keys (its cached window, then its own K), the cache windows moved on by
-    one token -> rows [B, W, hd], valid [B, W]. A sequence with fewer than W - 1 cached rows gathers
-    them as the tiled path does (index clamped at 0, masked)."""
+    one token -> rows [B, W, hd], valid [B, W].
+
+    Sequences with a full window (W - 1 cached rows: all but their first W - 1 tokens) take theirs as
+    one [F, W - 1, hd] array — the previous step's, whole, when the same sequences stepped together
+    (cache.stacked) — append their K as one column and keep rows of the result as their new windows
+    (cache.Stacked: no per-sequence slice or copy). A sequence with fewer rows gathers them as the
+    tiled path does (index clamped at 0, masked), one by one."""
     window, keep = cfg.sliding_window, cfg.sliding_window - 1
-    gathered, valid = [], np.ones((len(rows.segments), window), dtype=bool)
-    for i, seg in enumerate(rows.segments):
-        cache = seg.cache
-        keys = mx.concatenate([cache.window, rows.kv[i : i + 1]])  # [Wp + 1, hd]
-        num_prev = cache.window.shape[0]
-        cache.window = owned(keys[max(keys.shape[0] - keep, 0) :] if keep > 0 else keys[:0])
-        if num_prev + 1 == window:
-            gathered.append(keys)
-            continue
-        key_idx = num_prev - (window - 1) + np.arange(window)  # attention.window_key_indices for row 0
-        gathered.append(keys[mx.array(np.maximum(key_idx, 0))])
-        valid[i] = key_idx >= 0
-    return mx.stack(gathered), mx.array(valid)
+    caches = [s.cache for s in rows.segments]
+    full = [i for i, c in enumerate(caches) if keep > 0 and c.num_window_rows == keep]
+    short = [i for i, c in enumerate(caches) if not (keep > 0 and c.num_window_rows == keep)]
+    parts, valid = [], np.ones((len(caches), window), dtype=bool)
+    if full:
+        prev = stacked([caches[i].stored_window for i in full])  # [F, W - 1, hd]
+        keys = mx.concatenate([prev, _picker(full, len(caches))(rows.kv)[:, None, :]], axis=1)  # [F, W, hd]
+        moved = keys[:, 1:]
+        for j, i in enumerate(full):
+            caches[i].window = Stacked(moved, j)
+        parts.append(keys)
+    if short:
+        parts.append(mx.stack([_short_window_keys(caches[i], rows.kv[i : i + 1], valid[i], window) for i in short]))
+    return _in_order(parts, full + short), mx.array(valid)
+
+
+def _short_window_keys(cache: LayerCache, kv: mx.array, valid: np.ndarray, window: int) -> mx.array:
+    """One sequence with fewer than W - 1 window rows: its W keys [W, hd] (`valid` [W] filled in), the
+    window moved on. Index clamped at 0 as attention.window_key_indices gives the tiled path."""
+    keys = mx.concatenate([cache.window, kv])  # [Wp + 1, hd]
+    num_prev = keys.shape[0] - 1
+    keep = window - 1
+    cache.window = owned(keys[max(keys.shape[0] - keep, 0) :] if keep > 0 else keys[:0])
+    key_idx = num_prev - (window - 1) + np.arange(window)  # attention.window_key_indices for row 0
+    valid[:] = key_idx >= 0
+    return keys[mx.array(np.maximum(key_idx, 0))]
 
 
 def _selected_rows(
@@ -134,19 +154,25 @@ def _selected_rows(
     if num_keys == 0:
         selected = mx.zeros((len(segs), 0), dtype=mx.int32)
         valid = selected.astype(mx.bool_)
+        rows = mx.zeros((len(segs), 0, cfg.head_dim), dtype=segs[0].cache.compressed.dtype)
     else:
         keys = [s.cache.index_keys.view() for s in segs]  # b × [N, ID]
         scores = indexer_scores_batched(index_q, index_w, keys, visible, cfg.index_head_dim**-0.5)  # [b, N]
         scores = timer.stage("indexer_score", scores)
-        selected, valid = select_topk(scores, visible, cfg.index_topk)  # [b, k']
+        selected, valid = select_topk(scores, visible, cfg.index_topk)  # [b, k'], every index < N
         timer.stage("topk", selected, valid)
-    for i, s in enumerate(segs):
-        timer.record_selection(layer, s.start, selected[i : i + 1], valid[i : i + 1])
-    rows = mx.concatenate([s.cache.compressed.view()[selected[i : i + 1]] for i, s in enumerate(segs)])  # [b, k', hd]
+        # Each sequence's rows come from its own buffer: one gather per sequence (the picks split off
+        # in one op); the buffers are read where they lie, as stacking them would copy every row.
+        picks = mx.split(selected, len(segs)) if len(segs) > 1 else [selected]  # b × [1, k']
+        rows = mx.concatenate([s.cache.compressed.data()[p] for s, p in zip(segs, picks)])  # [b, k', hd]
+    if timer.selections is not None:
+        for i, s in enumerate(segs):
+            timer.record_selection(layer, s.start, selected[i : i + 1], valid[i : i + 1])
     return rows, valid
 
 
 def _all_compressed_rows(segs: list[SegmentSlice], visible: mx.array) -> tuple[mx.array, mx.array]:
     """HCA: every compressed row of each sequence (equal N) -> (rows [b, N, hd], valid [b, N])."""
-    rows = mx.stack([s.cache.compressed.view() for s in segs])
+    views = [s.cache.compressed.stackable_view() for s in segs]  # b × [1, N, hd], kept between appends
+    rows = views[0] if len(views) == 1 else mx.concatenate(views)
     return rows, mx.arange(rows.shape[1])[None, :] < visible[:, None]

@@ -71,8 +71,8 @@ def _frontier(ctx: int, ratio: int, head_dim: int, width: int, overlapping: bool
     """The open group (ctx % ratio projected rows) and, once a window closed, the overlap half."""
     k = mx.random.split(key, 4)
     open_rows = ctx % ratio
-    frontier = CompressorFrontier(_rows(open_rows, width, dtype, k[0]), _rows(open_rows, width, dtype, k[1]),
-                                  num_emitted=ctx // ratio)
+    overlap = (None, None)
     if overlapping and ctx >= ratio:
-        frontier.overlap_kv, frontier.overlap_gate = _rows(ratio, head_dim, dtype, k[2]), _rows(ratio, head_dim, dtype, k[3])
-    return frontier
+        overlap = _rows(ratio, head_dim, dtype, k[2]), _rows(ratio, head_dim, dtype, k[3])
+    return CompressorFrontier.holding(_rows(open_rows, width, dtype, k[0]), _rows(open_rows, width, dtype, k[1]),
+                                      *overlap, num_emitted=ctx // ratio, ratio=ratio)

@@ -48,7 +48,7 @@ def test_batched_decode_equals_each_sequence_decoded_alone(model):
             single = model.forward([Segment(cache, [t[s]])])[0]
             assert np.array_equal(np.array(together[b]), np.array(single)), (s, b)
     for a, b in zip(batched, alone):
-        assert all(np.array_equal(np.array(x), np.array(y)) for x, y in zip(a.arrays(), b.arrays()))
+        assert all(np.array_equal(np.array(x), np.array(y)) for x, y in zip(a.contents(), b.contents()))
 
 
 def _decode_step_logits(model, caches, tokens, prefill=None):
@@ -74,7 +74,7 @@ def test_batched_decode_rows_equal_the_per_sequence_tile_path(model, monkeypatch
         for s in range(5):
             tokens = [(11 * b + 5 * s) % model.cfg.vocab_size for b in range(len(caches))]
             logits += _decode_step_logits(model, caches, tokens, (prefill_cache, chunk[s * 4 : s * 4 + 4]))
-        runs[batched] = (logits, [a for c in caches + [prefill_cache] for a in c.arrays()])
+        runs[batched] = (logits, [a for c in caches + [prefill_cache] for a in c.contents()])
     (got, got_cache), (want, want_cache) = runs[True], runs[False]
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
     assert len(got_cache) == len(want_cache)
@@ -109,25 +109,24 @@ def test_batched_compressor_update_equals_each_token_alone(ratio, overlapping):
     weights = CompressorWeights(f32(width, hidden), f32(width, hidden), f32(ratio, width), f32(head_dim) + 1.0)
     rope, eps = RopeSpec(theta=10000.0, dim=4), 1e-6
     prefixes = [0, 1, ratio - 1, ratio, 2 * ratio + 1, ratio - 1]
-    batched, alone = [CompressorFrontier() for _ in prefixes], [CompressorFrontier() for _ in prefixes]
-    for n, fb, fa in zip(prefixes, batched, alone):
+    batched = [CompressorFrontier() for _ in prefixes]
+    for i, n in enumerate(prefixes):
         if n:
-            x = f32(n, hidden)
-            compress(x, weights, fb, ratio, overlapping, rope, eps)
-            compress(x, weights, fa, ratio, overlapping, rope, eps)
+            _, batched[i] = compress(f32(n, hidden), weights, batched[i], ratio, overlapping, rope, eps)
+    alone = list(batched)  # frontiers are values: both sides start from the same ones, neither can write them
     emitted_per_step = []
     for _ in range(2 * ratio + 1):
         x = f32(len(prefixes), hidden)
-        got = compress_decode(x, weights, batched, ratio, overlapping, rope, eps)
+        got, batched = compress_decode(x, weights, batched, ratio, overlapping, rope, eps)
         emitted_per_step.append(sum(row is not None for row in got))
         for i, frontier in enumerate(alone):
-            want = compress(x[i : i + 1], weights, frontier, ratio, overlapping, rope, eps)
+            want, alone[i] = compress(x[i : i + 1], weights, frontier, ratio, overlapping, rope, eps)
             if want.shape[0] == 0:
                 assert got[i] is None, i
             else:
                 assert np.array_equal(np.array(got[i]), np.array(want)), i
     for fb, fa in zip(batched, alone):
-        assert fb.num_emitted == fa.num_emitted
-        assert len(fb.arrays()) == len(fa.arrays())
-        assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(fb.arrays(), fa.arrays()))
+        assert (fb.num_emitted, fb.num_open) == (fa.num_emitted, fa.num_open)
+        assert len(fb.contents()) == len(fa.contents())
+        assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(fb.contents(), fa.contents()))
     assert max(emitted_per_step) >= 2 and any(0 < e < len(prefixes) for e in emitted_per_step)
