@@ -4,7 +4,8 @@ prefill's shapes.
 
 python docs/bench/issue14_step_profile.py MODEL_DIR [--ctx 2048] [--batch 1 8 16] [--steps 6] [--profile B]
 
-For each batch B: `nodes_logits` (primitives `mx.export_to_dot` finds under the step's logits),
+For each batch B: `nodes_logits` (primitives `mx.export_to_dot` finds under the step's logits, the
+mean of NODE_STEPS consecutive steps),
 `nodes_all` (under the logits and every cache array the step leaves: window and frontier updates
 included), `build_ms` (median wall time of `model.forward` returning its lazy logits — Python and
 graph construction; nothing in a decode step evaluates before the logits unless a stage syncs),
@@ -34,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywher
 from tessera.engine.model.deepseek_v4 import Segment  # noqa: E402
 from tessera.engine.model.loader import load_model  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled  # noqa: E402
+
+NODE_STEPS = 4  # nodes are the mean of this many consecutive steps: a CSA window (ratio 4) closes in one of them
 
 
 def primitives(arrays) -> collections.Counter:
@@ -66,10 +69,12 @@ def main() -> None:
         for _ in range(2):  # warm-up (first-use compilation, frontier shapes of a decode)
             logits, _ = _step(model, caches[:batch], ids)
             mx.eval(logits, [c.arrays() for c in caches[:batch]])
-        logits, _ = _step(model, caches[:batch], ids)
-        nodes_logits = primitives(logits)
-        nodes_all = primitives(list(logits) + [a for c in caches[:batch] for a in c.arrays()])
-        mx.eval(logits, [c.arrays() for c in caches[:batch]])
+        nodes_logits, nodes_all = collections.Counter(), collections.Counter()
+        for _ in range(NODE_STEPS):
+            logits, _ = _step(model, caches[:batch], ids)
+            nodes_logits += primitives(logits)
+            nodes_all += primitives(list(logits) + [a for c in caches[:batch] for a in c.arrays()])
+            mx.eval(logits, [c.arrays() for c in caches[:batch]])
         build, evals = [], []
         profiler = cProfile.Profile() if args.profile == batch else None
         for _ in range(args.steps):
@@ -82,10 +87,11 @@ def main() -> None:
             mx.eval(logits, [c.arrays() for c in caches[:batch]])
             evals.append((time.perf_counter() - t0) * 1000)
             build.append(built * 1000)
-        print(json.dumps({"ctx": args.ctx, "batch": batch, "nodes_logits": sum(nodes_logits.values()),
-                          "nodes_all": sum(nodes_all.values()), "build_ms": round(statistics.median(build), 2),
-                          "eval_ms": round(statistics.median(evals), 2),
-                          "by_primitive": dict(nodes_all.most_common(25))}), flush=True)
+        per_step = lambda c: round(sum(c.values()) / NODE_STEPS, 1)  # noqa: E731
+        print(json.dumps({"ctx": args.ctx, "batch": batch, "nodes_logits": per_step(nodes_logits),
+                          "nodes_all": per_step(nodes_all), "build_ms": round(statistics.median(build), 2),
+                          "eval_ms": round(statistics.median(evals), 2), "build_ms_all": [round(b, 2) for b in build],
+                          "by_primitive": {k: v / NODE_STEPS for k, v in nodes_all.most_common()}}), flush=True)
         if profiler:
             s = io.StringIO()
             pstats.Stats(profiler, stream=s).sort_stats("tottime").print_stats(40)

@@ -91,8 +91,12 @@ def attention(
     decoded = None
     if decodes:
         decoded = timer.stage("attention", decode_attention(_decode_rows(x, chunk, queries, decodes), w, cfg, layer, timer))
-    done = 0  # decode rows handed to `output` so far
-    for seg in segments:
+    # Decode rows that lead the step (the runner puts decodes first) go out as one piece, not one slice each.
+    lead = len(decodes) if decoded is not None and all(a is b for a, b in zip(segments, decodes)) else 0
+    if lead:
+        output.add(decoded)
+    done = lead  # decode rows handed to `output` so far
+    for seg in segments[lead:]:
         if decoded is not None and seg.length == 1:  # batched above; its row goes out in batch order
             output.add(decoded[done : done + 1])
             done += 1

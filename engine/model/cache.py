@@ -236,11 +236,12 @@ class CompressorFrontier:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of this sequence's open rows and overlap halves (what it needs)."""
+        """Bytes of this sequence's row of the slots: `ratio` open-group slots of kv and gate whatever
+        `num_open` is (a fixed shape is what lets a step update every sequence's group in one op),
+        and the overlap halves once a window closed."""
         if self.slots is None:
             return 0
-        per_row = lambda a: a.nbytes // (a.shape[0] * a.shape[1])  # noqa: E731  one slot of one frontier
-        total = 2 * self.num_open * per_row(self.slots.kv)
+        total = 2 * self.slots.kv.nbytes // self.slots.kv.shape[0]
         if self.num_emitted and self.slots.overlap_kv is not None:
             total += 2 * self.slots.overlap_kv.nbytes // self.slots.overlap_kv.shape[0]
         return total

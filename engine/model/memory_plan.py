@@ -247,10 +247,11 @@ def cache_bytes_by_part(cfg: ModelConfig, ctx: int, chunk: int | None, b: int,
         ratio = cfg.compress_rates[kind]
         parts["compressed"] += _rows_bytes(ctx, chunk, ratio, cfg.head_dim, b)
         width = 2 * cfg.head_dim if kind == CSA else cfg.head_dim
-        parts["frontier"] += 2 * (ctx % ratio) * width * b
+        open_slots = ratio if ctx else 0  # a frontier keeps `ratio` open-group slots (cache.FrontierSlots)
+        parts["frontier"] += 2 * open_slots * width * b
         if kind == CSA:
             parts["index_keys"] += _rows_bytes(ctx, chunk, ratio, cfg.index_head_dim, b)
-            parts["frontier"] += 2 * (ctx % ratio) * 2 * cfg.index_head_dim * b
+            parts["frontier"] += 2 * open_slots * 2 * cfg.index_head_dim * b
             if ctx >= ratio:
                 parts["frontier"] += 2 * ratio * (cfg.head_dim + cfg.index_head_dim) * b
     return parts

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from tessera.engine.model.cache import LayerRows, ResumeState, SequenceCache, restored_cache, resume_state, rows_between
+from tessera.engine.model.cache import LayerRows, ResumeState, SequenceCache, detached, restored_cache, resume_state, rows_between
 from tessera.engine.model.config import ModelConfig
 from tessera.engine.serving.prefix_blocks import BLOCK_TOKENS, block_floor, chained_keys, root_key
 
@@ -117,7 +117,7 @@ class PrefixCache:
     def save(self, cache: SequenceCache, lineage: Lineage, state: ResumeState | None = None) -> None:
         """Save `cache` as it was at `state` (default: now), which must end on a block boundary.
         Reuses an existing node for the same prefix; stores only the rows since the lineage's node."""
-        state = state or resume_state(cache)
+        state = detached(state or resume_state(cache))  # its own rows, not a batched step's arrays
         if state.num_tokens % self.block_tokens or state.num_tokens == 0:
             raise ValueError(f"a saved state must end on a block boundary, not at {state.num_tokens} tokens")
         parent = lineage.node if lineage.node is not None and lineage.node.is_alive else None

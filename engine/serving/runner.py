@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 
-from tessera.engine.model.cache import SequenceCache, resume_state, rewind
+from tessera.engine.model.cache import SequenceCache, detached, resume_state, rewind
 from tessera.engine.model.config import ModelConfig
 from tessera.engine.model.dtypes import dtype_name
 from tessera.engine.model.loader import load_model
@@ -252,7 +252,7 @@ class ModelRunner:
         for slot in plan.decodes:
             seq = self._sequences[slot.request_id]
             if seq.cache.num_tokens % block == 0:
-                seq.lineage.pending = resume_state(seq.cache)
+                seq.lineage.pending = detached(resume_state(seq.cache))  # kept until the request ends: its own rows
         if plan.prefill is not None:
             seq = self._sequences[plan.prefill.request_id]
             if seq.cache.num_tokens % block == 0:
