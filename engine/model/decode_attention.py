@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from tessera.engine.model.attention_inputs import AttentionWeights, SegmentSlice
-from tessera.engine.model.cache import LayerCache, Stacked, owned, stacked
+from tessera.engine.model.cache import LayerCache, RowBuffer, Stacked, owned, stacked
 from tessera.engine.model.compressor import compress_decode
 from tessera.engine.model.config import CSA, HCA, WINDOW, ModelConfig
 from tessera.engine.model.trace import ForwardTrace
@@ -161,14 +161,32 @@ def _selected_rows(
         scores = timer.stage("indexer_score", scores)
         selected, valid = select_topk(scores, visible, cfg.index_topk)  # [b, k'], every index < N
         timer.stage("topk", selected, valid)
-        # Each sequence's rows come from its own buffer: one gather per sequence (the picks split off
-        # in one op); the buffers are read where they lie, as stacking them would copy every row.
-        picks = mx.split(selected, len(segs)) if len(segs) > 1 else [selected]  # b × [1, k']
-        rows = mx.concatenate([s.cache.compressed.data()[p] for s, p in zip(segs, picks)])  # [b, k', hd]
+        rows = _gather_selected([s.cache.compressed for s in segs], selected)
     if timer.selections is not None:
         for i, s in enumerate(segs):
             timer.record_selection(layer, s.start, selected[i : i + 1], valid[i : i + 1])
     return rows, valid
+
+
+# Up to this many bytes of compressed rows (all sequences of a batch together), the selected rows are
+# gathered in one op from the buffers stacked into one [b, N, hd] copy (two graph ops for the batch);
+# beyond it, one gather per sequence from its buffer where it lies (no copy, ~3 ops per sequence). A
+# gather copies values, so both give the same bits (tests/equivalence/test_batched_decode.py); the
+# bound only trades a transient copy (64 MiB ≈ 30 µs on an H200) against per-sequence graph ops.
+STACKED_GATHER_BYTES = 64 * 2**20
+
+
+def _gather_selected(buffers: list[RowBuffer], selected: mx.array) -> mx.array:
+    """Each sequence's selected compressed rows, from buffers of equal num_rows N: selected [b, k']
+    (every index < N) -> [b, k', hd]."""
+    first = buffers[0]
+    if len(buffers) == 1:
+        return first.data()[selected]
+    if len(buffers) * first.nbytes <= STACKED_GATHER_BYTES:
+        rows = mx.concatenate([buf.stackable_view() for buf in buffers])  # [b, N, hd]
+        return mx.take_along_axis(rows, selected[:, :, None], axis=1)
+    picks = mx.split(selected, len(buffers))  # b × [1, k']
+    return mx.concatenate([buf.data()[p] for buf, p in zip(buffers, picks)])
 
 
 def _all_compressed_rows(segs: list[SegmentSlice], visible: mx.array) -> tuple[mx.array, mx.array]:

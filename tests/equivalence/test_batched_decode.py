@@ -130,3 +130,50 @@ def test_batched_compressor_update_equals_each_token_alone(ratio, overlapping):
         assert len(fb.contents()) == len(fa.contents())
         assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(fb.contents(), fa.contents()))
     assert max(emitted_per_step) >= 2 and any(0 < e < len(prefixes) for e in emitted_per_step)
+
+
+# Which sequences step together changes between steps in a served batch: one pauses, another joins
+# fresh from its prefill, the order moves. Steps are lists of indices into STAGGERED's sequences.
+STAGGERED = (130, 131, 140, 64, 20, 129)
+COMPOSITIONS = ([0, 1, 2, 3], [2, 0, 3], [1, 3, 4, 0, 2], [4, 1], [0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0], [0, 1, 2, 3, 4, 5])
+
+
+@pytest.mark.parametrize("stacked_gather", [True, False], ids=["stacked-gather", "per-sequence-gather"])
+@row_invariant_blas
+def test_sequences_joining_leaving_and_reordering_between_steps_stay_exact(model, monkeypatch, stacked_gather):
+    """The window and compressor state a decode step leaves are rows of that step's arrays, taken back
+    whole only by the same sequences in the same order (cache.stacked); any other batch regathers them.
+    Every composition below must give each sequence the bits of decoding it alone, with the selected
+    rows gathered from the stacked buffers or from each buffer (decode_attention.STACKED_GATHER_BYTES)."""
+    monkeypatch.setattr(decode_attention, "STACKED_GATHER_BYTES", decode_attention.STACKED_GATHER_BYTES if stacked_gather else 0)
+    batched = [_prefilled(model, n, seed) for seed, n in enumerate(STAGGERED)]
+    alone = [_prefilled(model, n, seed) for seed, n in enumerate(STAGGERED)]
+    for s, members in enumerate(COMPOSITIONS):
+        tokens = [(13 * b + 7 * s) % model.cfg.vocab_size for b in members]
+        together = model.forward([Segment(batched[b], [t]) for b, t in zip(members, tokens)])
+        for row, (b, t) in enumerate(zip(members, tokens)):
+            single = model.forward([Segment(alone[b], [t])])[0]
+            assert np.array_equal(np.array(together[row]), np.array(single)), (s, b)
+    for a, b in zip(batched, alone):
+        assert all(np.array_equal(np.array(x), np.array(y)) for x, y in zip(a.contents(), b.contents()))
+
+
+@row_invariant_blas
+def test_rewinding_a_batched_step_restores_the_exact_state_from_references(model):
+    """The runner's failed-step snapshot (cache.resume_state) holds the window and frontiers themselves,
+    not copies — they are values the model replaces, never writes — and rewinding to it makes the
+    re-run step give the same bits as the first attempt."""
+    from tessera.engine.model.cache import resume_state, rewind
+
+    caches = [_prefilled(model, n, seed) for seed, n in enumerate(STAGGERED[:4])]
+    model.forward([Segment(c, [5]) for c in caches])  # the state to snapshot is a batched step's
+    states = [resume_state(c) for c in caches]
+    for cache, state in zip(caches, states):
+        for layer, saved in zip(cache.layers, state.layers):
+            assert saved.compressor is layer.compressor and saved.indexer_compressor is layer.indexer_compressor
+            assert saved.window is layer.stored_window
+    first = [np.array(l) for l in model.forward([Segment(c, [9]) for c in caches])]
+    for cache, state in zip(caches, states):
+        rewind(cache, state)
+    again = [np.array(l) for l in model.forward([Segment(c, [9]) for c in caches])]
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
