@@ -4,8 +4,8 @@ in one process: B sequences prefilled to CTX, then decode rounds of batch 1 and 
 and through the per-sequence tile path (attention.BATCH_DECODE_ROWS = False), arms alternating;
 then PAIRS paired steps (batched and per-sequence back to back, the first of the pair alternating:
 load that drifts on a shared machine hits both arms alike; reported as the median of the per-pair
-ratios), then a stage-synced split of both batches (the per-sequence arm syncs once per sequence
-and stage, so its split is inflated). One JSON line per measurement to OUT as soon as it exists;
+ratios), then the host time building a step's graph (batched arm, B 1 B B 1), then a stage-synced
+split of both batches (the per-sequence arm syncs once per sequence and stage, so its split is inflated). One JSON line per measurement to OUT as soon as it exists;
 progress on stdout.
 
 H200 (checkpoint generated there, ~65 s; a quantized checkpoint is dequantized to bf16 here):
@@ -67,6 +67,8 @@ def main() -> None:
                  tokens_per_s=batch / median * 1000, step_ms=steps)
     for batch in (1, args.batch):
         emit("decode_paired", ctx=args.ctx, batch=batch, pairs=args.pairs, **_paired(model, caches[:batch], args.pairs))
+    for batch in (1, args.batch, args.batch, 1):
+        emit("decode_build_ms", arm="batched", ctx=args.ctx, batch=batch, **_build_ms(model, caches[:batch], args.steps))
     for arm in ("batched", "per_sequence"):
         for batch in (1, args.batch):
             emit("decode_stages_ms", arm=arm, ctx=args.ctx, batch=batch,
@@ -125,6 +127,25 @@ def _paired(model, caches, pairs: int) -> dict:
             "per_sequence_ms_median": statistics.median(steps["per_sequence"]),
             "per_sequence_over_batched_median": statistics.median(ratios),
             "batched_ms": steps["batched"], "per_sequence_ms": steps["per_sequence"]}
+
+
+def _build_ms(model, caches, steps: int) -> dict:
+    """Host milliseconds to build a decode step's graph (model.forward returning its lazy logits), and
+    the rest of the step (evaluating it, the sampled ids to the host), batched arm: what per-sequence
+    graph work costs shows in the first (docs/BENCHMARKS.md "Issue 14, session 6")."""
+    from tessera.engine.model.deepseek_v4 import Segment
+
+    ids, build, rest = [1] * len(caches), [], []
+    for step in range(steps + 2):
+        t0 = time.perf_counter()
+        logits = model.forward([Segment(c, [t]) for c, t in zip(caches, ids)], timer=ForwardTrace(stage_sync=False))
+        t1 = time.perf_counter()
+        ids = mx.argmax(mx.concatenate(logits), axis=-1).tolist()
+        mx.eval([c.arrays() for c in caches])
+        if step >= 2:
+            build.append((t1 - t0) * 1000)
+            rest.append((time.perf_counter() - t1) * 1000)
+    return {"build_ms_median": statistics.median(build), "eval_ms_median": statistics.median(rest), "build_ms": build}
 
 
 def _stage_split(model, caches, batched: bool, steps: int = 4) -> dict[str, float]:
