@@ -158,16 +158,28 @@ def test_plan_padded_takes_the_fewest_rows():
     assert plan_padded(skewed, None) == PaddedPlan(240, (), 0)  # no overflow block on this device
 
 
-def _plan_by_loop(counts: np.ndarray, cost: OverflowCost) -> PaddedPlan:
-    """plan_padded's definition: try every capacity, keep the cheapest (ties: the larger)."""
+def test_plan_padded_stays_within_the_row_bound():
+    skewed = np.array([240, 60, 60, 60, 60, 60, 60, 60])
+    costly = OverflowCost(5000.0, 14.0)  # one block (1,920 rows) is the cheapest without a bound
+    assert plan_padded(skewed, costly) == PaddedPlan(240, (), 0)
+    bounded = plan_padded(skewed, costly, max_rows=1000)  # then the cheapest plan of at most 1,000 rows
+    assert bounded == PaddedPlan(96, (0,), 144) and bounded.rows(8) == 912
+    assert plan_padded(skewed, costly, max_rows=687) is None  # 8·64 + 176 = 688 rows is the fewest any plan needs
+    assert plan_padded(skewed, costly, max_rows=688) == PaddedPlan(64, (0,), 176)
+    assert plan_padded(skewed, None, max_rows=1000) is None  # one block only, and it does not fit
+
+
+def _plan_by_loop(counts: np.ndarray, cost: OverflowCost, max_rows: float) -> PaddedPlan | None:
+    """plan_padded's definition: try every capacity, keep the cheapest that fits (ties: the larger)."""
     best = None
     for capacity in range(16, -(-int(counts.max()) // 16) * 16 + 1, 16):
         over = np.flatnonzero(counts > capacity)
         over_cap = -(-int((counts[over] - capacity).max()) // 16) * 16 if len(over) else 0
         total = len(counts) * capacity + (cost.fixed_rows + cost.per_row * len(over) * over_cap if len(over) else 0)
-        if best is None or total <= best[0]:
-            best = (total, PaddedPlan(capacity, tuple(int(e) for e in over), over_cap))
-    return best[1]
+        plan = PaddedPlan(capacity, tuple(int(e) for e in over), over_cap)
+        if plan.rows(len(counts)) <= max_rows and (best is None or total <= best[0]):
+            best = (total, plan)
+    return None if best is None else best[1]
 
 
 def test_plan_padded_equals_the_loop_over_capacities():
@@ -176,8 +188,9 @@ def test_plan_padded_equals_the_loop_over_capacities():
         experts = int(rng.integers(1, 40))
         counts = rng.zipf(1.5, size=experts).clip(0, 900) if trial % 2 else rng.integers(0, 300, size=experts)
         counts[rng.integers(0, experts)] += 1  # at least one pair
-        cost = OverflowCost(float(rng.choice([0.0, 50.0, 900.0])), float(rng.choice([1.0, 1.3, 2.0])))
-        assert plan_padded(counts, cost) == _plan_by_loop(counts, cost), (counts.tolist(), cost)
+        cost = OverflowCost(float(rng.choice([0.0, 50.0, 900.0])), float(rng.choice([1.0, 1.3, 2.0, 14.0])))
+        max_rows = float(rng.choice([np.inf, 1.2 * counts.sum(), 2.0 * counts.sum()]))
+        assert plan_padded(counts, cost, max_rows) == _plan_by_loop(counts, cost, max_rows), (counts.tolist(), cost, max_rows)
 
 
 def test_overflow_cost_follows_the_device_and_the_weights(monkeypatch):
@@ -185,8 +198,12 @@ def test_overflow_cost_follows_the_device_and_the_weights(monkeypatch):
     assert moe_mod.overflow_cost(plain) == moe_mod.OVERFLOW_COST[("cpu", "plain")]
     assert moe_mod.overflow_cost(quantized) == moe_mod.OVERFLOW_COST[("cpu", "quantized")]
     monkeypatch.setattr(moe_mod, "on_cuda", lambda: True)
-    assert moe_mod.overflow_cost(plain) is None  # measured on the H200: one block wins for bf16 experts
+    assert moe_mod.overflow_cost(plain) == moe_mod.OVERFLOW_COST[("cuda", "plain")]
     assert moe_mod.overflow_cost(quantized) == moe_mod.OVERFLOW_COST[("cuda", "quantized")]
+    # the H200's session-5 routings (4,096 rows, 256 experts): bf16 one block for random routing, as measured
+    random_counts = np.full(256, 96)
+    random_counts[:7] = 119
+    assert plan_padded(random_counts, moe_mod.overflow_cost(plain), 2.0 * 24576).overflow == ()
 
 
 def _quantized_weights() -> MoEWeights:

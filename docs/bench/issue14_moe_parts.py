@@ -12,12 +12,14 @@ once forward and once backward (A B … B A), each round 2 warm-ups + --iters ti
 - `weights_read`: one pass over the three expert matrices (a max-reduction): the floor of any layout
   that reads every expert, which every 4,096-row step does.
 - `batched_gemm_only`: the padded layout's gemms + SwiGLU on a ready [E, C, D] block (C as the engine
-  plans it): the ceiling of the padded layout.
+  plans it): the ceiling of the padded layout's main block. `batched_gemm_fused_gate_up`: the same with
+  gate and up as one [E, D, 2I] weight (one gemm instead of two; the loader does not store them so).
 - `session5` / `session5_one_block`: the padded layout as merged in session 5 (a frozen copy below:
   device-side slot arithmetic, scatters of indices, a zero row appended to x; overflow block costed 2x a
   row / never).
 - `new`: engine/model/moe.py now (index tables from the counts on the host, padding rows read a real
-  token, the overflow block as this device's OVERFLOW_COST says: none on CUDA for bf16);
+  token, the overflow block costed by this device's OVERFLOW_COST within PADDED_MAX_ROWS_PER_PAIR);
+  `new_one_block`: the same with one block whatever its size (no overflow block, no row bound);
   `new_overflow`: the same with the CPU's overflow cost (to re-measure what an overflow block costs here).
 
 Each setting runs twice per round: `whole` (graph built and evaluated once, no syncs in between: what a
@@ -160,7 +162,7 @@ def session5_routed(x, experts, weights, w: MoEWeights, row_cost: float, st: Sta
 # ---------------------------------------------------------------------------------------------------
 # The engine's padded layout now (moe.padded_pairs), the same calls with its pieces marked.
 
-def new_routed(x, experts, weights, w: MoEWeights, cost, st: Stages) -> mx.array:
+def new_routed(x, experts, weights, w: MoEWeights, cost, max_rows_per_pair: float, st: Stages) -> mx.array:
     num_tokens, k = experts.shape
     dim, num_experts = x.shape[-1], w.num_experts
     flat = experts.reshape(-1)
@@ -169,7 +171,8 @@ def new_routed(x, experts, weights, w: MoEWeights, cost, st: Stages) -> mx.array
     counts = moe_mod.expert_counts(flat, num_experts)
     st.mark("sort_counts", order, counts)
     counts_np = np.array(counts)  # host sync
-    plan = moe_mod.plan_padded(counts_np, cost)
+    plan = moe_mod.plan_padded(counts_np, cost, max_rows_per_pair * num_pairs)
+    assert plan is not None, "no padded plan within the row bound: the engine would run the gathered layout"
     tables = moe_mod.padded_tables(counts_np, plan)
     st.mark("sync_plan")
     source = order[mx.array(tables.source)] // k
@@ -318,23 +321,43 @@ def references(s: Size, w: MoEWeights, dtype, capacity: int) -> dict[str, tuple[
     mx.eval(a, h, b1, b2, b3, block)
     flop = 3 * 2 * s.dim * s.inter * total
     read = lambda st: [mx.max(w.w1), mx.max(w.w2), mx.max(w.w3)]  # noqa: E731
-    return {
+    settings = {
         "matmul_moe_shapes": (lambda st: [a @ b1, a @ b3, h @ b2], flop, False),
         "weights_read": (read, flop, False),
         "batched_gemm_only": (lambda st: expert_gemms(block, w, st), flop, True),
     }
+    if not isinstance(w.w1, QuantizedWeight):
+        w13 = mx.concatenate([w.w1, w.w3], axis=1)  # [E, 2I, D]: gate and up as one weight (not what the loader keeps)
+        mx.eval(w13)
+        settings["batched_gemm_fused_gate_up"] = (lambda st: fused_gate_up_gemms(block, w13, w.w2, st), flop, True)
+    return settings
+
+
+def fused_gate_up_gemms(block: mx.array, w13: mx.array, w2: mx.array, st: Stages) -> mx.array:
+    """expert_gemms with gate and up as one [E, C, D] @ [E, D, 2I] gemm: what storing them concatenated
+    would buy (one launch, the block read once, N = 2I)."""
+    inter = w13.shape[1] // 2
+    both = moe_mod._batched_linear(block, w13)  # [E, C, 2I]
+    st.mark("gemm_gate_up", both)
+    hidden = moe_mod._clamped_swiglu(both[..., :inter], both[..., inter:], LIMIT)
+    st.mark("swiglu", hidden)
+    out = moe_mod._batched_linear(hidden, w2)
+    st.mark("gemm_down", out)
+    return out
 
 
 def layouts(x, experts, weights, w: MoEWeights, flop: float) -> dict[str, tuple[Callable, float, bool]]:
     device_cost = moe_mod.overflow_cost(w)
     cpu_cost = moe_mod.OVERFLOW_COST[("cpu", "quantized" if isinstance(w.w1, QuantizedWeight) else "plain")]
     s5 = lambda cost: with_shared(lambda st: session5_routed(x, experts, weights, w, cost, st), x, w)  # noqa: E731
-    new = lambda cost: with_shared(lambda st: new_routed(x, experts, weights, w, cost, st), x, w)  # noqa: E731
+    bound = moe_mod.PADDED_MAX_ROWS_PER_PAIR
+    new = lambda cost, bound: with_shared(lambda st: new_routed(x, experts, weights, w, cost, bound, st), x, w)  # noqa: E731
     return {
         "session5": (s5(2.0), flop, True),
         "session5_one_block": (s5(1e9), flop, True),
-        "new": (new(device_cost), flop, True),
-        "new_overflow": (new(cpu_cost), flop, True),
+        "new": (new(device_cost, bound), flop, True),
+        "new_one_block": (new(None, float("inf")), flop, True),
+        "new_overflow": (new(cpu_cost, bound), flop, True),
     }
 
 
@@ -345,7 +368,7 @@ def check_layouts(out, label, settings, x, experts, weights, w) -> None:
     try:
         want = moe_mod._sum_in(routed_experts(x, experts, weights, w, LIMIT, layout="padded"),
                                swiglu(x, w.shared_w1, w.shared_w2, w.shared_w3, LIMIT), x)
-        for name in ("session5", "session5_one_block", "new", "new_overflow"):
+        for name in ("session5", "session5_one_block", "new", "new_one_block", "new_overflow"):
             check(out, label, name, settings[name][0](NO_STAGES), want)
     finally:
         moe_mod.PADDED_MAX_ROWS_PER_PAIR = saved
@@ -353,9 +376,11 @@ def check_layouts(out, label, settings, x, experts, weights, w) -> None:
 
 def plan_row(s: Size, experts: mx.array, w: MoEWeights) -> dict:
     counts = np.array(moe_mod.expert_counts(experts.reshape(-1), s.experts))
-    plan = moe_mod.plan_padded(counts, moe_mod.overflow_cost(w))
+    plan = moe_mod.plan_padded(counts, moe_mod.overflow_cost(w), moe_mod.PADDED_MAX_ROWS_PER_PAIR * counts.sum())
+    one = moe_mod.plan_padded(counts, None)
     return {"max_count": int(counts.max()), "capacity": plan.capacity, "overflow_experts": len(plan.overflow),
-            "overflow_capacity": plan.overflow_capacity, "rows_computed": plan.rows(s.experts), "pairs": int(counts.sum())}
+            "overflow_capacity": plan.overflow_capacity, "rows_computed": plan.rows(s.experts), "pairs": int(counts.sum()),
+            "one_block_capacity": one.capacity, "one_block_rows": one.rows(s.experts), "overflow_cost": str(moe_mod.overflow_cost(w))}
 
 
 def served_chain(s: Size, w: MoEWeights, x: mx.array, layers: int) -> Callable[[Stages], mx.array]:
@@ -448,8 +473,9 @@ def quantized_overflow(out, s: Size, w: MoEWeights, x: mx.array, flop: float, ar
         experts, weights = routing(s, kind, seed=1)
         label = {"routing": kind, "experts": "mxfp4"}
         emit(out, what="plan", **label, **plan_row(s, experts, wq))
-        new = lambda cost: with_shared(lambda st: new_routed(x, experts, weights, wq, cost, st), x, wq)  # noqa: E731
-        settings = {"new": (new(moe_mod.overflow_cost(wq)), flop, False), "new_one_block": (new(None), flop, False)}
+        new = lambda cost, bound: with_shared(lambda st: new_routed(x, experts, weights, wq, cost, bound, st), x, wq)  # noqa: E731
+        settings = {"new": (new(moe_mod.overflow_cost(wq), moe_mod.PADDED_MAX_ROWS_PER_PAIR), flop, False),
+                    "new_one_block": (new(None, float("inf")), flop, False)}
         res = run_rounds(out, label, settings, max(3, args.iters // 2), 1)
         for name in settings:
             t = median(sum(res["whole"][name], []))

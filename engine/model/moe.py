@@ -166,19 +166,20 @@ class OverflowCost:
 
 
 # The overflow block's cost by (device, weights), for `plan_padded`; None: never use one (one block
-# sized by the busiest expert).
+# sized by the busiest expert, or the gathered layout when that block passes PADDED_MAX_ROWS_PER_PAIR).
 # - CPU: guesses (plain weights' overflow block copies its experts' weights, so 2× per row).
-# - CUDA, plain weights: None. Measured on the H200 (docs/BENCHMARKS.md "Session 5 on the H200 … the MoE
-#   in prefill"): one block beat the plan with an overflow block under random routing (7.8 vs 9.3 ms)
-#   and skewed routing (10.8 vs 19.4 ms), as a gather_mm and as a batched gemm on copied weights.
-# - CUDA, quantized: fitted to the same run's four mxfp4 points (one block at 32,768 and 73,728 rows:
-#   0.79 µs a row; with overflow blocks of 112 and 10,608 rows): ~7 ms fixed ≈ 9,000 main rows, and
-#   ~1.3 main rows per overflow row. docs/bench/issue14_moe_parts.py re-measures both.
+# - CUDA: fitted to the H200's session-5 run (docs/BENCHMARKS.md "Session 5 on the H200 … the MoE in
+#   prefill", raw h200-issue14-moe-session5-final.jsonl; 4,096 rows, 256 experts): the two one-block
+#   points (32,768 and 73,728 rows) give a main row's marginal time, the two plans with an overflow block
+#   (112 rows over 7 experts, 10,608 over 51) its fixed and per-row parts. bf16: 0.073 µs a main row,
+#   overflow 1.66 ms fixed + 1.02 µs a row (its experts' weights are copied out) — so one block wins
+#   unless it would pass the row bound. mxfp4: 0.79 µs a main row, overflow 7.2 ms + 1.02 µs a row.
+#   Two points each: docs/bench/issue14_moe_parts.py ("new" vs "new_overflow") re-measures them.
 OVERFLOW_COST: dict[tuple[str, str], OverflowCost | None] = {
     ("cpu", "plain"): OverflowCost(0.0, 2.0),
     ("cpu", "quantized"): OverflowCost(0.0, 1.0),
-    ("cuda", "plain"): None,
-    ("cuda", "quantized"): OverflowCost(9000.0, 1.3),
+    ("cuda", "plain"): OverflowCost(22800.0, 14.0),
+    ("cuda", "quantized"): OverflowCost(9100.0, 1.3),
 }
 
 
@@ -192,20 +193,26 @@ def _round_up(n):
     return -(-n // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
 
 
-def plan_padded(counts: np.ndarray, cost: OverflowCost | None) -> PaddedPlan:
-    """counts: [E] pairs per expert -> the plan with the fewest rows computed, the overflow block costed
-    by `cost` (None: one block). One capacity for all experts wastes most of the block when routing is
-    skewed (a few busy experts set it); the overflow block takes their excess. Every candidate capacity
-    is costed at once (numpy): this runs on the host between the count's sync and the experts' graph."""
+def plan_padded(counts: np.ndarray, cost: OverflowCost | None, max_rows: float = float("inf")) -> PaddedPlan | None:
+    """counts: [E] pairs per expert -> the plan of at most `max_rows` rows that costs the least, the
+    overflow block costed by `cost` (None: one block only), or None when no plan fits. One capacity for
+    all experts wastes most of the block when routing is skewed (a few busy experts set it); the overflow
+    block takes their excess. Every candidate capacity is costed at once (numpy): this runs on the host
+    between the counts' sync and the experts' graph."""
     one_block = max(CAPACITY_MULTIPLE, int(_round_up(int(counts.max()))))
-    if cost is None:
-        return PaddedPlan(one_block, (), 0)
     caps = np.arange(CAPACITY_MULTIPLE, one_block + 1, CAPACITY_MULTIPLE)  # [K] candidates
     excess = counts[None, :].astype(np.int64) - caps[:, None]  # [K, E]
     num_over = (excess > 0).sum(axis=1)  # [K]
     over_caps = _round_up(np.maximum(excess.max(axis=1), 0))  # [K]
-    total = len(counts) * caps + np.where(num_over > 0, cost.fixed_rows + cost.per_row * num_over * over_caps, 0.0)
+    rows = len(counts) * caps + num_over * over_caps
+    if cost is None:
+        total = np.where(num_over > 0, np.inf, len(counts) * caps)
+    else:
+        total = len(counts) * caps + np.where(num_over > 0, cost.fixed_rows + cost.per_row * num_over * over_caps, 0.0)
+    total = np.where(rows <= max_rows, total, np.inf)
     best = len(caps) - 1 - int(np.argmin(total[::-1]))  # a tie goes to the larger capacity: fewer overflow rows
+    if not np.isfinite(total[best]):
+        return None
     capacity = int(caps[best])
     return PaddedPlan(capacity, tuple(int(e) for e in np.flatnonzero(counts > capacity)), int(over_caps[best]))
 
@@ -220,25 +227,25 @@ class PaddedTables:
 
 def padded_tables(counts: np.ndarray, plan: PaddedPlan) -> PaddedTables:
     """Expert e's pairs sit at sorted positions starts[e] … starts[e] + counts[e] − 1: the first
-    `capacity` fill rows e·C …, the rest (overflow experts only) their overflow block's rows. Padding
-    rows read sorted position 0 (any real token: their outputs are never read back, and a row of a
-    batched gemm does not depend on the other rows, so what they hold changes no pair's result)."""
+    `capacity` fill rows e·C …, the rest (overflow experts only) their overflow block's rows. So each
+    expert's positions are at most two runs, each moved by one offset (numpy over 2·E runs, not a loop).
+    Padding rows read sorted position 0 (any real token: their outputs are never read back, and a row of
+    a batched gemm does not depend on the other rows, so what they hold changes no pair's result)."""
     num_experts, cap, over_cap = len(counts), plan.capacity, plan.overflow_capacity
     counts = counts.astype(np.int64)
-    starts = np.cumsum(counts) - counts  # [E]
-    j = np.arange(cap)
-    parts = [np.where(j[None, :] < counts[:, None], starts[:, None] + j[None, :], 0).reshape(-1)]  # [E·C]
+    starts = np.cumsum(counts) - counts  # [E] first sorted position of each expert
+    in_main = np.minimum(counts, cap)  # [E] run lengths: main block, then overflow block
     over_index = np.zeros(num_experts, dtype=np.int64)
-    if plan.overflow:
-        over = np.array(plan.overflow)
-        over_index[over] = np.arange(len(over))
-        jo = np.arange(over_cap)
-        parts.append(np.where(jo[None, :] < (counts[over] - cap)[:, None], starts[over][:, None] + cap + jo[None, :], 0).reshape(-1))
-    expert_of = np.repeat(np.arange(num_experts), counts)  # [P] expert of each sorted position
-    rank = np.arange(len(expert_of)) - starts[expert_of]  # [P] its place among its expert's pairs
-    in_overflow = num_experts * cap + over_index[expert_of] * over_cap + rank - cap
-    slot = np.where(rank < cap, expert_of * cap + rank, in_overflow)
-    return PaddedTables(np.concatenate(parts).astype(np.int32), slot.astype(np.int32))
+    over_index[list(plan.overflow)] = np.arange(len(plan.overflow))
+    main_offset = np.arange(num_experts) * cap - starts  # row = sorted position + offset
+    over_offset = num_experts * cap + over_index * over_cap - (starts + cap)
+    lengths = np.stack([in_main, counts - in_main], axis=1).reshape(-1)  # [2E]
+    offsets = np.stack([main_offset, over_offset], axis=1).reshape(-1)
+    num_pairs = int(counts.sum())
+    slot = np.arange(num_pairs, dtype=np.int64) + np.repeat(offsets, lengths)  # [P]
+    source = np.zeros(plan.rows(num_experts), dtype=np.int32)
+    source[slot] = np.arange(num_pairs, dtype=np.int32)
+    return PaddedTables(source, slot.astype(np.int32))
 
 
 def expert_counts(flat: mx.array, num_experts: int) -> mx.array:
@@ -255,8 +262,8 @@ def padded_pairs(x: mx.array, flat: mx.array, order: mx.array, k: int, w: MoEWei
     num_pairs, dim = flat.shape[0], x.shape[-1]
     num_experts = w.num_experts
     counts_np = np.array(expert_counts(flat, num_experts) if counts is None else counts)  # host sync
-    plan = plan_padded(counts_np, overflow_cost(w))
-    if plan.rows(num_experts) > PADDED_MAX_ROWS_PER_PAIR * num_pairs:
+    plan = plan_padded(counts_np, overflow_cost(w), PADDED_MAX_ROWS_PER_PAIR * num_pairs)
+    if plan is None:  # no plan within the row bound (pathological routing)
         return gathered_pairs(x, flat, order, k, w, limit)
     tables = padded_tables(counts_np, plan)
     rows = x[order[mx.array(tables.source)] // k]  # [rows, D]: each padded row's token
