@@ -369,9 +369,14 @@ def _normalized(weights: mx.array, scaling: float) -> mx.array:
 # moe() in a padded step lets the device run while the host works (mx.async_eval): the routing and
 # everything before it while the host builds the shared expert's graph, the shared expert while the host
 # reads the counts and plans the blocks, and the experts while the host builds the next layer's graph.
-# Scheduling only: the values are the same either way. False: the same graph, evaluated when the caller
-# evaluates it (docs/bench/issue14_moe_parts.py compares the two).
-OVERLAP_HOST_WORK = True
+# Scheduling only: the values are the same either way (tests/test_moe.py). None: on a GPU only (on the
+# CPU the "device" shares the host's cores, and the small CPU run in docs/BENCHMARKS.md "Issue 14,
+# session 6" saw no gain); True / False force it (docs/bench/issue14_moe_parts.py compares the two).
+OVERLAP_HOST_WORK: bool | None = None
+
+
+def _overlaps_host_work() -> bool:
+    return mx.default_device() == mx.gpu if OVERLAP_HOST_WORK is None else OVERLAP_HOST_WORK
 
 
 def moe(x: mx.array, token_ids: mx.array, w: MoEWeights, top_k: int, scaling: float, limit: float) -> mx.array:
@@ -381,7 +386,7 @@ def moe(x: mx.array, token_ids: mx.array, w: MoEWeights, top_k: int, scaling: fl
     order = mx.argsort(flat)  # pair indices, expert-sorted
     padded = uses_padded_layout(flat.shape[0], w.num_experts)
     counts = expert_counts(flat, w.num_experts) if padded else None
-    overlap = padded and OVERLAP_HOST_WORK
+    overlap = padded and _overlaps_host_work()
     if overlap:
         mx.async_eval(counts, order, weights)
     shared = swiglu(x, w.shared_w1, w.shared_w2, w.shared_w3, limit)
