@@ -249,8 +249,9 @@ def padded_tables(counts: np.ndarray, plan: PaddedPlan) -> PaddedTables:
 
 
 def expert_counts(flat: mx.array, num_experts: int) -> mx.array:
-    """flat: [P] expert per pair -> [E] int32 pairs per expert (a compare-and-sum: no atomics)."""
-    return (flat[:, None] == mx.arange(num_experts, dtype=flat.dtype)[None, :]).astype(mx.int32).sum(axis=0)
+    """flat: [P] expert per pair -> [E] int32 pairs per expert: a compare-and-sum (no atomics; a [P, E]
+    bool transient, 6 MB at 4,096 rows × top-6 × 256 experts; MLX sums bools to int32)."""
+    return (flat[:, None] == mx.arange(num_experts, dtype=flat.dtype)[None, :]).sum(axis=0)
 
 
 def padded_pairs(x: mx.array, flat: mx.array, order: mx.array, k: int, w: MoEWeights, limit: float,
