@@ -27,7 +27,9 @@ step pays; `host_ms` = the Python call until it returns, host sync included) and
 synchronize after each piece: where the time goes; the syncs add a little to each piece). Then moe() as
 served (router included) through a chain of --chain layers, with and without OVERLAP_HOST_WORK (the
 async_evals that let the device run while the host reads the counts and builds the next layer), and, if
-the budget allows, the mxfp4 experts' overflow cost (new vs new_one_block). Every setting's output is
+the budget allows, the mxfp4 experts (new, new_one_block, new_overflow). `overflow_cost_fit` rows (bf16,
+mxfp4) give the OVERFLOW_COST entry these timings imply (`fit`, beside the one in use, `now`), fitted from
+new_one_block and new_overflow under both routings as engine/model/moe.py's comment on OVERFLOW_COST says. Every setting's output is
 first checked against the engine's `routed_experts` (`check` rows: max |diff|; 0.0 expected on the CPU).
 JSON lines; `summary` rows carry `fraction_of_matmul` = (MoE useful FLOP / time) / reference rate.
 """
@@ -312,6 +314,40 @@ def check(out, label: dict, name: str, got: mx.array, want: mx.array) -> None:
     emit(out, what="check", **label, setting=name, max_abs_diff=diff, max_abs=float(mx.abs(want.astype(mx.float32)).max()))
 
 
+def plan_rows(counts: np.ndarray, cost, bound: float) -> tuple[int, int]:
+    """(main-block rows, overflow rows) of the plan the bench's layout runs for these counts."""
+    plan = moe_mod.plan_padded(counts, cost, bound * counts.sum())
+    main = len(counts) * plan.capacity
+    return main, plan.rows(len(counts)) - main
+
+
+def fit_overflow_cost(points: dict[str, dict]) -> dict:
+    """The OVERFLOW_COST entry these timings imply, fitted as moe.py's comment describes: per routing,
+    `one_ms` at `one_rows` (one block) and `over_ms` with `over_main_rows` + `over_rows` (an overflow
+    block). The two one-block points give a main row's marginal time; each overflow plan, less its main
+    block's predicted time, gives its overflow block's time; two such points give fixed + per row.
+    None where the points cannot separate them (same rows, or an overflow plan without an overflow)."""
+    r, k = points["random"], points["skewed"]
+    if k["one_rows"] == r["one_rows"]:
+        return {"fit": None, "why": "the one-block points have the same rows", **points}
+    row_ms = (k["one_ms"] - r["one_ms"]) / (k["one_rows"] - r["one_rows"])
+    block_ms = {n: p["over_ms"] - (p["one_ms"] - (p["one_rows"] - p["over_main_rows"]) * row_ms) for n, p in points.items()}
+    if r["over_rows"] == 0 or k["over_rows"] == r["over_rows"] or row_ms <= 0:
+        return {"fit": None, "why": "need two overflow plans of different sizes and a positive row time",
+                "main_row_ms": row_ms, "overflow_block_ms": block_ms, **points}
+    per_row_ms = (block_ms["skewed"] - block_ms["random"]) / (k["over_rows"] - r["over_rows"])
+    fixed_ms = block_ms["random"] - per_row_ms * r["over_rows"]
+    return {"fit": {"fixed_rows": fixed_ms / row_ms, "per_row": per_row_ms / row_ms}, "main_row_ms": row_ms,
+            "overflow_block_ms": block_ms, "overflow_fixed_ms": fixed_ms, "overflow_row_ms": per_row_ms, **points}
+
+
+def fit_point(experts: mx.array, s: Size, w: MoEWeights, one_ms: float, over_ms: float, over_cost, bound: float) -> dict:
+    counts = np.array(moe_mod.expert_counts(experts.reshape(-1), s.experts))
+    main, over = plan_rows(counts, over_cost, bound)
+    return {"one_ms": one_ms, "one_rows": moe_mod.plan_padded(counts, None).rows(s.experts), "over_ms": over_ms,
+            "over_main_rows": main, "over_rows": over}
+
+
 def references(s: Size, w: MoEWeights, dtype, capacity: int) -> dict[str, tuple[Callable, float, bool]]:
     total = s.rows * s.top_k + s.rows
     a, h = mx.random.normal((total, s.dim), dtype=dtype), mx.random.normal((total, s.inter), dtype=dtype)
@@ -346,9 +382,13 @@ def fused_gate_up_gemms(block: mx.array, w13: mx.array, w2: mx.array, st: Stages
     return out
 
 
+def cpu_cost(w: MoEWeights):
+    """The CPU's overflow cost for these weights: it takes an overflow block where the GPU's may not."""
+    return moe_mod.OVERFLOW_COST[("cpu", "quantized" if isinstance(w.w1, QuantizedWeight) else "plain")]
+
+
 def layouts(x, experts, weights, w: MoEWeights, flop: float) -> dict[str, tuple[Callable, float, bool]]:
     device_cost = moe_mod.overflow_cost(w)
-    cpu_cost = moe_mod.OVERFLOW_COST[("cpu", "quantized" if isinstance(w.w1, QuantizedWeight) else "plain")]
     s5 = lambda cost: with_shared(lambda st: session5_routed(x, experts, weights, w, cost, st), x, w)  # noqa: E731
     bound = moe_mod.PADDED_MAX_ROWS_PER_PAIR
     new = lambda cost, bound: with_shared(lambda st: new_routed(x, experts, weights, w, cost, bound, st), x, w)  # noqa: E731
@@ -357,7 +397,7 @@ def layouts(x, experts, weights, w: MoEWeights, flop: float) -> dict[str, tuple[
         "session5_one_block": (s5(1e9), flop, True),
         "new": (new(device_cost, bound), flop, True),
         "new_one_block": (new(None, float("inf")), flop, True),
-        "new_overflow": (new(cpu_cost, bound), flop, True),
+        "new_overflow": (new(cpu_cost(w), bound), flop, True),
     }
 
 
@@ -431,6 +471,7 @@ def main() -> None:
         mx.eval(x)
         flop = 3 * 2 * s.dim * s.inter * (s.rows * s.top_k + s.rows)
         emit(out, what="weights_ready", seconds=time.perf_counter() - t0)
+        points = {}
         for kind in ("random", "skewed"):
             experts, weights = routing(s, kind, seed=1)
             label = {"routing": kind}
@@ -440,7 +481,10 @@ def main() -> None:
             check_layouts(out, label, settings, x, experts, weights, w)
             res = run_rounds(out, label, settings, args.iters, args.warmup)
             summarize(out, label, settings, res)
+            ms = {n: 1e3 * median(sum(res["whole"][n], [])) for n in ("new_one_block", "new_overflow")}
+            points[kind] = fit_point(experts, s, w, ms["new_one_block"], ms["new_overflow"], cpu_cost(w), moe_mod.PADDED_MAX_ROWS_PER_PAIR)
             emit(out, what="elapsed", seconds=time.perf_counter() - t0)
+        emit(out, what="overflow_cost_fit", experts="plain", now=str(moe_mod.overflow_cost(w)), **fit_overflow_cost(points))
         served(out, s, w, x, flop, args)
         emit(out, what="elapsed", seconds=time.perf_counter() - t0)
         if time.perf_counter() - t0 > args.budget_s:
@@ -469,17 +513,24 @@ def quantized_overflow(out, s: Size, w: MoEWeights, x: mx.array, flop: float, ar
     q = {n: quantize(getattr(w, n), "mxfp4", 32) for n in ("w1", "w2", "w3")}
     mx.eval([a for v in q.values() for a in v.arrays()])
     wq = MoEWeights(**{**w.__dict__, **q})
+    points = {}
     for kind in ("random", "skewed"):
         experts, weights = routing(s, kind, seed=1)
         label = {"routing": kind, "experts": "mxfp4"}
         emit(out, what="plan", **label, **plan_row(s, experts, wq))
         new = lambda cost, bound: with_shared(lambda st: new_routed(x, experts, weights, wq, cost, bound, st), x, wq)  # noqa: E731
-        settings = {"new": (new(moe_mod.overflow_cost(wq), moe_mod.PADDED_MAX_ROWS_PER_PAIR), flop, False),
-                    "new_one_block": (new(None, float("inf")), flop, False)}
+        bound = moe_mod.PADDED_MAX_ROWS_PER_PAIR
+        settings = {"new": (new(moe_mod.overflow_cost(wq), bound), flop, False),
+                    "new_one_block": (new(None, float("inf")), flop, False),
+                    "new_overflow": (new(cpu_cost(wq), bound), flop, False)}
         res = run_rounds(out, label, settings, max(3, args.iters // 2), 1)
+        ms = {}
         for name in settings:
             t = median(sum(res["whole"][name], []))
+            ms[name] = 1e3 * t
             emit(out, what="summary_mxfp4", **label, setting=name, ms_median=1e3 * t, tflops=flop / t / 1e12)
+        points[kind] = fit_point(experts, s, wq, ms["new_one_block"], ms["new_overflow"], cpu_cost(wq), bound)
+    emit(out, what="overflow_cost_fit", experts="mxfp4", now=str(moe_mod.overflow_cost(wq)), **fit_overflow_cost(points))
 
 
 if __name__ == "__main__":
