@@ -11,6 +11,12 @@ own); rows with different N run as separate batches. Nothing is padded, so a row
 depend on the other sequences of the step: batched == single bit for bit, and a decode row equals
 the same row of a fresh whole-sequence prefill (tests/equivalence/test_batched_decode.py,
 tests/equivalence/test_tiled_chunked_decode.py).
+
+The per-layer work is a fixed number of graph ops whatever B (docs/BENCHMARKS.md "Issue 14, session
+6"): the state a step leaves in each sequence's cache — its window and compressor frontiers — is a row
+of one step-wide array (cache.Stacked, cache.FrontierSlots), which the next step of the same sequences
+takes back whole; the selected rows of a batch are one gather. What stays per sequence: reading its own
+index keys for the indexer, and appending a compressed row when its token closes a window.
 """
 
 from __future__ import annotations
