@@ -189,8 +189,10 @@ def _gather_selected(buffers: list[RowBuffer], selected: mx.array) -> mx.array:
     if len(buffers) == 1:
         return first.data()[selected]
     if len(buffers) * first.nbytes <= STACKED_GATHER_BYTES:
-        rows = mx.concatenate([buf.stackable_view() for buf in buffers])  # [b, N, hd]
-        return mx.take_along_axis(rows, selected[:, :, None], axis=1)
+        num_rows = first.num_rows
+        rows = mx.concatenate([buf.view() for buf in buffers])  # [b·N, hd]: sequence i's rows from i·N
+        offsets = mx.arange(0, len(buffers) * num_rows, num_rows, dtype=selected.dtype)[:, None]
+        return rows[selected + offsets]  # [b, k', hd] (a row gather: take_along_axis gathers per element, ~3x slower on the CPU)
     picks = mx.split(selected, len(buffers))  # b × [1, k']
     return mx.concatenate([buf.data()[p] for buf, p in zip(buffers, picks)])
 
