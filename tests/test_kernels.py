@@ -118,3 +118,16 @@ def test_sinkhorn_ordered_reference_is_the_reference_bit_for_bit(rows):
     got, want = sinkhorn_ordered(comb, 20, 1e-6), sinkhorn_reference(comb, 20, 1e-6)
     assert mx.array_equal(got, want).item()
     assert mx.allclose(want.sum(axis=-2), mx.ones((rows, 4)), atol=1e-4).item()
+
+
+@pytest.mark.parametrize("eps", [1e-6, 1e-12, 0.1])
+def test_sinkhorn_kernel_constants_carry_the_exact_float32_eps(eps):
+    """The CUDA Sinkhorn kernel takes eps and iters as compile-time constants (no per-call arrays):
+    eps as its float32 bits, which must decode to the float32 the reference adds."""
+    from tessera.kernels.sinkhorn import kernel_template
+
+    constants = dict(kernel_template(4, 20, eps))
+    assert constants["HC"] == 4 and constants["ITERS"] == 20
+    decoded = np.array([constants["EPS_BITS"]], dtype=np.int32).view(np.float32)[0]
+    assert decoded == np.float32(eps)
+    assert mx.array([eps], dtype=mx.float32).item() == float(decoded)
