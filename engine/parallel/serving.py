@@ -160,10 +160,12 @@ def plan_segments(plan: StepPlan, caches: dict[str, SequenceCache]) -> list[Segm
     return segments
 
 
-def load_stage(model_dir: Path, group: mx.distributed.Group, backend: str) -> PipelineStage:
+def load_stage(model_dir: Path, group: mx.distributed.Group, backend: str, dtype: str | None = None) -> PipelineStage:
+    """This rank's layers of the model (and the vocabulary on rank 0) with its transport. dtype None: the
+    serving default (default_compute_dtype)."""
     cfg = load_config(model_dir)
     layers = split_layers(cfg.num_hidden_layers, group.size()).layers_of(group.rank())
-    model = load_model(model_dir, dtype=default_compute_dtype(), layers=layers, vocab=group.rank() == 0)
+    model = load_model(model_dir, dtype=dtype or default_compute_dtype(), layers=layers, vocab=group.rank() == 0)
     logger.info("rank %d holds layers %d..%d", group.rank(), layers.start, layers.stop - 1)
     transport = make_transport(group, backend)
     logger.info("rank %d moves streams and steps by %s", group.rank(), transport.name)
