@@ -152,3 +152,19 @@ def test_sinkhorn_kernel_constants_carry_the_exact_float32_eps(eps):
     decoded = np.array([constants["EPS_BITS"]], dtype=np.int32).view(np.float32)[0]
     assert decoded == np.float32(eps)
     assert mx.array([eps], dtype=mx.float32).item() == float(decoded)
+
+
+def test_take_rows_is_the_row_gather_and_stays_on_mlx_off_cuda():
+    """The MoE's row gathers (kernels/row_gather.py): row idx[i] at row i, repeats and any order; off
+    CUDA (or for rows that are not whole 16-byte vectors) the reference runs."""
+    from tessera.kernels import row_gather
+
+    x = mx.arange(7 * 16, dtype=mx.float32).reshape(7, 16)
+    idx = mx.array([6, 0, 0, 3, 6, 1], dtype=mx.uint32)
+    got = row_gather.take_rows(x, idx)
+    assert got.shape == (6, 16)
+    assert np.array_equal(np.array(got), np.array(x)[[6, 0, 0, 3, 6, 1]])
+    assert row_gather.take_rows(x, mx.array([], dtype=mx.int32)).shape == (0, 16)
+    assert not row_gather.is_supported(x, idx)  # CPU
+    odd = mx.zeros((4, 3), dtype=mx.bfloat16)  # 6-byte rows: never the kernel
+    assert not row_gather.is_supported(odd, idx)

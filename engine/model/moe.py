@@ -29,6 +29,7 @@ from tessera.engine.model.compiled import shapeless
 from tessera.engine.model.expert_slices import sorted_gather_mm
 from tessera.engine.model.quantized import QuantizedWeight, Weight, linear
 from tessera.kernels.cuda import on_cuda
+from tessera.kernels.row_gather import take_rows
 
 # A step with at least this many (token, slot) pairs per routed expert on average runs the padded layout.
 # Below it most of the padded block would be padding and every expert's weights would be read even when
@@ -271,7 +272,7 @@ def padded_pairs(x: mx.array, flat: mx.array, order: mx.array, k: int, w: MoEWei
     if plan is None:  # no plan within the row bound (pathological routing)
         return gathered_pairs(x, flat, order, k, w, limit)
     tables = padded_tables(counts_np, plan)
-    rows = x[order[mx.array(tables.source)] // k]  # [rows, D]: each padded row's token
+    rows = take_rows(x, order[mx.array(tables.source)] // k)  # [rows, D]: each padded row's token
     slot = mx.zeros((num_pairs,), dtype=mx.int32)
     slot[order] = mx.array(tables.slot)  # [P]: pair p's padded row (order is a permutation: one write each)
     main_rows = num_experts * plan.capacity
@@ -280,7 +281,7 @@ def padded_pairs(x: mx.array, flat: mx.array, order: mx.array, k: int, w: MoEWei
         experts = mx.array(plan.overflow, dtype=mx.uint32)
         over = rows[main_rows:].reshape(len(plan.overflow), plan.overflow_capacity, dim)  # [E_o, C_o, D]
         out = mx.concatenate([out, _overflow_block(over, w, experts, limit).reshape(-1, dim)])
-    return out[slot]
+    return take_rows(out, slot)
 
 
 def _overflow_block(over: mx.array, w: MoEWeights, experts: mx.array, limit: float) -> mx.array:
