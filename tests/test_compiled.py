@@ -87,7 +87,7 @@ def test_hyper_connections_give_the_reference_bits_for_every_batch_size(dtype, e
             assert mx.array_equal(a, b).item(), f"{name} differs at {rows} rows"
         assert mx.array_equal(hyper.expand(block_out, streams, got[0], got[1]), reference_expand(block_out, streams, *want[:2])).item()
         head = (w.fn[:HC], w.base[:HC], w.scale[:1])
-        got_head = hyper.head_collapse(streams, *head, EPS, EPS)
+        got_head = hyper.head_collapse(streams, hyper.HyperWeights(*head), EPS, EPS)
         assert got_head.shape == (rows, WIDTH)
         assert mx.array_equal(got_head, reference_head_collapse(streams, *head, EPS, EPS)).item()
 
