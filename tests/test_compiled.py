@@ -26,6 +26,7 @@ def _rms(x, eps):
 
 
 def reference_hyper_weights(streams, w: hyper.HyperWeights, iters, hc_eps, norm_eps):
+    """-> post [T, hc, 1] (the shape hyper_weights hands to expand), comb, collapsed."""
     t, hc, _ = streams.shape
     mixes = _rms(streams.reshape(t, -1).astype(mx.float32), norm_eps) @ w.fn.astype(mx.float32).T
     base, scale = w.base.astype(mx.float32), w.scale.astype(mx.float32)
@@ -37,12 +38,12 @@ def reference_hyper_weights(streams, w: hyper.HyperWeights, iters, hc_eps, norm_
     for _ in range(iters - 1):
         comb = comb / (comb.sum(axis=-1, keepdims=True) + hc_eps)
         comb = comb / (comb.sum(axis=-2, keepdims=True) + hc_eps)
-    return post, comb, (pre[..., None] * streams).sum(axis=1).astype(streams.dtype)
+    return post[..., None], comb, (pre[..., None] * streams).sum(axis=1).astype(streams.dtype)
 
 
 def reference_expand(block_out, streams, post, comb):
     mixed = comb.astype(streams.dtype).transpose(0, 2, 1) @ streams
-    return post.astype(streams.dtype)[..., None] * block_out[:, None, :] + mixed
+    return post.astype(streams.dtype) * block_out[:, None, :] + mixed  # post: [T, hc, 1]
 
 
 def reference_head_collapse(streams, fn, base, scale, hc_eps, norm_eps):

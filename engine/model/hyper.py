@@ -64,9 +64,12 @@ def _evaluated(a: mx.array) -> mx.array:
 
 
 def hyper_weights(streams: mx.array, w: HyperWeights, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
-    """streams: [T, hc, D] -> (post [T, hc], comb [T, hc, hc], collapsed block input [T, D])."""
+    """streams: [T, hc, D] -> (post [T, hc, 1], comb [T, hc, hc], collapsed block input [T, D]).
+
+    The mixes come out as [T, mixes, 1], so pre and post are split off already shaped to scale
+    [T, hc, D] streams (one node for the three parts and none to expand pre and post)."""
     num_tokens, hc, _ = streams.shape
-    logits = _mix_logits(streams.reshape(num_tokens, -1), w.fn_t32, w.scale_per_mix, w.base32, norm_eps)  # [T, (2 + hc)·hc]
+    logits = _mix_logits(streams.reshape(num_tokens, -1), w.fn_t32, w.scale_per_mix, w.base32, norm_eps)  # [T, (2 + hc)·hc, 1]
     pre_logits, post_logits, comb_logits = mx.split(logits, [hc, 2 * hc], axis=1)  # one node, not three slices
     pre, post, comb = _coefficients(pre_logits, post_logits, comb_logits.reshape(num_tokens, hc, hc), hc_eps)
     return post, _sinkhorn(comb, sinkhorn_iters, hc_eps), _collapse(pre, streams)
@@ -74,15 +77,15 @@ def hyper_weights(streams: mx.array, w: HyperWeights, sinkhorn_iters: int, hc_ep
 
 @shapeless
 def _mix_logits(flat: mx.array, fn_t32: mx.array, scale: mx.array, base32: mx.array, norm_eps: float) -> mx.array:
-    """flat: [T, hc·D], fn_t32: [hc·D, mixes] -> [T, mixes] float32: normed streams through the
+    """flat: [T, hc·D], fn_t32: [hc·D, mixes] -> [T, mixes, 1] float32: normed streams through the
     mixing weights, scaled, biased."""
     normed = unweighted_rms_norm.plain(flat.astype(mx.float32), norm_eps)  # inlined: this trace is compiled
-    return (normed @ fn_t32) * scale + base32
+    return ((normed @ fn_t32) * scale + base32)[..., None]
 
 
 @shapeless
 def _coefficients(pre_logits: mx.array, post_logits: mx.array, comb_logits: mx.array, hc_eps: float):
-    """[T, hc], [T, hc], [T, hc, hc] -> pre [T, hc], post [T, hc], comb [T, hc, hc] (before Sinkhorn)."""
+    """[T, hc, 1], [T, hc, 1], [T, hc, hc] -> pre, post [T, hc, 1], comb [T, hc, hc] (before Sinkhorn)."""
     pre = mx.sigmoid(pre_logits) + hc_eps
     post = 2 * mx.sigmoid(post_logits)
     return pre, post, mx.softmax(comb_logits, axis=-1, precise=True) + hc_eps
@@ -101,16 +104,17 @@ def _sinkhorn(comb: mx.array, iters: int, eps: float) -> mx.array:
 
 @shapeless
 def _collapse(pre: mx.array, streams: mx.array) -> mx.array:
-    """pre [T, hc], streams [T, hc, D] -> [T, D]: the pre-weighted sum of the streams."""
-    return (pre[..., None] * streams).sum(axis=1).astype(streams.dtype)
+    """pre [T, hc, 1], streams [T, hc, D] -> [T, D]: the pre-weighted sum of the streams."""
+    return (pre * streams).sum(axis=1).astype(streams.dtype)
 
 
 @shapeless
 def expand(block_out: mx.array, streams: mx.array, post: mx.array, comb: mx.array) -> mx.array:
-    """new[k] = post[k]·out + Σ_j comb[j, k]·streams[j]; block_out: [T, D], streams: [T, hc, D]."""
+    """new[k] = post[k]·out + Σ_j comb[j, k]·streams[j]; block_out: [T, D], streams: [T, hc, D],
+    post: [T, hc, 1] (`hyper_weights`)."""
     dtype = streams.dtype
     mixed = comb.astype(dtype).transpose(0, 2, 1) @ streams  # [T, hc, D]
-    return post.astype(dtype)[..., None] * block_out[:, None, :] + mixed
+    return post.astype(dtype) * block_out[:, None, :] + mixed
 
 
 def head_collapse(streams: mx.array, w: HyperWeights, hc_eps: float, norm_eps: float) -> mx.array:
@@ -122,5 +126,5 @@ def head_collapse(streams: mx.array, w: HyperWeights, hc_eps: float, norm_eps: f
 @shapeless
 def _head_collapse(flat, streams, fn_t32, base32, scale32, hc_eps: float, norm_eps: float) -> mx.array:
     """The per-layer collapse's mixing and pre-weighted sum, with the head's hc mixes (pre only)."""
-    mixes = _mix_logits.plain(flat, fn_t32, scale32, base32, norm_eps)  # [T, hc]
+    mixes = _mix_logits.plain(flat, fn_t32, scale32, base32, norm_eps)  # [T, hc, 1]
     return _collapse.plain(mx.sigmoid(mixes) + hc_eps, streams)

@@ -47,39 +47,42 @@ def inv_freq(spec: RopeSpec) -> mx.array:
 
 
 def cos_sin(spec: RopeSpec, positions: mx.array) -> tuple[mx.array, mx.array]:
-    """positions: [L] int -> cos, sin: [L, dim // 2] float32 (one angle per interleaved pair)."""
-    return _cos_sin(positions.astype(mx.float32)[:, None], _inv_freq_row(spec), spec.attention_factor)
+    """positions: [L] int -> cos, sin: [L, 1, dim // 2, 1] float32, one angle per interleaved pair,
+    already shaped for `apply_rope`'s [L, heads, half, 2] pairs (no reshape per call there)."""
+    return _cos_sin(positions.astype(mx.float32).reshape(-1, 1, 1, 1), _inv_freq_table(spec), spec.attention_factor)
 
 
 @lru_cache(maxsize=16)
-def _inv_freq_row(spec: RopeSpec) -> mx.array:
-    """[1, dim // 2] float32, built once per table (not one constant per call in every step's graph)."""
-    row = mx.array(_inv_freq_np(spec))[None, :]
-    mx.eval(row)
-    return row
+def _inv_freq_table(spec: RopeSpec) -> mx.array:
+    """[1, 1, dim // 2, 1] float32, built once per table (not one constant per call in every step's graph)."""
+    table = mx.array(_inv_freq_np(spec)).reshape(1, 1, -1, 1)
+    mx.eval(table)
+    return table
 
 
 @shapeless
-def _cos_sin(positions: mx.array, inv_freq_row: mx.array, attention_factor: float) -> tuple[mx.array, mx.array]:
-    """positions: [L, 1] float32, inv_freq_row: [1, half] -> cos, sin: [L, half], one fused kernel."""
-    freqs = positions * inv_freq_row
+def _cos_sin(positions: mx.array, inv_freq: mx.array, attention_factor: float) -> tuple[mx.array, mx.array]:
+    """positions: [L, 1, 1, 1] float32, inv_freq: [1, 1, half, 1] -> cos, sin: [L, 1, half, 1], fused."""
+    freqs = positions * inv_freq
     return mx.cos(freqs) * attention_factor, mx.sin(freqs) * attention_factor
 
 
 def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """Rotate the trailing 2·cos.shape[-1] channels of x in interleaved pairs.
+    """Rotate the trailing 2·half channels of x in interleaved pairs.
 
-    x: [L, ..., D] with the position on axis 0; cos/sin: [L, dim // 2]. Pass -sin to undo.
+    x: [L, ..., D] with the position on axis 0; cos/sin: [L, 1, half, 1] as `cos_sin` gives them
+    (or [L, half], at the cost of a reshape). Pass -sin to undo.
 
     Written for few graph nodes (a decode step runs this ~4 times per layer, docs/BENCHMARKS.md
     "Issue 14, session 6"): each pair (even, odd) and its swapped copy (odd, even) — one reversed
     view of the pairs — meet cos and ±sin in one fused product, instead of slicing the even and odd
     channels apart and stacking them back. The same products and sums as the slice-and-stack form.
     """
-    half = cos.shape[-1]
+    half = cos.shape[-2] if cos.ndim == 4 else cos.shape[-1]
     rope_dim = 2 * half
-    shape = (cos.shape[0],) + (1,) * (x.ndim - 2) + (half, 1)  # [L, 1.., half, 1] against [L, .., half, 2]
-    cos, sin = cos.reshape(shape), sin.reshape(shape)
+    shape = (cos.shape[0],) + (1,) * (x.ndim - 2) + (half, 1)  # against pairs [L, .., half, 2]
+    if cos.shape != shape:
+        cos, sin = cos.reshape(shape), sin.reshape(shape)
     if x.shape[-1] == rope_dim:  # every channel rotates (the indexer's queries and keys)
         return _rotated(x.reshape(*x.shape[:-1], half, 2), cos, sin).reshape(x.shape)
     nope, rope = mx.split(x, [x.shape[-1] - rope_dim], axis=-1)
