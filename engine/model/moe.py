@@ -37,8 +37,12 @@ from tessera.kernels.cuda import on_cuda
 PADDED_MIN_PAIRS_PER_EXPERT = 12
 # The padded layout computes at most this many rows per pair (padding included); a step whose plan needs
 # more (pathological routing) runs the gathered layout instead, so the MoE's scratch stays within this
-# factor of the gathered layout's (engine/model/memory_plan.py counts it).
-PADDED_MAX_ROWS_PER_PAIR = 2.0
+# factor of the gathered layout's (engine/model/memory_plan.py counts it). 3, not 2: with 20 % of the
+# experts drawn 4× as often (docs/bench/issue14_moe_parts.py's skew) one block needs exactly 3 rows a
+# pair, and on the H200 it ran in 10.8 ms where the plan the bound of 2 forced (an overflow block) took
+# 20.2 ms (docs/BENCHMARKS.md, "Session 6 on the H200 … the MoE's parts"); the cost is 1.5× the MoE's
+# planned scratch (0.9 instead of 0.6 GB per 4,096-row V4 Flash chunk).
+PADDED_MAX_ROWS_PER_PAIR = 3.0
 # The padded capacities are multiples of this many rows (gemm tiles; fewer distinct shapes to compile).
 CAPACITY_MULTIPLE = 16
 # MLX's CUDA gather_qmm launches one grid z-slice per batch entry (qmm_sm80; CUDA allows 65,535), so
