@@ -7,7 +7,9 @@ each running sequence) because each segment has its own cache.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import mlx.core as mx
@@ -104,15 +106,26 @@ class DeepseekV4:
         or [1, vocab] of its last token (streams: `last_rows`, one per segment); with one flag per segment,
         streams are `head_rows`."""
         cfg, w = self.cfg, self.weights
-        hidden = head_collapse(streams, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], cfg.hc_eps, cfg.rms_norm_eps)
-        logits = rms_norm(hidden, w["norm.weight"], cfg.rms_norm_eps) @ w["head.weight"].T  # [rows, vocab]
+        hidden = head_collapse(streams, self._head_hc, cfg.hc_eps, cfg.rms_norm_eps)
+        logits = rms_norm(hidden, w["norm.weight"], cfg.rms_norm_eps) @ self._head_t  # [rows, vocab]
         wants = [all_logits] * len(segments) if isinstance(all_logits, bool) else list(all_logits)
-        out, offset = [], 0
-        for s, want in zip(segments, wants):
-            size = len(s.token_ids) if want else 1
-            out.append(logits[offset : offset + size])
-            offset += size
-        return out
+        sizes = [len(s.token_ids) if want else 1 for s, want in zip(segments, wants)]
+        if len(sizes) == 1:
+            return [logits]
+        return mx.split(logits, list(itertools.accumulate(sizes[:-1])), axis=0)  # one node for every segment
+
+    @cached_property
+    def _head_hc(self) -> HyperWeights:
+        w = self.weights
+        return HyperWeights(w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"])
+
+    @cached_property
+    def _head_t(self) -> mx.array:
+        """[D, vocab]: the head's transposed view, made once (the gemm's operand as `head.weight.T`
+        gave it, without a transpose node in every step)."""
+        head_t = self.weights["head.weight"].T
+        mx.eval(head_t)
+        return head_t
 
     def _layer(self, streams, token_ids, positions, slices, layer: LayerWeights, i: int, tile: int, timer: ForwardTrace):
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
