@@ -16,6 +16,7 @@ from tessera.engine.model.attention import AttentionWeights, SegmentSlice, atten
 from tessera.engine.model.cache import SequenceCache
 from tessera.engine.model.compressor import CompressorWeights
 from tessera.engine.model.config import HASH_MOE, ModelConfig
+from tessera.engine.model.decode_async import decode_async_enabled
 from tessera.engine.model.hyper import HyperWeights, expand, head_collapse, hyper_weights
 from tessera.engine.model.moe import MoEWeights, moe
 from tessera.engine.model.norms import rms_norm
@@ -90,13 +91,18 @@ class DeepseekV4:
         timer = timer or ForwardTrace(stage_sync=False)
         token_ids = step_token_ids(segments)
         positions = mx.concatenate([mx.arange(s.cache.num_tokens, s.cache.num_tokens + len(s.token_ids)) for s in segments])
-        tile = tile or max(len(s.token_ids) for s in segments)
-        # Evaluating layer by layer bounds a prefill chunk's graph; a decode step's whole graph is small.
-        settle = timer.boundary if max(len(s.token_ids) for s in segments) > 1 else timer.stage
+        longest = max(len(s.token_ids) for s in segments)
+        tile = tile or longest
         for i in layer_ids:
             slices = _slices(segments, i)
             streams = self._layer(streams, token_ids, positions, slices, self.layers[i], i, tile, timer)
-            settle("other", streams)
+            if longest > 1:  # evaluating layer by layer bounds a prefill chunk's graph
+                timer.boundary("other", streams)
+            elif decode_async_enabled() and not timer.stage_sync:
+                # A decode step: the device runs this layer while Python builds the next (engine/model/decode_async.py).
+                mx.async_eval(streams, *[a for s in slices for a in s.cache.arrays()])
+            else:
+                timer.stage("other", streams)
         return streams
 
     def logits(self, streams: mx.array, segments: Sequence[Segment], all_logits: bool | Sequence[bool]) -> list[mx.array]:
