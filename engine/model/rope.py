@@ -42,14 +42,34 @@ def _yarn_correction_range(spec: RopeSpec) -> tuple[float, float]:
     return low, (high + 0.001 if low == high else high)
 
 
-def inv_freq(spec: RopeSpec) -> mx.array:
-    return mx.array(_inv_freq_np(spec))
+@lru_cache(maxsize=16)
+def _inv_freq_row(spec: RopeSpec) -> mx.array:
+    row = mx.array(_inv_freq_np(spec))[None, :]  # [1, dim // 2]
+    mx.eval(row)  # once per table, not a node of every step's graph
+    return row
 
 
 def cos_sin(spec: RopeSpec, positions: mx.array) -> tuple[mx.array, mx.array]:
     """positions: [L] int -> cos, sin: [L, dim // 2] float32 (one angle per interleaved pair)."""
-    freqs = positions.astype(mx.float32)[:, None] * inv_freq(spec)[None, :]
+    freqs = positions.astype(mx.float32)[:, None] * _inv_freq_row(spec)
     return mx.cos(freqs) * spec.attention_factor, mx.sin(freqs) * spec.attention_factor
+
+
+class StepRope:
+    """The RoPE tables of one step's positions, computed once per table and shared by every layer that
+    uses it (a model has two tables; without this each layer would build its own, a few nodes each)."""
+
+    def __init__(self, positions: mx.array) -> None:
+        self.positions = positions  # [T] int
+        self._tables: dict[RopeSpec, tuple[mx.array, mx.array, mx.array]] = {}
+
+    def tables(self, spec: RopeSpec) -> tuple[mx.array, mx.array, mx.array]:
+        """-> cos, sin, -sin: [T, dim // 2] float32 (-sin undoes the rotation, apply_rope)."""
+        got = self._tables.get(spec)
+        if got is None:
+            cos, sin = cos_sin(spec, self.positions)
+            got = self._tables[spec] = (cos, sin, -sin)
+        return got
 
 
 def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
@@ -60,8 +80,9 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     half = cos.shape[-1]
     rope_dim = 2 * half
     extra_axes = x.ndim - 2
-    shape = (cos.shape[0],) + (1,) * extra_axes + (half,)
-    cos, sin = cos.reshape(shape), sin.reshape(shape)
+    if extra_axes:
+        shape = (cos.shape[0],) + (1,) * extra_axes + (half,)
+        cos, sin = cos.reshape(shape), sin.reshape(shape)
     nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
     pairs = rope.reshape(*rope.shape[:-1], half, 2)
     rotated = _rotated_pairs(pairs[..., 0], pairs[..., 1], cos, sin).reshape(rope.shape)
