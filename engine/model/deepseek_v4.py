@@ -123,7 +123,7 @@ class DeepseekV4:
         out, offset = [], 0
         for s, want in zip(segments, wants):
             size = len(s.token_ids) if want else 1
-            out.append(logits[offset : offset + size])
+            out.append(logits if size == logits.shape[0] else logits[offset : offset + size])  # one segment: no slice
             offset += size
         return out
 

@@ -40,8 +40,8 @@ def hyper_weights(streams: mx.array, w: HyperWeights, sinkhorn_iters: int, hc_ep
     """streams: [T, hc, D] -> (post [T, hc], comb [T, hc, hc], collapsed block input [T, D])."""
     num_tokens, hc, _ = streams.shape
     logits = _mix_logits(streams.reshape(num_tokens, -1), w.fn, w.scale_per_mix, w.base, norm_eps)  # [T, (2 + hc)·hc]
-    comb_logits = logits[:, 2 * hc :].reshape(num_tokens, hc, hc)
-    pre, post, comb = _coefficients(logits[:, :hc], logits[:, hc : 2 * hc], comb_logits, hc_eps)
+    pre_logits, post_logits, comb_logits = mx.split(logits, [hc, 2 * hc], axis=-1)  # one node, three views
+    pre, post, comb = _coefficients(pre_logits, post_logits, comb_logits.reshape(num_tokens, hc, hc), hc_eps)
     return post, _sinkhorn(comb, sinkhorn_iters, hc_eps), _collapse(pre, streams)
 
 

@@ -76,22 +76,22 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     """Rotate the trailing 2·cos.shape[-1] channels of x in interleaved pairs.
 
     x: [L, ..., D] with the position on axis 0; cos/sin: [L, dim // 2]. Pass -sin to undo.
+    Splits rather than slices: a decode step calls this a few times per layer, and each split is one
+    graph node where the slices and integer indexing it replaces were two or three.
     """
     half = cos.shape[-1]
     rope_dim = 2 * half
-    extra_axes = x.ndim - 2
-    if extra_axes:
-        shape = (cos.shape[0],) + (1,) * extra_axes + (half,)
-        cos, sin = cos.reshape(shape), sin.reshape(shape)
-    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
-    pairs = rope.reshape(*rope.shape[:-1], half, 2)
-    rotated = _rotated_pairs(pairs[..., 0], pairs[..., 1], cos, sin).reshape(rope.shape)
+    shape = (cos.shape[0],) + (1,) * (x.ndim - 2) + (half, 1)  # against the pairs' [L, ..., half, 1] halves
+    cos, sin = cos.reshape(shape), sin.reshape(shape)
+    nope, rope = mx.split(x, [x.shape[-1] - rope_dim], axis=-1)
+    even, odd = mx.split(rope.reshape(*rope.shape[:-1], half, 2), 2, axis=-1)  # [L, ..., half, 1] each
+    rotated = _rotated_pairs(even, odd, cos, sin).reshape(rope.shape)
     return mx.concatenate([nope, rotated], axis=-1)
 
 
 @shapeless
 def _rotated_pairs(even: mx.array, odd: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """even, odd: [..., half] (x's dtype) -> [..., half, 2] rotated in float32, back in x's dtype."""
+    """even, odd: [..., half, 1] (x's dtype) -> [..., half, 2] rotated in float32, back in x's dtype."""
     dtype = even.dtype
     even, odd = even.astype(mx.float32), odd.astype(mx.float32)
-    return mx.stack([(even * cos - odd * sin).astype(dtype), (odd * cos + even * sin).astype(dtype)], axis=-1)
+    return mx.concatenate([(even * cos - odd * sin).astype(dtype), (odd * cos + even * sin).astype(dtype)], axis=-1)
