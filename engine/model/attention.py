@@ -90,13 +90,17 @@ def attention(
     decoded = None
     if decodes:
         decoded = timer.stage("attention", decode_attention(_decode_rows(x, chunk, queries, decodes), w, cfg, layer, timer))
-    done = 0  # decode rows handed to `output` so far
+    done = pending = 0  # decode rows handed to `output` so far; batched rows waiting to go with them
     for seg in segments:
         if decoded is not None and seg.length == 1:  # batched above; its row goes out in batch order
-            output.add(decoded[done : done + 1])
-            done += 1
-        else:
-            _segment_attention(x, chunk, queries, output, seg, w, cfg, layer, tile, timer)
+            pending += 1
+            continue
+        if pending:
+            output.add(_rows(decoded, done, done + pending))
+            done, pending = done + pending, 0
+        _segment_attention(x, chunk, queries, output, seg, w, cfg, layer, tile, timer)
+    if pending:  # a run of decode rows goes out as one piece (all of them in a decode step: no slice)
+        output.add(_rows(decoded, done, done + pending))
     return output.result()
 
 
