@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import re
 import statistics
 import sys
@@ -72,7 +73,8 @@ def main() -> None:
         print(line[:240], flush=True)
 
     emit("start", device=str(mx.default_device()), mlx=mx.__version__, ctx=args.ctx, cache_fill=args.cache_fill,
-         steps=args.steps, chunk=args.chunk, tile=args.tile, compile=compile_enabled(), decode_async_at_start=decode_async_enabled())
+         steps=args.steps, chunk=args.chunk, tile=args.tile, compile=compile_enabled(), decode_async_at_start=decode_async_enabled(),
+         env={k: v for k, v in os.environ.items() if k.startswith(("MLX_", "TESSERA_"))})
     model = load_model(Path(args.model))
     formats = collections.Counter(f"{w.mode}{w.bits}" if isinstance(w, QuantizedWeight) else str(w.dtype) for w in model.weights.values())
     emit("loaded", load_seconds=round(time.perf_counter() - clock, 2), dtype=dtype_name(model.dtype), tensors_by_format=dict(formats))
