@@ -107,9 +107,10 @@ def _constraint_factory(body: ChatCompletionRequest, thinking: bool,
         tools = [ToolSpec(t.function.name, t.function.parameters or {}) for t in body.tools]
         if isinstance(body.tool_choice, NamedToolChoice):
             tools = [t for t in tools if t.name == body.tool_choice.function.get("name")]
-        rules = tool_call_grammar(tools, parallel=body.parallel_tool_calls)
-        if not body.forced_tools:  # 'auto': plain text, or one block (one call unless parallel_tool_calls)
-            rules = rules.replace("body:", "block:", 1) + plain_or_block_rule()
+        if body.forced_tools:
+            rules = tool_call_grammar(tools, parallel=body.parallel_tool_calls)
+        else:  # 'auto': plain text, or one block (one call unless parallel_tool_calls)
+            rules = tool_call_grammar(tools, parallel=body.parallel_tool_calls, rule="block") + plain_or_block_rule()
         param = "tools"
     else:
         response_format = body.response_format

@@ -64,8 +64,9 @@ def json_grammar(schema: dict[str, Any] | None) -> str:
     return "body: " + _json_rule(schema if schema is not None else {"type": "object"}) + "\n"
 
 
-def tool_call_grammar(tools: list[ToolSpec], parallel: bool) -> str:
-    """One DSML tool-call block with one invoke (or more when `parallel`) of the given tools.
+def tool_call_grammar(tools: list[ToolSpec], parallel: bool, rule: str = "body") -> str:
+    """One DSML tool-call block with one invoke (or more when `parallel`) of the given tools, as the
+    rule named `rule` ("body": the whole answer is the block; "block": for `plain_or_block_rule`).
 
     Every piece after the block's opening starts with its own "\\n" (`\\n<｜DSML｜invoke…`, `\\n<｜DSML｜parameter…`,
     `\\n</｜DSML｜invoke>`): a lone "\\n" terminal would be a prefix of the closing ones, and llguidance's lexer,
@@ -81,8 +82,8 @@ def tool_call_grammar(tools: list[ToolSpec], parallel: bool) -> str:
         lines.extend(rules)
     invokes = "invoke: " + " | ".join(invoke_rules)
     calls = "invoke+" if parallel else "invoke"
-    body = f"body: {_literal(TOOL_CALLS_START)} {calls} {_literal(chr(10) + TOOL_CALLS_END)}"
-    return "\n".join([body, invokes, *lines]) + "\n"
+    block = f"{rule}: {_literal(TOOL_CALLS_START)} {calls} {_literal(chr(10) + TOOL_CALLS_END)}"
+    return "\n".join([block, invokes, *lines]) + "\n"
 
 
 def _parameter_rules(tool: ToolSpec, prefix: str) -> tuple[str, list[str]]:
@@ -100,7 +101,8 @@ def _parameter_rules(tool: ToolSpec, prefix: str) -> tuple[str, list[str]]:
 
 
 def plain_or_block_rule() -> str:
-    """'auto' tool choice with parallel_tool_calls=false: text without a tool-call block, or exactly one block."""
+    """'auto' tool choice: text without a tool-call block, or the one block of
+    `tool_call_grammar(..., rule="block")`."""
     marker = TOOL_CALLS_START.replace("/", "\\/")
     return f"body: PLAIN | block\nPLAIN: /(.|\\n)*/ & ~/(.|\\n)*{marker}(.|\\n)*/\n"
 

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from tessera.engine.model import moe as moe_mod
-from tessera.engine.model.moe import MoEWeights, PaddedPlan, padded_slots, plan_padded, reference_routed_experts, route, routed_experts
+from tessera.engine.model.moe import (
+    MoEWeights, OverflowCost, PaddedPlan, moe, padded_tables, plan_padded, reference_routed_experts, route, routed_experts,
+)
 from tessera.engine.model.quantized import quantize
 from tests.equivalence.row_invariant_blas import row_invariant_blas
 
@@ -118,17 +120,26 @@ def test_dequantized_expert_groups_match_the_loop(monkeypatch):
     np.testing.assert_allclose(np.array(out), np.array(ref), rtol=0, atol=1e-6 * float(mx.abs(ref).max()))
 
 
-def test_padded_slots_are_a_packing_of_each_experts_pairs():
-    experts = _skewed_experts(50).reshape(-1)  # expert 3: 50 pairs, the others ~8, expert 6 none
-    order = mx.argsort(experts)
-    slot, plan = padded_slots(experts, order, EXPERTS, overflow_row_cost=1.0)
-    slot_np, experts_np = np.array(slot), np.array(experts)
+def _counts(flat: np.ndarray) -> np.ndarray:
+    return np.bincount(flat, minlength=EXPERTS)
+
+
+def test_padded_tables_are_a_packing_of_each_experts_pairs():
+    experts_np = np.array(_skewed_experts(50)).reshape(-1)  # expert 3: 50 pairs, the others ~8, expert 6 none
+    order = np.argsort(experts_np, kind="stable")
+    counts = _counts(experts_np)
+    plan = plan_padded(counts, OverflowCost(0.0, 1.0))
     assert plan.capacity == 16 and plan.overflow == (3,) and plan.overflow_capacity == 48  # 34 more, rounded up
-    assert len(set(slot_np.tolist())) == len(slot_np) and slot_np.max() < plan.rows(EXPERTS)  # one row per pair
-    main = slot_np < EXPERTS * plan.capacity
-    assert np.array_equal(slot_np[main] // plan.capacity, experts_np[main])  # each pair in its expert's block
+    t = padded_tables(counts, plan)
+    assert len(t.source) == plan.rows(EXPERTS) and len(t.slot) == len(experts_np)
+    assert len(set(t.slot.tolist())) == len(t.slot) and t.slot.max() < plan.rows(EXPERTS)  # one row per pair
+    assert np.array_equal(t.source[t.slot], np.arange(len(t.slot)))  # a pair's row reads that pair's token
+    slot = np.empty_like(t.slot)
+    slot[order] = t.slot  # pair order, as padded_pairs scatters it
+    main = slot < EXPERTS * plan.capacity
+    assert np.array_equal(slot[main] // plan.capacity, experts_np[main])  # each pair in its expert's block
     for e in range(EXPERTS):  # each expert's pairs fill its first rows, then its overflow rows
-        rows = np.sort(slot_np[experts_np == e])
+        rows = np.sort(slot[experts_np == e])
         n = len(rows)
         first = list(range(e * plan.capacity, e * plan.capacity + min(n, plan.capacity)))
         rest = list(range(EXPERTS * plan.capacity, EXPERTS * plan.capacity + n - len(first)))
@@ -137,12 +148,110 @@ def test_padded_slots_are_a_packing_of_each_experts_pairs():
 
 def test_plan_padded_takes_the_fewest_rows():
     uniform = np.array([90, 96, 100, 101])
-    assert plan_padded(uniform, 2.0) == PaddedPlan(112, (), 0)  # one block, the busiest expert rounded up
+    assert plan_padded(uniform, OverflowCost(0.0, 2.0)) == PaddedPlan(112, (), 0)  # one block, the busiest expert rounded up
     skewed = np.array([240, 60, 60, 60, 60, 60, 60, 60])
-    plan = plan_padded(skewed, 2.0)
+    plan = plan_padded(skewed, OverflowCost(0.0, 2.0))
     assert plan == PaddedPlan(64, (0,), 176)  # 8·64 + 2·176 = 864 row-costs < 8·240 = 1920
     assert plan.rows(8) == 8 * 64 + 176
-    assert plan_padded(skewed, 100.0) == PaddedPlan(240, (), 0)  # a costly overflow block is avoided
+    assert plan_padded(skewed, OverflowCost(0.0, 100.0)) == PaddedPlan(240, (), 0)  # a costly overflow block is avoided
+    assert plan_padded(skewed, OverflowCost(1500.0, 2.0)) == PaddedPlan(240, (), 0)  # 864 + 1500 > 1920: its fixed cost too
+    assert plan_padded(skewed, None) == PaddedPlan(240, (), 0)  # no overflow block on this device
+
+
+def test_plan_padded_stays_within_the_row_bound():
+    skewed = np.array([240, 60, 60, 60, 60, 60, 60, 60])
+    costly = OverflowCost(5000.0, 14.0)  # one block (1,920 rows) is the cheapest without a bound
+    assert plan_padded(skewed, costly) == PaddedPlan(240, (), 0)
+    bounded = plan_padded(skewed, costly, max_rows=1000)  # then the cheapest plan of at most 1,000 rows
+    assert bounded == PaddedPlan(96, (0,), 144) and bounded.rows(8) == 912
+    assert plan_padded(skewed, costly, max_rows=687) is None  # 8·64 + 176 = 688 rows is the fewest any plan needs
+    assert plan_padded(skewed, costly, max_rows=688) == PaddedPlan(64, (0,), 176)
+    assert plan_padded(skewed, None, max_rows=1000) is None  # one block only, and it does not fit
+
+
+def _plan_by_loop(counts: np.ndarray, cost: OverflowCost, max_rows: float) -> PaddedPlan | None:
+    """plan_padded's definition: try every capacity, keep the cheapest that fits (ties: the larger)."""
+    best = None
+    for capacity in range(16, -(-int(counts.max()) // 16) * 16 + 1, 16):
+        over = np.flatnonzero(counts > capacity)
+        over_cap = -(-int((counts[over] - capacity).max()) // 16) * 16 if len(over) else 0
+        total = len(counts) * capacity + (cost.fixed_rows + cost.per_row * len(over) * over_cap if len(over) else 0)
+        plan = PaddedPlan(capacity, tuple(int(e) for e in over), over_cap)
+        if plan.rows(len(counts)) <= max_rows and (best is None or total <= best[0]):
+            best = (total, plan)
+    return None if best is None else best[1]
+
+
+def test_plan_padded_equals_the_loop_over_capacities():
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        experts = int(rng.integers(1, 40))
+        counts = rng.zipf(1.5, size=experts).clip(0, 900) if trial % 2 else rng.integers(0, 300, size=experts)
+        counts[rng.integers(0, experts)] += 1  # at least one pair
+        cost = OverflowCost(float(rng.choice([0.0, 50.0, 900.0])), float(rng.choice([1.0, 1.3, 2.0, 14.0])))
+        max_rows = float(rng.choice([np.inf, 1.2 * counts.sum(), 2.0 * counts.sum()]))
+        assert plan_padded(counts, cost, max_rows) == _plan_by_loop(counts, cost, max_rows), (counts.tolist(), cost, max_rows)
+
+
+def test_overflow_cost_follows_the_device_and_the_weights(monkeypatch):
+    plain, quantized = _weights(), _quantized_weights()
+    assert moe_mod.overflow_cost(plain) == moe_mod.OVERFLOW_COST[("cpu", "plain")]
+    assert moe_mod.overflow_cost(quantized) == moe_mod.OVERFLOW_COST[("cpu", "quantized")]
+    monkeypatch.setattr(moe_mod, "on_cuda", lambda: True)
+    assert moe_mod.overflow_cost(plain) == moe_mod.OVERFLOW_COST[("cuda", "plain")]
+    assert moe_mod.overflow_cost(quantized) == moe_mod.OVERFLOW_COST[("cuda", "quantized")]
+    # the H200's session-5 routings (4,096 rows, 256 experts): bf16 one block for random routing, as measured
+    random_counts = np.full(256, 96)
+    random_counts[:7] = 119
+    assert plan_padded(random_counts, moe_mod.overflow_cost(plain), 2.0 * 24576).overflow == ()
+
+
+def _quantized_weights() -> MoEWeights:
+    base = _weights()
+    return MoEWeights(**{**base.__dict__, **{n: quantize(getattr(base, n), "mxfp4", 32) for n in ("w1", "w2", "w3")}})
+
+
+@row_invariant_blas
+@pytest.mark.parametrize("overflow", [False, True])
+def test_padding_rows_do_not_reach_any_result(overflow, monkeypatch):
+    """Padding rows read some token (not zeros); pointing them at another token changes no bit."""
+    w = _weights()
+    mx.random.seed(11)
+    x = mx.random.normal((60, DIM))
+    experts = _skewed_experts(60)
+    _, weights = route(x, None, w, TOP_K, 1.5)
+    if not overflow:
+        monkeypatch.setitem(moe_mod.OVERFLOW_COST, ("cpu", "plain"), None)
+    base = routed_experts(x, experts, weights, w, LIMIT, layout="padded")
+    tables = moe_mod.padded_tables
+
+    def other_padding(counts, plan):
+        t = tables(counts, plan)
+        assert (len(plan.overflow) > 0) == overflow
+        padding = np.ones(len(t.source), dtype=bool)
+        padding[t.slot] = False
+        assert padding.any()
+        return moe_mod.PaddedTables(np.where(padding, len(t.slot) - 1, t.source).astype(np.int32), t.slot)
+
+    monkeypatch.setattr(moe_mod, "padded_tables", other_padding)
+    assert np.array_equal(np.array(base), np.array(routed_experts(x, experts, weights, w, LIMIT, layout="padded")))
+    assert np.array_equal(np.array(base), np.array(reference_routed_experts(x, experts, weights, w, LIMIT)))
+
+
+@row_invariant_blas
+@pytest.mark.parametrize("overlap", [True, False])
+def test_moe_block_is_the_same_with_and_without_host_overlap(overlap, monkeypatch):
+    """moe() in a padded step (async_eval around the count's sync) equals moe() in a gathered one."""
+    w = _weights()
+    mx.random.seed(12)
+    x = mx.random.normal((70, DIM))
+    monkeypatch.setattr(moe_mod, "OVERLAP_HOST_WORK", overlap)
+    monkeypatch.setattr(moe_mod, "PADDED_MIN_PAIRS_PER_EXPERT", 0)
+    padded = moe(x, None, w, TOP_K, 1.5, LIMIT)
+    monkeypatch.setattr(moe_mod, "PADDED_MIN_PAIRS_PER_EXPERT", 10**9)
+    gathered = moe(x, None, w, TOP_K, 1.5, LIMIT)
+    assert float(mx.abs(gathered).max()) > 0.1
+    assert np.array_equal(np.array(padded), np.array(gathered))
 
 
 @pytest.mark.parametrize("max_rows_per_pair, falls_back", [(2.0, False), (1.1, True)])

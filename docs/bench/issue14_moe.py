@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import mlx.core as mx
+import numpy as np
 
 from tessera.engine.model import moe as moe_mod
 from tessera.engine.model.moe import MoEWeights, moe, routed_experts, swiglu
@@ -93,10 +94,12 @@ def routing(s: Size, rows: int, kind: str, seed: int) -> tuple[mx.array, mx.arra
 
 def plan_summary(s: Size, experts: mx.array, w: MoEWeights) -> dict:
     """The padded layout's plan for this routing: rows computed vs pairs (the padding overhead)."""
-    flat = experts.reshape(-1)
-    _, plan = moe_mod.padded_slots(flat, mx.argsort(flat), s.experts, moe_mod.OVERFLOW_ROW_COST["plain"])
+    counts = np.array(moe_mod.expert_counts(experts.reshape(-1), s.experts))
+    plan = moe_mod.plan_padded(counts, moe_mod.overflow_cost(w), moe_mod.PADDED_MAX_ROWS_PER_PAIR * experts.size)
+    if plan is None:
+        return {"plan": None, "pairs": experts.size}
     return {"capacity": plan.capacity, "overflow_experts": len(plan.overflow), "overflow_capacity": plan.overflow_capacity,
-            "rows_computed": plan.rows(s.experts), "pairs": flat.size, "one_block_rows": s.experts * moe_mod._round_up(routing_stats(s, experts)["max_count"])}
+            "rows_computed": plan.rows(s.experts), "pairs": experts.size, "one_block_rows": moe_mod.plan_padded(counts, None).rows(s.experts)}
 
 
 def routing_stats(s: Size, experts: mx.array) -> dict:
@@ -136,12 +139,12 @@ def dequantized_groups_call(fn: Callable[[], mx.array], group: int) -> Callable[
 @contextlib.contextmanager
 def one_block() -> Iterator[None]:
     """The padded layout without its overflow block: every expert's block sized by the busiest one."""
-    saved = dict(moe_mod.OVERFLOW_ROW_COST)
-    moe_mod.OVERFLOW_ROW_COST.update({k: 1e9 for k in saved})  # finite: 0 overflow rows must cost 0
+    saved = dict(moe_mod.OVERFLOW_COST)
+    moe_mod.OVERFLOW_COST.update({k: None for k in saved})
     try:
         yield
     finally:
-        moe_mod.OVERFLOW_ROW_COST.update(saved)
+        moe_mod.OVERFLOW_COST.update(saved)
 
 
 def one_block_call(fn: Callable[[], mx.array]) -> Callable[[], mx.array]:

@@ -7,14 +7,15 @@ The routed experts run in one of two layouts, chosen by the step's (token, slot)
 
 - gathered (decode, short steps): pairs sorted by expert, `gather_mm` / `gather_qmm` with one row per
   pair. No host sync; reads only the experts that are hit, which is what a decode step is bound by.
-- padded (prefill): pairs scattered into an [E, capacity, D] block and run as one batched matmul per
+- padded (prefill): pairs gathered into an [E, capacity, D] block and run as one batched matmul per
   projection (bf16: a strided-batched cuBLAS gemm through `mx.matmul`; quantized: `gather_qmm` with
   `capacity` rows per expert, which MLX's CUDA backend runs as a tiled quantized gemm instead of one
-  16-row tile per pair). The pairs of busy experts beyond `capacity` go to a second, smaller block over
-  those experts only (`plan_padded`: skewed routing would otherwise size every expert's block by the
-  busiest one). Padding rows are zeros and are never read back. The capacities are shapes, so the
-  per-expert counts are copied to the host: one sync per MoE layer per step, only in steps this large
-  (docs/BENCHMARKS.md "Issue 14: MoE in prefill" says why it pays).
+  16-row tile per pair). Where the device's measured costs say it pays (`OVERFLOW_COST`), the pairs of
+  busy experts beyond `capacity` go to a second, smaller block over those experts only (`plan_padded`).
+  Padding rows hold a copy of some token's row and are never read back. The capacities are shapes, so
+  the per-expert counts are copied to the host: one sync per MoE layer per step, only in steps this
+  large, with the device kept busy around it (`OVERLAP_HOST_WORK`); the index tables follow from the
+  counts on the host (docs/BENCHMARKS.md "Issue 14: MoE in prefill" and "Issue 14, session 6").
 """
 
 from __future__ import annotations
@@ -40,11 +41,6 @@ PADDED_MIN_PAIRS_PER_EXPERT = 12
 PADDED_MAX_ROWS_PER_PAIR = 2.0
 # The padded capacities are multiples of this many rows (gemm tiles; fewer distinct shapes to compile).
 CAPACITY_MULTIPLE = 16
-# What a row of the padded layout's overflow block costs in rows of its main block (`plan_padded`):
-# plain weights run the main block as one cuBLAS strided-batched gemm and the overflow through
-# gather_mm's simpler kernel (MLX 0.32's CUDA backend), guessed 2× slower per row; quantized weights run
-# both through the same gather_qmm kernel. Guesses until docs/bench/issue14_moe.py has run on the GPU.
-OVERFLOW_ROW_COST = {"plain": 2.0, "quantized": 1.0}
 # MLX's CUDA gather_qmm launches one grid z-slice per batch entry (qmm_sm80; CUDA allows 65,535), so
 # the gathered layout's one-row-per-pair calls are split into pieces of at most this many pairs.
 GATHER_QMM_MAX_BATCH = 65535
@@ -152,7 +148,7 @@ def gathered_pairs(x: mx.array, flat: mx.array, order: mx.array, k: int, w: MoEW
 class PaddedPlan:
     """Where an expert's pairs go in the padded layout: its first `capacity` pairs into the main block
     [E, capacity, D] (one strided-batched gemm over every expert), the rest, for the `overflow` experts
-    only, into a second block [len(overflow), overflow_capacity, D] (a gather_mm over those experts)."""
+    only, into a second block [len(overflow), overflow_capacity, D] (a gemm over those experts)."""
     capacity: int
     overflow: tuple[int, ...]  # experts with more than `capacity` pairs, ascending
     overflow_capacity: int
@@ -161,64 +157,126 @@ class PaddedPlan:
         return num_experts * self.capacity + len(self.overflow) * self.overflow_capacity
 
 
-def _round_up(n: int) -> int:
+@dataclass(frozen=True)
+class OverflowCost:
+    """What the overflow block costs, in rows of the main block: `fixed_rows` once (its own kernels,
+    the overflow experts' weights read a second time) plus `per_row` for each of its rows."""
+    fixed_rows: float
+    per_row: float
+
+
+# The overflow block's cost by (device, weights), for `plan_padded`; None: never use one (one block
+# sized by the busiest expert, or the gathered layout when that block passes PADDED_MAX_ROWS_PER_PAIR).
+# - CPU: guesses (plain weights' overflow block copies its experts' weights, so 2× per row).
+# - CUDA: fitted to the H200's session-5 run (docs/BENCHMARKS.md "Session 5 on the H200 … the MoE in
+#   prefill", raw h200-issue14-moe-session5-final.jsonl; 4,096 rows, 256 experts): the two one-block
+#   points (32,768 and 73,728 rows) give a main row's marginal time, the two plans with an overflow block
+#   (112 rows over 7 experts, 10,608 over 51) its fixed and per-row parts. bf16: 0.073 µs a main row,
+#   overflow 1.66 ms fixed + 1.02 µs a row (its experts' weights are copied out) — so one block wins
+#   unless it would pass the row bound. mxfp4: 0.79 µs a main row, overflow 7.2 ms + 1.02 µs a row.
+#   Two points each: docs/bench/issue14_moe_parts.py ("new" vs "new_overflow") re-measures them.
+OVERFLOW_COST: dict[tuple[str, str], OverflowCost | None] = {
+    ("cpu", "plain"): OverflowCost(0.0, 2.0),
+    ("cpu", "quantized"): OverflowCost(0.0, 1.0),
+    ("cuda", "plain"): OverflowCost(22800.0, 14.0),
+    ("cuda", "quantized"): OverflowCost(9100.0, 1.3),
+}
+
+
+def overflow_cost(w: MoEWeights) -> OverflowCost | None:
+    """This device's overflow cost for these experts' weights (OVERFLOW_COST)."""
+    return OVERFLOW_COST[("cuda" if on_cuda() else "cpu", "quantized" if isinstance(w.w1, QuantizedWeight) else "plain")]
+
+
+def _round_up(n):
+    """n (an int or an int array) rounded up to a multiple of CAPACITY_MULTIPLE."""
     return -(-n // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
 
 
-def plan_padded(counts: np.ndarray, overflow_row_cost: float) -> PaddedPlan:
-    """counts: [E] pairs per expert -> the plan with the fewest rows computed, a row of the overflow
-    block costing `overflow_row_cost` main-block rows. One capacity for all experts wastes most of the
-    block when routing is skewed (a few busy experts set it); the overflow block takes their excess."""
-    best: tuple[float, PaddedPlan] | None = None
-    for capacity in range(CAPACITY_MULTIPLE, _round_up(int(counts.max())) + 1, CAPACITY_MULTIPLE):
-        over = np.flatnonzero(counts > capacity)
-        overflow_capacity = _round_up(int((counts[over] - capacity).max())) if len(over) else 0
-        cost = len(counts) * capacity + overflow_row_cost * len(over) * overflow_capacity
-        if best is None or cost <= best[0]:  # a tie goes to the larger capacity: fewer overflow rows
-            best = (cost, PaddedPlan(capacity, tuple(int(e) for e in over), overflow_capacity))
-    return best[1]
+def plan_padded(counts: np.ndarray, cost: OverflowCost | None, max_rows: float = float("inf")) -> PaddedPlan | None:
+    """counts: [E] pairs per expert -> the plan of at most `max_rows` rows that costs the least, the
+    overflow block costed by `cost` (None: one block only), or None when no plan fits. One capacity for
+    all experts wastes most of the block when routing is skewed (a few busy experts set it); the overflow
+    block takes their excess. Every candidate capacity is costed at once (numpy): this runs on the host
+    between the counts' sync and the experts' graph."""
+    one_block = max(CAPACITY_MULTIPLE, int(_round_up(int(counts.max()))))
+    caps = np.arange(CAPACITY_MULTIPLE, one_block + 1, CAPACITY_MULTIPLE)  # [K] candidates
+    excess = counts[None, :].astype(np.int64) - caps[:, None]  # [K, E]
+    num_over = (excess > 0).sum(axis=1)  # [K]
+    over_caps = _round_up(np.maximum(excess.max(axis=1), 0))  # [K]
+    rows = len(counts) * caps + num_over * over_caps
+    if cost is None:
+        total = np.where(num_over > 0, np.inf, len(counts) * caps)
+    else:
+        total = len(counts) * caps + np.where(num_over > 0, cost.fixed_rows + cost.per_row * num_over * over_caps, 0.0)
+    total = np.where(rows <= max_rows, total, np.inf)
+    best = len(caps) - 1 - int(np.argmin(total[::-1]))  # a tie goes to the larger capacity: fewer overflow rows
+    if not np.isfinite(total[best]):
+        return None
+    capacity = int(caps[best])
+    return PaddedPlan(capacity, tuple(int(e) for e in np.flatnonzero(counts > capacity)), int(over_caps[best]))
 
 
-def padded_slots(flat: mx.array, order: mx.array, num_experts: int, overflow_row_cost: float) -> tuple[mx.array, PaddedPlan]:
-    """flat: [P] expert per pair, order: argsort(flat) -> (slot [P], plan): pair p's row in the main
-    block followed by the overflow block (`PaddedPlan`). Copies the per-expert pair counts to the host
-    (the capacities are shapes): the one host sync of the padded layout."""
-    num_pairs = flat.shape[0]
-    sorted_experts = flat[order]
-    counts = mx.zeros((num_experts,), dtype=mx.int32).at[sorted_experts].add(1)  # [E]
-    plan = plan_padded(np.array(counts), overflow_row_cost)  # host sync
-    starts = mx.cumsum(counts) - counts  # [E] first sorted position of each expert
-    rank = mx.arange(num_pairs, dtype=mx.int32) - starts[sorted_experts]  # [P] in sorted order
-    overflow_pos = np.zeros(num_experts, dtype=np.int32)
-    overflow_pos[list(plan.overflow)] = np.arange(len(plan.overflow), dtype=np.int32)
-    main_rows = num_experts * plan.capacity
-    in_overflow = main_rows + mx.array(overflow_pos)[sorted_experts] * plan.overflow_capacity + rank - plan.capacity
-    sorted_slots = mx.where(rank < plan.capacity, sorted_experts * plan.capacity + rank, in_overflow)
-    slot = mx.zeros((num_pairs,), dtype=mx.int32)
-    slot[order] = sorted_slots  # back to pair order
-    return slot, plan
+@dataclass(frozen=True)
+class PaddedTables:
+    """Index tables of a padded plan, computed on the host from the per-expert counts alone; positions
+    are in expert-sorted pair order (`order = argsort(experts)`)."""
+    source: np.ndarray  # [rows] int32: the sorted position whose token each padded row reads (padding: 0)
+    slot: np.ndarray  # [P] int32: the padded row of the pair at each sorted position
 
 
-def padded_pairs(x: mx.array, flat: mx.array, order: mx.array, k: int, w: MoEWeights, limit: float) -> mx.array:
-    """-> [P, D]: pair p's output at row p, through the padded blocks (`PaddedPlan`)."""
-    num_tokens, dim = x.shape
+def padded_tables(counts: np.ndarray, plan: PaddedPlan) -> PaddedTables:
+    """Expert e's pairs sit at sorted positions starts[e] … starts[e] + counts[e] − 1: the first
+    `capacity` fill rows e·C …, the rest (overflow experts only) their overflow block's rows. So each
+    expert's positions are at most two runs, each moved by one offset (numpy over 2·E runs, not a loop).
+    Padding rows read sorted position 0 (any real token: their outputs are never read back, and a row of
+    a batched gemm does not depend on the other rows, so what they hold changes no pair's result)."""
+    num_experts, cap, over_cap = len(counts), plan.capacity, plan.overflow_capacity
+    counts = counts.astype(np.int64)
+    starts = np.cumsum(counts) - counts  # [E] first sorted position of each expert
+    in_main = np.minimum(counts, cap)  # [E] run lengths: main block, then overflow block
+    over_index = np.zeros(num_experts, dtype=np.int64)
+    over_index[list(plan.overflow)] = np.arange(len(plan.overflow))
+    main_offset = np.arange(num_experts) * cap - starts  # row = sorted position + offset
+    over_offset = num_experts * cap + over_index * over_cap - (starts + cap)
+    lengths = np.stack([in_main, counts - in_main], axis=1).reshape(-1)  # [2E]
+    offsets = np.stack([main_offset, over_offset], axis=1).reshape(-1)
+    num_pairs = int(counts.sum())
+    slot = np.arange(num_pairs, dtype=np.int64) + np.repeat(offsets, lengths)  # [P]
+    source = np.zeros(plan.rows(num_experts), dtype=np.int32)
+    source[slot] = np.arange(num_pairs, dtype=np.int32)
+    return PaddedTables(source, slot.astype(np.int32))
+
+
+def expert_counts(flat: mx.array, num_experts: int) -> mx.array:
+    """flat: [P] expert per pair -> [E] int32 pairs per expert: a compare-and-sum (no atomics; a [P, E]
+    bool transient, 6 MB at 4,096 rows × top-6 × 256 experts; MLX sums bools to int32)."""
+    return (flat[:, None] == mx.arange(num_experts, dtype=flat.dtype)[None, :]).sum(axis=0)
+
+
+def padded_pairs(x: mx.array, flat: mx.array, order: mx.array, k: int, w: MoEWeights, limit: float,
+                 counts: mx.array | None = None) -> mx.array:
+    """-> [P, D]: pair p's output at row p, through the padded blocks (`PaddedPlan`). counts: the
+    step's `expert_counts` when the caller already scheduled them (moe()). Copies the counts (E ints) to
+    the host: the capacities are shapes. The one host sync of the layout; the index tables follow from
+    the counts on the host, so the device does two small gathers and one small scatter of indices."""
+    num_pairs, dim = flat.shape[0], x.shape[-1]
     num_experts = w.num_experts
-    cost = OVERFLOW_ROW_COST["quantized" if isinstance(w.w1, QuantizedWeight) else "plain"]
-    slot, plan = padded_slots(flat, order, num_experts, cost)
-    if plan.rows(num_experts) > PADDED_MAX_ROWS_PER_PAIR * flat.shape[0]:
+    counts_np = np.array(expert_counts(flat, num_experts) if counts is None else counts)  # host sync
+    plan = plan_padded(counts_np, overflow_cost(w), PADDED_MAX_ROWS_PER_PAIR * num_pairs)
+    if plan is None:  # no plan within the row bound (pathological routing)
         return gathered_pairs(x, flat, order, k, w, limit)
-    # the token feeding each padded row; empty rows read an appended zero row (index num_tokens)
-    source = mx.full((plan.rows(num_experts),), num_tokens, dtype=mx.int32)
-    source[slot] = mx.arange(flat.shape[0], dtype=mx.int32) // k
-    x_ext = mx.concatenate([x, mx.zeros((1, dim), dtype=x.dtype)])
+    tables = padded_tables(counts_np, plan)
+    rows = x[order[mx.array(tables.source)] // k]  # [rows, D]: each padded row's token
+    slot = mx.zeros((num_pairs,), dtype=mx.int32)
+    slot[order] = mx.array(tables.slot)  # [P]: pair p's padded row (order is a permutation: one write each)
     main_rows = num_experts * plan.capacity
-    main = x_ext[source[:main_rows]].reshape(num_experts, plan.capacity, dim)  # [E, C, D]
-    outs = [_main_block(main, w, limit).reshape(main_rows, dim)]  # [E·C, D]
+    out = _main_block(rows[:main_rows].reshape(num_experts, plan.capacity, dim), w, limit).reshape(main_rows, dim)
     if plan.overflow:
         experts = mx.array(plan.overflow, dtype=mx.uint32)
-        over = x_ext[source[main_rows:]].reshape(len(plan.overflow), plan.overflow_capacity, dim)  # [E_o, C_o, D]
-        outs.append(_overflow_block(over, w, experts, limit).reshape(-1, dim))
-    return (mx.concatenate(outs) if len(outs) > 1 else outs[0])[slot]
+        over = rows[main_rows:].reshape(len(plan.overflow), plan.overflow_capacity, dim)  # [E_o, C_o, D]
+        out = mx.concatenate([out, _overflow_block(over, w, experts, limit).reshape(-1, dim)])
+    return out[slot]
 
 
 def _overflow_block(over: mx.array, w: MoEWeights, experts: mx.array, limit: float) -> mx.array:
@@ -242,13 +300,21 @@ def routed_experts(x: mx.array, experts: mx.array, weights: mx.array, w: MoEWeig
     """x: [T, D], experts/weights: [T, k] -> [T, D] float32: every (token, slot) pair through its expert,
     weighted and summed over the k slots. Pairs are sorted by expert on the device (`argsort`).
     layout: a LAYOUTS key, or None for the one `uses_padded_layout` picks (benchmarks force one)."""
-    num_tokens, k = experts.shape
     flat = experts.reshape(-1)  # [P = T·k]
-    order = mx.argsort(flat)  # pair indices, expert-sorted
     if layout is None:
         layout = "padded" if uses_padded_layout(flat.shape[0], w.num_experts) else "gathered"
-    by_pair = LAYOUTS[layout](x, flat, order, k, w, limit).reshape(num_tokens, k, -1)  # (token, slot) order
-    return _weighted_sum(by_pair, weights)
+    return _routed(x, flat, mx.argsort(flat), weights, w, limit, layout, None)
+
+
+def _routed(x: mx.array, flat: mx.array, order: mx.array, weights: mx.array, w: MoEWeights, limit: float,
+            layout: str, counts: mx.array | None) -> mx.array:
+    """routed_experts with the sort (order: argsort(flat)) and, padded, the counts already built."""
+    num_tokens, k = weights.shape
+    if layout == "padded":
+        by_pair = padded_pairs(x, flat, order, k, w, limit, counts)
+    else:
+        by_pair = LAYOUTS[layout](x, flat, order, k, w, limit)
+    return _weighted_sum(by_pair.reshape(num_tokens, k, -1), weights)  # (token, slot) order
 
 
 @shapeless
@@ -301,12 +367,37 @@ def _normalized(weights: mx.array, scaling: float) -> mx.array:
     return weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * scaling
 
 
+# moe() in a padded step lets the device run while the host works (mx.async_eval): the routing and
+# everything before it while the host builds the shared expert's graph, the shared expert while the host
+# reads the counts and plans the blocks, and the experts while the host builds the next layer's graph.
+# Scheduling only: the values are the same either way (tests/test_moe.py). None: on a GPU only (on the
+# CPU the "device" shares the host's cores, and the small CPU run in docs/BENCHMARKS.md "Issue 14,
+# session 6" saw no gain); True / False force it (docs/bench/issue14_moe_parts.py compares the two).
+OVERLAP_HOST_WORK: bool | None = None
+
+
+def _overlaps_host_work() -> bool:
+    return mx.default_device() == mx.gpu if OVERLAP_HOST_WORK is None else OVERLAP_HOST_WORK
+
+
 def moe(x: mx.array, token_ids: mx.array, w: MoEWeights, top_k: int, scaling: float, limit: float) -> mx.array:
     """x: [T, D] -> [T, D]: routed experts (each run once on the tokens routed to it) + shared expert."""
     experts, weights = route(x, token_ids, w, top_k, scaling)
-    routed = routed_experts(x, experts, weights, w, limit)
+    flat = experts.reshape(-1)  # [P = T·k]
+    order = mx.argsort(flat)  # pair indices, expert-sorted
+    padded = uses_padded_layout(flat.shape[0], w.num_experts)
+    counts = expert_counts(flat, w.num_experts) if padded else None
+    overlap = padded and _overlaps_host_work()
+    if overlap:
+        mx.async_eval(counts, order, weights)
     shared = swiglu(x, w.shared_w1, w.shared_w2, w.shared_w3, limit)
-    return _sum_in(routed, shared, x)
+    if overlap:
+        mx.async_eval(shared)
+    routed = _routed(x, flat, order, weights, w, limit, "padded" if padded else "gathered", counts)
+    out = _sum_in(routed, shared, x)
+    if overlap:
+        mx.async_eval(out)
+    return out
 
 
 @shapeless
