@@ -79,6 +79,7 @@ def main() -> None:
     formats = collections.Counter(f"{w.mode}{w.bits}" if isinstance(w, QuantizedWeight) else str(w.dtype) for w in model.weights.values())
     emit("loaded", load_seconds=round(time.perf_counter() - clock, 2), dtype=dtype_name(model.dtype), tensors_by_format=dict(formats))
     clock = time.perf_counter()  # the budget counts from here
+    at_start = decode_async_enabled()
     deadline = clock + args.budget_s
     cache = _filled(model, args.ctx, 0, DecodeOptions(args.chunk, args.tile, cache_fill=args.cache_fill))
     mx.eval(cache.arrays())
@@ -99,7 +100,7 @@ def main() -> None:
             results[(path, enabled)] += steps
             emit("round", path=path, round=round_index, decode_async=enabled, **_medians(steps), steps=steps)
             _log(f"{path} round {round_index} (async {'on' if enabled else 'off'}): {_medians(steps)}")
-    set_decode_async_enabled(True)
+    set_decode_async_enabled(at_start)
     _summary(results, emit)
     emit("done", seconds_after_load=round(time.perf_counter() - clock, 2))
 

@@ -8,9 +8,13 @@ step"). Built whole and then evaluated, the device idles while Python builds. Wi
 Only *when* arrays are evaluated changes, never what is computed: the same bits either way
 (tests/equivalence/test_decode_async.py).
 
-Switch: the environment variable TESSERA_DECODE_ASYNC=0 turns it off (1, the default, on);
-`set_decode_async_enabled` flips it in a running process (A B B A comparisons,
-docs/bench/issue14_decode_host.py).
+Off by default: on the H200 a per-layer `async_eval` made a batch-1 step slower, not faster (docs/BENCHMARKS.md,
+"Session 6 on the H200 (issue 14): first lease"): MLX's CUDA backend encodes the kernels in the calling thread
+before `async_eval` returns, so the host's encoding does not overlap the next layer's Python; only the
+device's execution is asynchronous. The switch stays for measuring that again (docs/bench/issue14_decode_host.py).
+
+Switch: the environment variable TESSERA_DECODE_ASYNC=1 turns it on (0, the default, off);
+`set_decode_async_enabled` flips it in a running process (A B B A comparisons).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 from tessera.kernels.switch import Switch
 
 ENV_VAR = "TESSERA_DECODE_ASYNC"
-_switch = Switch(ENV_VAR)
+_switch = Switch(ENV_VAR, default=False)
 
 
 def decode_async_enabled() -> bool:

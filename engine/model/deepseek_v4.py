@@ -106,7 +106,7 @@ class DeepseekV4:
             if longest > 1:  # evaluating layer by layer bounds a prefill chunk's graph
                 timer.boundary("other", streams)
             elif decode_async_enabled() and not timer.stage_sync:
-                # A decode step: the device runs this layer while Python builds the next (engine/model/decode_async.py).
+                # Decode: the device may run this layer while Python builds the next (decode_async.py; off by default).
                 mx.async_eval(streams, *[a for s in slices for a in s.cache.arrays()])
             else:
                 timer.stage("other", streams)

@@ -86,7 +86,7 @@ def test_stage_synced_decode_does_not_start_layers_early(model, monkeypatch):
     assert calls == 0
 
 
-@pytest.mark.parametrize("value,expected", [("0", "False"), ("1", "True"), (None, "True")])
+@pytest.mark.parametrize("value,expected", [("0", "False"), ("1", "True"), (None, "False")])
 def test_environment_switch(value, expected):
     env = {k: v for k, v in os.environ.items() if k != decode_async.ENV_VAR}
     if value is not None:
