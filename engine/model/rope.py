@@ -67,6 +67,23 @@ def _cos_sin(positions: mx.array, inv_freq: mx.array, attention_factor: float) -
     return mx.cos(freqs) * attention_factor, mx.sin(freqs) * attention_factor
 
 
+class StepRope:
+    """The RoPE tables of one step's positions, computed once per table and shared by every layer that
+    uses it (a model has two tables; without this each layer would build its own, a few nodes each)."""
+
+    def __init__(self, positions: mx.array) -> None:
+        self.positions = positions  # [T] int
+        self._tables: dict[RopeSpec, tuple[mx.array, mx.array, mx.array]] = {}
+
+    def tables(self, spec: RopeSpec) -> tuple[mx.array, mx.array, mx.array]:
+        """-> cos, sin, -sin: [T, 1, dim // 2, 1] float32 (`cos_sin`; -sin undoes the rotation, apply_rope)."""
+        got = self._tables.get(spec)
+        if got is None:
+            cos, sin = cos_sin(spec, self.positions)
+            got = self._tables[spec] = (cos, sin, -sin)
+        return got
+
+
 def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     """Rotate the trailing 2·half channels of x in interleaved pairs.
 

@@ -208,7 +208,7 @@ class ModelRunner:
             prompt_logprobs = (self._prompt_logprobs(plan.prefill, logits[-1]),)
             logits[-1] = logits[-1][-1:]  # the last row is what samples
         rows = logits[: len(sampled_ids)]  # the prefill is last: its row only counts when it samples
-        sampled = self._sample(sampled_ids, mx.concatenate(rows) if rows else None)
+        sampled = self._sample(sampled_ids, _joined(rows))
         return StepOutput(sampled=tuple(sampled), prompt_logprobs=prompt_logprobs, stage_seconds=timer.as_dict())
 
     def _prompt_logprobs(self, chunk: PrefillChunk, logits: mx.array) -> PromptLogprobs:
@@ -299,6 +299,13 @@ class ModelRunner:
                 seq.sampling.constraint.accept(s.token_id)
             out.append(SampledToken(request_id, s.token_id, s.logprob, s.top_logprobs))
         return out
+
+
+def _joined(rows: list[mx.array]) -> mx.array | None:
+    """The sampled rows as one [B, V] array (no copy for one row, a batch-1 decode)."""
+    if not rows:
+        return None
+    return rows[0] if len(rows) == 1 else mx.concatenate(rows)
 
 
 def default_compute_dtype() -> str:
