@@ -120,19 +120,15 @@ def indexer_scores_batched(
     q: mx.array, head_weights: mx.array, keys: list[mx.array], visible: mx.array, scale: float
 ) -> mx.array:
     """A decode batch (q: [B, heads, d], head_weights: [B, heads], keys: B × [N, d], visible: [B]) ->
-    scores [B, N] fp32. On a CUDA device the fused kernel scores each sequence against its keys
-    where they lie (stacking them would copy every key); elsewhere one batched product, or one
-    sequence at a time past BATCHED_SCRATCH_ELEMENTS."""
+    scores [B, N] fp32: one batched product where the stacked scratch fits and there is no kernel, else
+    each sequence through `indexer_scores` (on a CUDA device the fused kernel scores each sequence against
+    its keys where they lie: stacking them would copy every key)."""
     num_seqs, num_heads, _ = q.shape
-    if indexer_cuda.is_supported(q, keys[0]):
-        return mx.concatenate([
-            indexer_cuda.indexer_scores_kernel(q[b : b + 1], head_weights[b : b + 1], k, visible[b : b + 1], scale)
-            for b, k in enumerate(keys)
-        ])
-    if num_seqs * num_heads * keys[0].shape[0] <= BATCHED_SCRATCH_ELEMENTS:
+    stacked_fits = num_seqs * num_heads * keys[0].shape[0] <= BATCHED_SCRATCH_ELEMENTS
+    if stacked_fits and not indexer_cuda.is_supported(q, keys[0]):
         return indexer_scores_batched_reference(q, head_weights, mx.stack(keys), visible, scale)
     return mx.concatenate([
-        indexer_scores_reference(q[b : b + 1], head_weights[b : b + 1], k, visible[b : b + 1], scale)
+        indexer_scores(q[b : b + 1], head_weights[b : b + 1], k, visible[b : b + 1], scale)
         for b, k in enumerate(keys)
     ])
 

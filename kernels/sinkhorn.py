@@ -14,6 +14,7 @@ where it is supported: CUDA, float32, compilation on — engine/model/compiled.p
 
 from __future__ import annotations
 
+import struct
 
 import mlx.core as mx
 
@@ -73,8 +74,8 @@ def is_supported(comb: mx.array) -> bool:
 _SOURCE = r"""
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= comb_shape[0]) return;
-  const float e = eps_in[0];
-  const int iters = iters_in[0];
+  const float e = __int_as_float(EPS_BITS);
+  const int iters = ITERS;
   float c[HC][HC];
   for (int i = 0; i < HC; ++i)
     for (int j = 0; j < HC; ++j) c[i][j] = comb[(size_t)t * HC * HC + i * HC + j];
@@ -101,15 +102,22 @@ _SOURCE = r"""
 THREADS = 128
 
 
+def kernel_template(hc: int, iters: int, eps: float) -> list[tuple[str, int]]:
+    """The kernel's compile-time constants. `eps` travels as its float32 bit pattern (a template takes
+    integers only), so the kernel adds exactly the float32 the reference adds; no per-call input arrays."""
+    (eps_bits,) = struct.unpack("<i", struct.pack("<f", eps))
+    return [("HC", hc), ("ITERS", iters), ("EPS_BITS", eps_bits)]
+
+
 def sinkhorn_kernel(comb: mx.array, iters: int, eps: float) -> mx.array:
     """comb: [T, hc, hc] float32 on a CUDA device -> the same as `sinkhorn_ordered`, one launch."""
     rows, hc = comb.shape[0], comb.shape[-1]
     if rows == 0:
         return comb
-    kernel = compiled_kernel("tessera_sinkhorn", ("comb", "eps_in", "iters_in"), ("out",), _SOURCE, "")
+    kernel = compiled_kernel("tessera_sinkhorn", ("comb",), ("out",), _SOURCE, "")
     (out,) = kernel(
-        inputs=[comb, mx.array([eps], dtype=mx.float32), mx.array([iters], dtype=mx.int32)],
-        template=[("HC", hc)],
+        inputs=[comb],
+        template=kernel_template(hc, iters, eps),
         grid=((rows + THREADS - 1) // THREADS * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[comb.shape],

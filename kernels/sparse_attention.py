@@ -9,29 +9,39 @@ apart rather than concatenated so the gathered rows exist once.
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import mlx.core as mx
+
+from tessera.engine.model.compiled import shapeless
 
 RowGroup = tuple[mx.array, mx.array]  # rows [T, R, d] (K = V), valid [T, R] bool
 
 
 def mixed_attention_reference(q: mx.array, groups: Sequence[RowGroup], sinks: mx.array, scale: float) -> mx.array:
-    """q: [T, H, d], groups of (rows [T, R_i, d], valid [T, R_i]), sinks: [H] -> [T, H, d]."""
+    """q: [T, H, d], groups of (rows [T, R_i, d], valid [T, R_i]), sinks: [H] -> [T, H, d].
+
+    Written for few graph nodes per call (a decode step runs it once per layer and same-length
+    batch, docs/BENCHMARKS.md "Issue 14, session 6"): each group's scaling and mask are one fused
+    kernel, and one split hands each group its probabilities (not a slice per group)."""
     num_q, num_heads, _ = q.shape
     # Products in the rows' dtype (bf16 on a GPU), softmax in float32.
-    logits = [
-        mx.where(valid[:, None, :], (q @ rows.transpose(0, 2, 1)).astype(mx.float32) * scale, -mx.inf)
-        for rows, valid in groups
-    ]
+    logits = [_masked_logits(q @ rows.transpose(0, 2, 1), valid[:, None, :], scale) for rows, valid in groups]
     sink = mx.broadcast_to(sinks.astype(mx.float32)[None, :, None], (num_q, num_heads, 1))
     probs = mx.softmax(mx.concatenate(logits + [sink], axis=-1), axis=-1, precise=True)  # [T, H, ΣR + 1]
-    out, start = None, 0
-    for rows, _ in groups:
-        part = probs[..., start : start + rows.shape[1]].astype(rows.dtype) @ rows  # [T, H, d]
+    ends = list(itertools.accumulate(rows.shape[1] for rows, _ in groups))
+    out = None
+    for (rows, _), group_probs in zip(groups, mx.split(probs, ends, axis=-1)):  # the last part is the sink's
+        part = group_probs.astype(rows.dtype) @ rows  # [T, H, d]
         out = part if out is None else out + part
-        start += rows.shape[1]
     return out
+
+
+@shapeless
+def _masked_logits(products: mx.array, valid: mx.array, scale: float) -> mx.array:
+    """products [T, H, R] (rows' dtype), valid [T, 1, R] -> scaled float32 logits, -inf where invalid."""
+    return mx.where(valid, products.astype(mx.float32) * scale, -mx.inf)
 
 
 def shared_rows(rows: mx.array, num_queries: int) -> mx.array:

@@ -16,6 +16,14 @@ use_source_tree()  # before any test module imports `tessera.*`; subprocesses in
 _skipped: list[tuple[str, str]] = []
 
 
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    """The byte-level tokenizer the scripted-runner servers share (tests/server_harness.py), trained once."""
+    from tests.server_harness import make_tokenizer  # web imports only for the tests that ask for it
+
+    return make_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.skipped and not hasattr(report, "wasxfail"):  # an expected failure is not a skip
         reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)

@@ -9,13 +9,14 @@ as `tessera serve` is: the app's Metrics subscribed to the engine's steps (AppSt
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import httpx
 import openai
@@ -30,10 +31,35 @@ from tessera.engine.model.tokenizer import Tokenizer
 from tessera.engine.tools.tokenizer_train import train_tokenizer
 from tessera.server.app import create_app
 from tessera.server.metrics import Metrics
-from tessera.server.prepare import ModelInfo
+from tessera.server.prepare import ModelInfo, ServedModel
+from tessera.server.serve import build_engine
 from tessera.server.settings import Settings
 
 MODEL_NAME = "tessera-test"
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    """A small chat request body for MODEL_NAME; `fields` add to or replace its keys."""
+    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
+
+
+def completion(**fields: Any) -> dict[str, Any]:
+    """A small completion request body for MODEL_NAME; `fields` add to or replace its keys."""
+    return {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4, **fields}
+
+
+def sse_data(lines: Iterable[str]) -> list[str]:
+    """The payloads of a server-sent event stream's `data: ` lines, in order (comments and blank lines dropped)."""
+    return [line[len("data: "):] for line in lines if line.startswith("data: ")]
+
+
+def sse_chunks(lines: Iterable[str]) -> list[dict[str, Any]]:
+    """The JSON chunks of a stream that must end with `data: [DONE]` (asserted)."""
+    data = sse_data(lines)
+    assert data and data[-1] == "[DONE]", data[-3:]
+    return [json.loads(d) for d in data[:-1]]
 
 
 def make_tokenizer(tmp_dir: Path) -> Tokenizer:
@@ -100,7 +126,7 @@ class LiveServer:
     metrics: Metrics  # the app's own, fed by its routes and by the engine's step statistics
 
     def client(self, api_key: str = "none", **kwargs: Any) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, **kwargs)
+        return openai_client(self.base_url, api_key=api_key, **kwargs)
 
     def text_tokens(self, text: str, end: bool = True) -> list[int]:
         """Tokens spelling `text`, then EOS (the request ends with finish_reason 'stop') unless end=False."""
@@ -126,6 +152,11 @@ class LiveServer:
                 return
             time.sleep(0.01)
         raise AssertionError(f"engine not idle: {self.engine.stats()}, live {self.runner.live_ids}")
+
+
+def openai_client(base_url: str, api_key: str = "none", **kwargs: Any) -> openai.OpenAI:
+    """The openai client for a test server: no retries (a failure shows at once)."""
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, **kwargs)
 
 
 def free_port() -> int:
@@ -183,3 +214,17 @@ def live_server(
             yield LiveServer(base_url, runner, engine, tokenizer, app, app_settings, metrics)
     finally:
         engine.shutdown(1.0)
+
+
+@contextmanager
+def real_server(settings: Settings) -> Iterator[tuple[str, ServedModel]]:
+    """`tessera serve`'s own wiring (build_engine + create_app) for a real model directory on a free loopback
+    port: yields (base URL, the ServedModel); the engine is shut down on exit."""
+    served = build_engine(settings)
+    app = create_app(settings, served.engine, served.tokenizer, served.info, served.metrics)
+    served.engine.start()
+    try:
+        with serving(app) as base_url:
+            yield base_url, served
+    finally:
+        served.engine.shutdown(1.0)

@@ -19,14 +19,13 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import status_code_conformance
 
-from server_harness import MODEL_NAME, LiveServer, live_server, make_tokenizer
+from server_harness import MODEL_NAME, LiveServer, live_server
 
 MAX_EXAMPLES = 40
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    tokenizer = make_tokenizer(tmp_path_factory.mktemp("fuzz"))
+def server(tokenizer) -> Iterator[LiveServer]:
     with live_server(tokenizer, max_model_len=256, max_num_seqs=4, max_queued_requests=8,
                      max_body_bytes=256 * 1024, default_max_tokens=8) as live:
         yield live

@@ -13,16 +13,7 @@ from tessera.engine.model.loader import load_model
 from tessera.engine.tools import bench
 from tessera.engine.tools.bench import RunOptions, bench_with_model
 from tessera.engine.tools.make_model import make_model
-from tests.support.tiling_model import make_tiling_model
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiling_model(tmp_path_factory.mktemp("tiling"))
-
-
-@pytest.fixture(scope="module")
-def model(model_dir):
-    return load_model(model_dir, dtype="float32")
+from tests.support.tiling_model import model, model_dir  # noqa: F401 (fixtures)
 
 
 def test_bench_prefill_cli_reports_how_it_ran(model_dir):
@@ -83,8 +74,6 @@ def _small_dir(factory):
     if "dir" not in _SMALL:
         _SMALL["dir"] = make_model(factory.mktemp("small"), "small", seed=0, with_tokenizer=False, layers=4)
     return _SMALL["dir"]
-
-
 
 
 def test_a_blocking_setting_reaches_the_tile_loop(model, monkeypatch):

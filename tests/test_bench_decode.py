@@ -9,17 +9,14 @@ import sys
 
 import pytest
 
-from tessera.engine.model.config import CSA, HCA, WINDOW
 from tessera.engine.model.loader import load_model
 from tessera.engine.tools.bench_decode import cache_bytes_read, expected_experts, weights_bytes_touched
-from tessera.engine.tools.make_model import make_model
-
-OVERRIDES = dict(layer_types=[WINDOW, CSA, HCA, CSA], num_hidden_layers=4, compress_rates={CSA: 4, HCA: 32})
+from tests.support.tiling_model import make_tiling_model
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("decode"), "tiny", seed=3, with_tokenizer=False, **OVERRIDES)
+    return make_tiling_model(tmp_path_factory.mktemp("decode"), seed=3)
 
 
 def _bench(model_dir, *extra: str) -> subprocess.CompletedProcess:

@@ -11,19 +11,16 @@ import sys
 import mlx.core as mx
 import pytest
 
-from tessera.engine.model.config import CSA, HCA, WINDOW
 from tessera.engine.model.deepseek_v4 import Segment
 from tessera.engine.model.loader import load_model
 from tessera.engine.tools.cache_fill import fill_random
-from tessera.engine.tools.make_model import make_model
 from tessera.engine.tools.replay import random_tokens
-
-OVERRIDES = dict(layer_types=[WINDOW, CSA, HCA, CSA], num_hidden_layers=4, compress_rates={CSA: 4, HCA: 32})
+from tests.support.tiling_model import make_tiling_model
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    d = make_model(tmp_path_factory.mktemp("fill"), "tiny", seed=3, with_tokenizer=False, **OVERRIDES)
+    d = make_tiling_model(tmp_path_factory.mktemp("fill"), seed=3)
     return load_model(d, dtype="float32", progress=False)
 
 
@@ -72,7 +69,7 @@ def test_decode_runs_on_a_filled_cache_and_a_stage_fills_only_its_layers(model):
 
 
 def test_bench_decode_cache_fill_random_cli(model, tmp_path):
-    d = make_model(tmp_path / "m", "tiny", seed=3, with_tokenizer=False, **OVERRIDES)
+    d = make_tiling_model(tmp_path / "m", seed=3)
     cmd = [sys.executable, "-m", "tessera.server.cli", "bench", "decode", "--model", str(d), "--ctx", "5000", "--chunk", "256",
            "--tile", "64", "--steps", "3", "--cache-fill", "random", "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

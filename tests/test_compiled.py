@@ -26,6 +26,7 @@ def _rms(x, eps):
 
 
 def reference_hyper_weights(streams, w: hyper.HyperWeights, iters, hc_eps, norm_eps):
+    """-> post [T, hc, 1] (the shape hyper_weights hands to expand), comb, collapsed."""
     t, hc, _ = streams.shape
     mixes = _rms(streams.reshape(t, -1).astype(mx.float32), norm_eps) @ w.fn.astype(mx.float32).T
     base, scale = w.base.astype(mx.float32), w.scale.astype(mx.float32)
@@ -37,12 +38,12 @@ def reference_hyper_weights(streams, w: hyper.HyperWeights, iters, hc_eps, norm_
     for _ in range(iters - 1):
         comb = comb / (comb.sum(axis=-1, keepdims=True) + hc_eps)
         comb = comb / (comb.sum(axis=-2, keepdims=True) + hc_eps)
-    return post, comb, (pre[..., None] * streams).sum(axis=1).astype(streams.dtype)
+    return post[..., None], comb, (pre[..., None] * streams).sum(axis=1).astype(streams.dtype)
 
 
 def reference_expand(block_out, streams, post, comb):
     mixed = comb.astype(streams.dtype).transpose(0, 2, 1) @ streams
-    return post.astype(streams.dtype)[..., None] * block_out[:, None, :] + mixed
+    return post.astype(streams.dtype) * block_out[:, None, :] + mixed  # post: [T, hc, 1]
 
 
 def reference_head_collapse(streams, fn, base, scale, hc_eps, norm_eps):
@@ -87,7 +88,7 @@ def test_hyper_connections_give_the_reference_bits_for_every_batch_size(dtype, e
             assert mx.array_equal(a, b).item(), f"{name} differs at {rows} rows"
         assert mx.array_equal(hyper.expand(block_out, streams, got[0], got[1]), reference_expand(block_out, streams, *want[:2])).item()
         head = (w.fn[:HC], w.base[:HC], w.scale[:1])
-        got_head = hyper.head_collapse(streams, *head, EPS, EPS)
+        got_head = hyper.head_collapse(streams, hyper.HyperWeights(*head), EPS, EPS)
         assert got_head.shape == (rows, WIDTH)
         assert mx.array_equal(got_head, reference_head_collapse(streams, *head, EPS, EPS)).item()
 
@@ -200,3 +201,49 @@ def test_norms_give_the_same_bits_compiled_and_plain_for_every_shape(dtype):
             assert a.shape == shape and a.dtype == dtype and mx.array_equal(a, b).item(), shape
         assert mx.array_equal(outs[True][1], want).item()
         assert mx.allclose(outs[True][0].astype(mx.float32), (want.astype(mx.float32) * weight.astype(mx.float32)), rtol=1e-2).item()
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["compiled", "plain"])
+def test_rope_tables_give_the_per_op_bits(enabled):
+    """cos_sin (one fused function, tables shaped [L, 1, half, 1]) against the per-op formula: the
+    angles every rotation uses, on the plain and the YaRN table, over positions up to 1M."""
+    from tessera.engine.model.config import RopeSpec
+    from tessera.engine.model.rope import cos_sin, inv_freq
+
+    compiled.set_compile_enabled(enabled)
+    specs = [RopeSpec(theta=10000.0, dim=16), RopeSpec(theta=160000.0, dim=64, yarn_factor=16.0, yarn_original_max_positions=65536, attention_factor=0.5)]
+    for spec in specs:
+        for positions in (mx.array([5]), mx.arange(0, 1 << 20, 4099)):  # a decode row, a long prefill
+            cos, sin = cos_sin(spec, positions)
+            freqs = positions.astype(mx.float32)[:, None] * inv_freq(spec)[None, :]
+            want_cos, want_sin = mx.cos(freqs) * spec.attention_factor, mx.sin(freqs) * spec.attention_factor
+            assert cos.shape == (positions.shape[0], 1, spec.dim // 2, 1)
+            assert mx.array_equal(cos.reshape(want_cos.shape), want_cos).item(), spec
+            assert mx.array_equal(sin.reshape(want_sin.shape), want_sin).item(), spec
+
+
+def test_decode_pieces_stay_within_their_node_budgets(tmp_path):
+    """A decode step's time on a GPU goes with its primitive count (docs/BENCHMARKS.md, "Issue 14,
+    session 6: primitives per decode step"): the rotation of a [1, H, D] query, a one-row mixed
+    attention over window + selected rows, a layer's hyper-connection mixing and its expand keep
+    the counts they were cut to (were 16, 24, 16 and 7 nodes)."""
+    from tessera.engine.model.config import RopeSpec
+    from tessera.engine.model.rope import apply_rope, cos_sin
+    from tessera.kernels.sparse_attention import mixed_attention_reference
+
+    compiled.set_compile_enabled(True)
+    key = lambda i: mx.random.key(i)  # noqa: E731
+    cos, sin = cos_sin(RopeSpec(theta=10000.0, dim=16), mx.array([7]))
+    q = mx.random.normal((1, 4, 48), key=key(1))
+    rows = [mx.random.normal((1, n, 48), key=key(2 + n)) for n in (8, 16)]
+    valid = [mx.ones((1, n), dtype=mx.bool_) for n in (8, 16)]
+    sinks = mx.random.normal((4,), key=key(3))
+    streams = mx.random.normal((1, HC, WIDTH), key=key(4))
+    w = _weights(mx.float32, 5)
+    mx.eval(cos, sin, q, rows, valid, sinks, streams, w.fn_t32, w.base32, w.scale_per_mix)
+    assert _node_count([apply_rope(q, cos, sin)], tmp_path / "rope.dot") <= 6
+    assert _node_count([mixed_attention_reference(q, list(zip(rows, valid)), sinks, 0.1)], tmp_path / "attn.dot") <= 15
+    post, comb, collapsed = hyper.hyper_weights(streams, w, ITERS, EPS, EPS)
+    assert _node_count([post, collapsed], tmp_path / "hyper.dot") <= 14  # the Sinkhorn's nodes left out
+    mx.eval(post, comb, collapsed)
+    assert _node_count([hyper.expand(collapsed, streams, post, comb)], tmp_path / "expand.dot") <= 6

@@ -17,16 +17,11 @@ from tessera.engine.serving.protocol import SampledToken
 from tessera.server.app import create_app
 from tessera.server.metrics import Metrics
 from tessera.server.settings import Settings
-from server_harness import MODEL_NAME, LiveServer, live_server, make_tokenizer, serving
+from server_harness import (
+    CHAT, COMPLETIONS, MODEL_NAME, LiveServer, chat, completion, live_server, serving, sse_chunks,
+)
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
 SURROGATE = "\ud800"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory):
-    return make_tokenizer(tmp_path_factory.mktemp("edge"))
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +39,6 @@ def post_raw(server: LiveServer, path: str, content: bytes, **kwargs: Any) -> ht
 def post(server: LiveServer, path: str, body: Any) -> httpx.Response:
     # json.dumps writes a lone surrogate as the escape "\ud800", exactly what a client would send.
     return post_raw(server, path, json.dumps(body).encode())
-
-
-def chat(**fields: Any) -> dict[str, Any]:
-    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
-
-
-def completion(**fields: Any) -> dict[str, Any]:
-    return {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4, **fields}
 
 
 def assert_400(response: httpx.Response, param: str | None) -> dict[str, Any]:
@@ -142,12 +129,6 @@ def infinite_logprobs(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(server.runner, "_sample", sample)
 
 
-def _sse_data(response: httpx.Response) -> list[dict[str, Any]]:
-    lines = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(line) for line in lines[:-1]]
-
-
 def _logprob_values(value: Any) -> list[Any]:
     """Every value under a 'logprob' / 'token_logprobs' / completions 'top_logprobs' key."""
     found: list[Any] = []
@@ -178,7 +159,7 @@ def test_infinite_logprobs_are_sent_as_the_floor(server: LiveServer, infinite_lo
                                                  body: dict[str, Any], stream: bool):
     response = post(server, path, {**body, "stream": stream})
     assert response.status_code == 200, response.text
-    payloads = _sse_data(response) if stream else [response.json()]
+    payloads = sse_chunks(response.text.splitlines()) if stream else [response.json()]
     assert not any("error" in payload for payload in payloads), payloads
     values = _logprob_values(payloads)
     assert len(values) >= 4 * 3  # 4 tokens, each with its own and alternatives' logprobs

@@ -14,7 +14,7 @@ import pytest
 from tessera.engine.serving.engine_loop import AsyncEngine
 from tessera.engine.serving.protocol import AdmissionError, Done, Error, SamplingParams, StepPlan, Token
 from tessera.engine.serving.scheduler import SchedulerConfig
-from server_harness import live_server, make_tokenizer
+from server_harness import live_server
 from tests.support.fake_runner import ScriptedRunner
 
 TIMEOUT_S = 10.0
@@ -89,11 +89,6 @@ def test_a_dead_engine_fails_every_request_at_once_and_refuses_new_ones():
     with pytest.raises(AdmissionError):
         asyncio.run(events_of(engine, "late", [1, 2], 2))
     engine.shutdown(1.0)  # still returns
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory):
-    return make_tokenizer(tmp_path_factory.mktemp("faults"))
 
 
 def test_over_http_one_poisoned_request_fails_alone_with_a_generic_500(tokenizer):

@@ -17,18 +17,14 @@ import pytest
 
 from tessera.engine.model import attention
 from tessera.engine.model.attention import ATTENTION_ROWS, PROJECTION_ROWS, attention_blocks, window_key_indices
-from tessera.engine.model.config import CSA, HCA, WINDOW
-from tessera.engine.model.loader import load_model
 from tessera.engine.tools import commands
-from tessera.engine.tools.make_model import make_model
 from tessera.engine.tools.replay import random_tokens, run_sequence
 from tessera.kernels import indexer_cuda, topk_cuda
 from tessera.kernels.indexer import mask_invisible, select_topk_reference
 from tessera.kernels.sparse_attention import mixed_attention_reference
 from tests.equivalence.row_invariant_blas import row_invariant_blas
-
-OVERRIDES = dict(layer_types=[WINDOW, CSA, HCA, CSA], num_hidden_layers=4, compress_rates={CSA: 4, HCA: 32})
-CTX, CHUNK = 403, PROJECTION_ROWS + 64  # 320 = 2.5 attention blocks; ctx ends inside a compression block
+# CHUNK = 320: 2.5 attention blocks; CTX ends inside a compression block
+from tests.support.tiling_model import CHUNK, CTX, model, model_dir  # noqa: F401 (fixtures)
 
 
 # --- attention blocks ---------------------------------------------------------------------------
@@ -65,16 +61,6 @@ def _shape_sensitive_attention(q, groups, sinks, scale):
     n = q.shape[0]
     wobble = 1 + 2.0**-20 * ((7 * n + mx.arange(n)) % 5).astype(mx.float32)
     return out * wobble[:, None, None].astype(out.dtype)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("gpuexact"), "tiny", seed=11, with_tokenizer=False, **OVERRIDES)
-
-
-@pytest.fixture(scope="module")
-def model(model_dir):
-    return load_model(model_dir, dtype="float32")
 
 
 def _per_tile_blocks(r0, r1, length, block=ATTENTION_ROWS):

@@ -85,6 +85,27 @@ def test_batched_decode_scores_equal_each_sequence_scored_alone(monkeypatch, num
     assert np.array_equal(dispatched, batched) and np.array_equal(per_sequence, batched)
 
 
+def test_batched_scores_reach_the_kernel_per_sequence_where_it_is_supported(monkeypatch):
+    """Where the CUDA kernel runs, a decode batch goes through `indexer_scores`' one dispatch, one sequence at
+    a time against its own keys (never stacked). The kernel is stood in for by the reference here."""
+    rng = np.random.default_rng(1)
+    q = mx.array(rng.standard_normal((3, 16, 64)).astype(np.float32))
+    w = mx.array(rng.standard_normal((3, 16)).astype(np.float32))
+    keys = [mx.array(rng.standard_normal((40, 64)).astype(np.float32)) for _ in range(3)]
+    visible = mx.array([40, 7, 0])
+    calls = []
+
+    def kernel(q, w, k, visible, scale):
+        calls.append(k)
+        return indexer_scores_reference(q, w, k, visible, scale)
+
+    monkeypatch.setattr(indexer_cuda, "is_supported", lambda q, k: True)
+    monkeypatch.setattr(indexer_cuda, "indexer_scores_kernel", kernel)
+    got = np.array(indexer.indexer_scores_batched(q, w, keys, visible, 0.3))
+    assert len(calls) == 3 and all(c is k for c, k in zip(calls, keys))
+    assert np.array_equal(got, np.array(indexer.indexer_scores_batched_reference(q, w, mx.stack(keys), visible, 0.3)))
+
+
 def test_mixed_attention_equals_dense_softmax_with_sink():
     rng = np.random.default_rng(3)
     t, h, d, r, s = 5, 3, 8, 7, 4
@@ -118,3 +139,32 @@ def test_sinkhorn_ordered_reference_is_the_reference_bit_for_bit(rows):
     got, want = sinkhorn_ordered(comb, 20, 1e-6), sinkhorn_reference(comb, 20, 1e-6)
     assert mx.array_equal(got, want).item()
     assert mx.allclose(want.sum(axis=-2), mx.ones((rows, 4)), atol=1e-4).item()
+
+
+@pytest.mark.parametrize("eps", [1e-6, 1e-12, 0.1])
+def test_sinkhorn_kernel_constants_carry_the_exact_float32_eps(eps):
+    """The CUDA Sinkhorn kernel takes eps and iters as compile-time constants (no per-call arrays):
+    eps as its float32 bits, which must decode to the float32 the reference adds."""
+    from tessera.kernels.sinkhorn import kernel_template
+
+    constants = dict(kernel_template(4, 20, eps))
+    assert constants["HC"] == 4 and constants["ITERS"] == 20
+    decoded = np.array([constants["EPS_BITS"]], dtype=np.int32).view(np.float32)[0]
+    assert decoded == np.float32(eps)
+    assert mx.array([eps], dtype=mx.float32).item() == float(decoded)
+
+
+def test_take_rows_is_the_row_gather_and_stays_on_mlx_off_cuda():
+    """The MoE's row gathers (kernels/row_gather.py): row idx[i] at row i, repeats and any order; off
+    CUDA (or for rows that are not whole 16-byte vectors) the reference runs."""
+    from tessera.kernels import row_gather
+
+    x = mx.arange(7 * 16, dtype=mx.float32).reshape(7, 16)
+    idx = mx.array([6, 0, 0, 3, 6, 1], dtype=mx.uint32)
+    got = row_gather.take_rows(x, idx)
+    assert got.shape == (6, 16)
+    assert np.array_equal(np.array(got), np.array(x)[[6, 0, 0, 3, 6, 1]])
+    assert row_gather.take_rows(x, mx.array([], dtype=mx.int32)).shape == (0, 16)
+    assert not row_gather.is_supported(x, idx)  # CPU
+    odd = mx.zeros((4, 3), dtype=mx.bfloat16)  # 6-byte rows: never the kernel
+    assert not row_gather.is_supported(odd, idx)

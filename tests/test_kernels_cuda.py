@@ -51,3 +51,17 @@ def test_sinkhorn_kernel_equals_the_ordered_reference(rows):
     assert mx.array_equal(got, sinkhorn_ordered(comb, 20, 1e-6)).item()
     assert mx.allclose(got, sinkhorn_reference(comb, 20, 1e-6), rtol=1e-5, atol=1e-7).item()
     assert mx.array_equal(sinkhorn_kernel(comb[:1], 20, 1e-6), got[:1]).item()  # a row alone: the same bits
+
+
+@pytest.mark.parametrize("dtype, width", [(mx.bfloat16, 4096), (mx.float32, 128), (mx.bfloat16, 8)])
+def test_row_gather_kernel_is_mlx_gather_bit_for_bit(dtype, width):
+    """A gather is a copy: the 16-byte-vector kernel gives exactly MLX's x[idx] (repeats, any order,
+    more rows out than in)."""
+    from tessera.kernels.row_gather import is_supported, take_rows_kernel, take_rows_reference
+
+    x = mx.random.normal((300, width), key=mx.random.key(width)).astype(dtype)
+    idx = mx.random.randint(0, 300, (1000,), key=mx.random.key(1)).astype(mx.uint32)
+    assert is_supported(x, idx)
+    assert mx.array_equal(take_rows_kernel(x, idx), take_rows_reference(x, idx)).item()
+    view = x[100:]  # a view starting at a row boundary
+    assert mx.array_equal(take_rows_kernel(view, idx % 200), take_rows_reference(view, idx % 200)).item()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -17,19 +16,15 @@ import httpx
 import openai
 import pytest
 
+from tests.server_harness import free_port
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.skipif(shutil.which("make") is None or not (REPO_ROOT / ".venv" / ".installed").exists(),
                     reason="needs make and the .venv that `make test` builds")
 def test_make_serve_answers_a_chat_request(tmp_path):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "TESSERA_PORT": str(port), "TESSERA_HOME": str(tmp_path)}
     process = subprocess.Popen(["make", "--no-print-directory", "serve"], cwd=REPO_ROOT, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

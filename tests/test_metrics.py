@@ -27,7 +27,7 @@ from tessera.server.metrics import (
     INTER_TOKEN_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, VLLM_ALIASES, Metrics,
     build_1_2_5_buckets, metrics_router,
 )
-from server_harness import MODEL_NAME, live_server, make_tokenizer
+from server_harness import MODEL_NAME, live_server
 
 MODEL = "tiny-v4"
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "OBSERVABILITY.md"
@@ -238,11 +238,6 @@ def test_memory_and_prefill_gauges_move_while_a_long_request_runs_and_return_aft
 # ---- through the real server: one HTTP request, GET /metrics around it ------------------------------------
 
 Scrape = dict  # LiveServer.scrape(): {(sample name, labels): value}
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory):
-    return make_tokenizer(tmp_path_factory.mktemp("metrics"))
 
 
 def moved(before: Scrape, after: Scrape, name: str, **labels: str) -> float:

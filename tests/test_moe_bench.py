@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYOUTS = ["session5", "session5_one_block", "new", "new_one_block", "new_overflow"]
+LAYOUTS = ["session5", "session5_one_block", "new", "new_mlx_gather", "new_one_block", "new_overflow"]
 REFERENCES = ["matmul_moe_shapes", "weights_read", "batched_gemm_only", "batched_gemm_fused_gate_up"]
 PIECES = {"sort_counts", "sync_plan", "indices", "gather_in", "gemm_gate_up", "swiglu", "gemm_down", "gather_out",
           "weighted_sum", "shared_expert", "sum"}

@@ -3,18 +3,17 @@ prompt logprobs, SDK no-op fields, vLLM extensions, CORS preflight, 4xx counted 
 
 from __future__ import annotations
 
-import json
 from typing import Any, Iterator
 
 import httpx
 import pytest
 
-from server_harness import MODEL_NAME, LiveServer, live_server, make_tokenizer
+from server_harness import MODEL_NAME, LiveServer, live_server, sse_chunks
+from tests.support.utf8 import is_partial_utf8
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    tokenizer = make_tokenizer(tmp_path_factory.mktemp("proto"))
+def server(tokenizer) -> Iterator[LiveServer]:
     with live_server(tokenizer, api_keys=["sekret"], allowed_origins=["https://app.example"]) as live:
         yield live
 
@@ -30,9 +29,7 @@ def stream_chunks(server: LiveServer, path: str, body: dict[str, Any]) -> list[d
     with httpx.stream("POST", server.base_url + path, json={**body, "stream": True}, headers=AUTH,
                       timeout=30) as response:
         assert response.status_code == 200, response.read()
-        data = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
-    assert data[-1] == "[DONE]"
-    return [json.loads(d) for d in data[:-1]]
+        return sse_chunks(response.iter_lines())
 
 
 def chat(text: str, **fields: Any) -> dict[str, Any]:
@@ -68,7 +65,7 @@ def test_continuous_usage_stats_puts_usage_on_every_chunk(server: LiveServer) ->
 
 def test_completion_top_logprobs_include_the_sampled_token_and_keep_partial_bytes_apart(server: LiveServer) -> None:
     tokenizer = server.tokenizer
-    partial = [t for t in range(tokenizer.vocab_size) if _is_partial_utf8(tokenizer.token_bytes(t))]
+    partial = [t for t in range(tokenizer.vocab_size) if is_partial_utf8(tokenizer.token_bytes(t))]
     server.runner.script("partial bytes", partial[:6] + [tokenizer.eos_token_id])
     response = post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": "partial bytes", "max_tokens": 6,
                                                  "logprobs": 0}).json()
@@ -81,14 +78,6 @@ def test_completion_top_logprobs_include_the_sampled_token_and_keep_partial_byte
                                                  "logprobs": 3}).json()
     for name, top in zip(response["choices"][0]["logprobs"]["tokens"], response["choices"][0]["logprobs"]["top_logprobs"]):
         assert name in top and len(top) in (3, 4)
-
-
-def _is_partial_utf8(raw: bytes) -> bool:
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return True
-    return False
 
 
 @pytest.mark.parametrize("stream", [False, True])

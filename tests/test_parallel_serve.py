@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 from tessera.engine.parallel.serving import RANK_LOST_EXIT_CODE
 from tessera.engine.parallel.transport import TRANSPORT_ENV
 from tessera.engine.tools.make_model import make_model
+from tests.server_harness import free_port
 
 # The second prompt is longer than the chunk (32): its prefill takes several steps.
 PROMPTS = ["hello world, this is a test of the pipeline", "a second prompt, longer than one chunk of thirty-two tokens " * 3]
@@ -32,16 +32,9 @@ def model_dir(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("tiny"), "tiny", seed=4)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-
 @contextmanager
 def _server(model_dir: Path, world: int, log: Path, transport: str | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ)  # inherits how this process imports tessera (tests/conftest.py)
     env.pop(TRANSPORT_ENV, None)
     if transport is not None:  # forced (what NCCL gets); by default the ring backend uses send/recv
@@ -145,7 +138,7 @@ def test_under_mlx_launch_every_rank_runs_tessera_serve(model_dir, expected, tmp
     launcher = Path(sys.executable).parent / "mlx.launch"
     if not launcher.is_file():
         pytest.skip("mlx.launch is not installed beside this python")
-    port, log = _free_port(), tmp_path / "launch.log"
+    port, log = free_port(), tmp_path / "launch.log"
     env = dict(os.environ)  # inherits how this process imports tessera (tests/conftest.py)
     env.pop("LD_PRELOAD", None)
     with open(log, "wb") as out:

@@ -24,7 +24,7 @@ from tessera.engine.tools.make_model import make_model
 from tessera.engine.tools.prefix_check import Engine
 from tessera.engine.tools.replay import random_tokens
 from tests.equivalence.row_invariant_blas import row_invariant_blas
-from tests.server_harness import serving
+from tests.server_harness import real_server
 
 
 @pytest.fixture(scope="module")
@@ -155,19 +155,11 @@ def served_dir(tmp_path_factory):
 
 @contextmanager
 def _served(model_dir, **settings):
-    from tessera.server.app import create_app
-    from tessera.server.serve import build_engine
     from tessera.server.settings import Settings
 
     app_settings = Settings(model=model_dir, prefill_chunk=96, indexer_tile=32, metrics_vllm_aliases=True, **settings)
-    served = build_engine(app_settings)
-    app = create_app(app_settings, served.engine, served.tokenizer, served.info, served.metrics)
-    served.engine.start()
-    try:
-        with serving(app) as base_url:
-            yield base_url, served.info.name
-    finally:
-        served.engine.shutdown(1.0)
+    with real_server(app_settings) as (base_url, served):
+        yield base_url, served.info.name
 
 
 def _complete(base_url: str, model: str, prompt: list[int]) -> tuple[list[str], list[float], int]:

@@ -117,3 +117,17 @@ def test_tid2eid_is_sorted_in_row_blocks_the_gpu_accepts():
     assert blocked.shape == (100, 6) and blocked.dtype == mx.int64
     assert mx.array_equal(blocked, random_tid2eid((100, 6), 32, key)).item()  # blocks change nothing
     assert all(len(set(row)) == 6 for row in np.array(blocked).tolist())
+
+
+@pytest.mark.parametrize("cols", [64, 4096])
+def test_random_fp4_experts_have_the_writers_scale_on_host_and_device(cols):
+    """Both random FP4 draws (the checkpoint writer's on the host, random_weights' on the device) put an
+    expert weight's RMS near 1/sqrt(in), from one rule (official_format.fp4_base_exponent)."""
+    from tessera.engine.model.official_format import dequantize_fp4, random_fp4
+    from tessera.engine.model.random_weights import random_fp4_stacked
+
+    host = dequantize_fp4(*random_fp4((64, cols), np.random.default_rng(0)))
+    device = np.array(random_fp4_stacked(2, (64, cols), mx.random.key(0)).dequantize(mx.float32))
+    for values in (host, device):
+        ratio = float(np.sqrt(np.mean(values**2)) * np.sqrt(cols))
+        assert 0.7 < ratio < 1.4, ratio

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tessera.engine.serving.protocol import SamplingParams
-from tessera.engine.serving.sampler import RequestRng, TokenHistory, process_logits, sample
+from tessera.engine.serving.sampler import RequestRng, TokenHistory, process_logits, ranked_logprobs, sample, token_logprobs
 
 PROBS = [0.5, 0.3, 0.1, 0.05, 0.05]
 
@@ -214,3 +214,16 @@ def test_a_grammar_that_can_only_end_wins_over_min_tokens():
     params = SamplingParams(temperature=0.0, min_tokens=5, stop_token_ids=(0,))
     token = sample(mx.array(row)[None, :], [params], [TokenHistory([1])], [RequestRng(0)], [_mask([0], 4)])[0]
     assert token.token_id == 0
+
+
+def test_token_logprobs_gathers_only_the_reported_values_on_the_device():
+    """Prompt and sampled logprobs copy [n] and [n, k] to the host, never the [n, V] block."""
+    logits = mx.random.normal((3, 50), key=mx.random.key(7))
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    chosen, top_ids, top_values = token_logprobs(logprobs, mx.array([4, 0, 49]), 5)
+    assert chosen.shape == (3,) and top_ids.shape == (3, 5) and top_values.shape == (3, 5)
+    full = np.array(logprobs)
+    for row, (token, (logprob, top)) in enumerate(zip([4, 0, 49], ranked_logprobs(chosen, top_ids, top_values))):
+        assert logprob == full[row, token]
+        want = sorted(range(50), key=lambda i: (-full[row, i], i))[:5]
+        assert top == tuple((i, float(full[row, i])) for i in want)

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tessera.engine.serving.protocol import Done, SamplingParams, Token
 from tessera.server.dsml import render_tool_calls
-from server_harness import MODEL_NAME, LiveServer, free_port, live_server, make_tokenizer
+from server_harness import MODEL_NAME, LiveServer, free_port, live_server, sse_data
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,8 +36,7 @@ WEATHER_TOOL = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    tokenizer = make_tokenizer(tmp_path_factory.mktemp("api"))
+def server(tokenizer) -> Iterator[LiveServer]:
     with live_server(tokenizer) as live:
         yield live
 
@@ -59,8 +58,7 @@ def sse_events(server: LiveServer, path: str, body: dict[str, Any]) -> tuple[int
 
 
 def data_of(lines: list[str]) -> list[Any]:
-    return [line[len("data: "):] if line == "data: [DONE]" else json.loads(line[len("data: "):])
-            for line in lines if line.startswith("data: ")]
+    return [data if data == "[DONE]" else json.loads(data) for data in sse_data(lines)]
 
 
 def streamed_chat(client, **kwargs) -> tuple[list[Any], dict[int, str], dict[int, str]]:
@@ -382,8 +380,7 @@ def test_keepalive_comments_during_long_prefill(server: LiveServer) -> None:
 
 
 @pytest.fixture(scope="module")
-def slow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    tokenizer = make_tokenizer(tmp_path_factory.mktemp("slow"))
+def slow_server(tokenizer) -> Iterator[LiveServer]:
     with live_server(tokenizer, step_delay_s=0.02, prefill_chunk=64) as live:
         yield live
 

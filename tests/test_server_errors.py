@@ -14,15 +14,10 @@ import pytest
 
 from tessera.server.app import create_app
 from tessera.server.settings import Settings
-from server_harness import MODEL_NAME, LiveServer, live_server, make_tokenizer, serving
+from server_harness import (
+    CHAT, COMPLETIONS, MODEL_NAME, LiveServer, chat, completion, live_server, serving, sse_chunks,
+)
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory):
-    return make_tokenizer(tmp_path_factory.mktemp("errors"))
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +29,6 @@ def server(tokenizer) -> Iterator[LiveServer]:
 def post(server: LiveServer | str, path: str, body: Any, **kwargs: Any) -> httpx.Response:
     base = server if isinstance(server, str) else server.base_url
     return httpx.post(base + path, json=body, timeout=30, **kwargs)
-
-
-def chat(**fields: Any) -> dict[str, Any]:
-    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
-
-
-def completion(**fields: Any) -> dict[str, Any]:
-    return {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4, **fields}
 
 
 def assert_error(response: httpx.Response, status: int, type_: str, param: str | None = None,
@@ -312,13 +299,11 @@ def test_failure_after_first_token_is_an_sse_error_then_done(server: LiveServer)
     try:
         body = chat(messages=[{"role": "user", "content": "explode later"}], max_tokens=20, stream=True)
         with httpx.stream("POST", server.base_url + CHAT, json=body, timeout=30) as response:
-            lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+            chunks = sse_chunks(response.iter_lines())
     finally:
         server.runner.fail_marker = None
     assert response.status_code == 200
-    assert lines[-1] == "data: [DONE]"
-    error = json.loads(lines[-2][len("data: "):])["error"]
+    error = chunks.pop()["error"]  # the last chunk before [DONE]
     assert (error["type"], error["code"]) == ("server_error", "internal_error")
-    chunks = [json.loads(line[len("data: "):]) for line in lines[:-2]]
     assert any(c["choices"][0]["delta"].get("content") for c in chunks)  # tokens came before the failure
     assert not any(c["choices"][0].get("finish_reason") for c in chunks)

@@ -13,7 +13,6 @@ from tessera.engine.serving.sampler import unpack_mask
 from tessera.server.dsml import THINK_END, parse_completion
 from tessera.server.structured_output import GrammarCompiler, ToolSpec, full_grammar, json_grammar, plain_or_block_rule, \
     tool_call_grammar
-from server_harness import make_tokenizer
 
 ARGS = {"type": "object", "properties": {
     "q": {"type": "string", "maxLength": 4}, "n": {"type": "integer", "minimum": -3, "maximum": 3},
@@ -21,11 +20,6 @@ ARGS = {"type": "object", "properties": {
              "additionalProperties": False}},
     "required": ["q", "opts"], "additionalProperties": False}
 TOOLS = [ToolSpec("search", ARGS), ToolSpec("noop", {"type": "object", "properties": {}})]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return make_tokenizer(tmp_path_factory.mktemp("grammar"))
 
 
 def walk(tokenizer, grammars: GrammarCompiler, grammar: str, seed: int, prefer: int | None = None) -> str:

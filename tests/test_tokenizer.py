@@ -12,6 +12,7 @@ from tessera.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from tessera.engine.tools.tokenizer_train import SPECIAL_TOKENS, train_tokenizer
 from tessera.server.chat_format import ASSISTANT, BOS, EOS, THINK_END, THINK_START, USER, render_prompt
 from tessera.server.dsml import DSML
+from tests.support.utf8 import is_partial_utf8
 
 SAMPLES = [
     "Hello, world!",
@@ -88,7 +89,7 @@ def test_token_bytes_concatenate_to_the_utf8_text(tok, text):
 def test_small_vocab_splits_characters_across_tokens(tok):
     """Guards the detokenizer tests below: they only mean something if some tokens are partial characters."""
     ids = tok.encode("🎉你")
-    assert any(_is_partial_utf8(tok.token_bytes(i)) for i in ids)
+    assert any(is_partial_utf8(tok.token_bytes(i)) for i in ids)
 
 
 # ---- incremental detokenizer ------------------------------------------------------------------------
@@ -189,11 +190,3 @@ def _copy_tokenizer(src, dst, config: dict | None) -> None:
     (dst / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
     if config is not None:
         (dst / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
-
-
-def _is_partial_utf8(raw: bytes) -> bool:
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return True
-    return False

@@ -19,6 +19,7 @@ once forward and once backward (A B … B A), each round 2 warm-ups + --iters ti
   row / never).
 - `new`: engine/model/moe.py now (index tables from the counts on the host, padding rows read a real
   token, the overflow block costed by this device's OVERFLOW_COST within PADDED_MAX_ROWS_PER_PAIR);
+  `new_mlx_gather`: `new` with MLX's own gather for the two row gathers instead of kernels/row_gather.py;
   `new_one_block`: the same with one block whatever its size (no overflow block, no row bound);
   `new_overflow`: the same with the CPU's overflow cost (to re-measure what an overflow block costs here).
 
@@ -56,6 +57,8 @@ use_source_tree()
 from tessera.engine.model import moe as moe_mod  # noqa: E402
 from tessera.engine.model.moe import MoEWeights, routed_experts, swiglu  # noqa: E402
 from tessera.engine.model.quantized import QuantizedWeight, quantize  # noqa: E402
+from tessera.kernels import row_gather  # noqa: E402
+from tessera.kernels.row_gather import take_rows  # noqa: E402
 
 LIMIT, SCALING = 10.0, 1.5
 
@@ -181,7 +184,7 @@ def new_routed(x, experts, weights, w: MoEWeights, cost, max_rows_per_pair: floa
     slot = mx.zeros((num_pairs,), dtype=mx.int32)
     slot[order] = mx.array(tables.slot)
     st.mark("indices", source, slot)
-    rows = x[source]
+    rows = take_rows(x, source)
     st.mark("gather_in", rows)
     main_rows = num_experts * plan.capacity
     y = expert_gemms(rows[:main_rows].reshape(num_experts, plan.capacity, dim), w, st).reshape(main_rows, dim)
@@ -189,7 +192,7 @@ def new_routed(x, experts, weights, w: MoEWeights, cost, max_rows_per_pair: floa
         over = rows[main_rows:].reshape(len(plan.overflow), plan.overflow_capacity, dim)
         y = mx.concatenate([y, moe_mod._overflow_block(over, w, mx.array(plan.overflow, dtype=mx.uint32), LIMIT).reshape(-1, dim)])
         st.mark("overflow_block", y)
-    by_pair = y[slot]
+    by_pair = take_rows(y, slot)
     st.mark("gather_out", by_pair)
     routed = moe_mod._weighted_sum(by_pair.reshape(num_tokens, k, dim), weights)
     st.mark("weighted_sum", routed)
@@ -396,9 +399,22 @@ def layouts(x, experts, weights, w: MoEWeights, flop: float) -> dict[str, tuple[
         "session5": (s5(2.0), flop, True),
         "session5_one_block": (s5(1e9), flop, True),
         "new": (new(device_cost, bound), flop, True),
+        "new_mlx_gather": (mlx_gather(new(device_cost, bound)), flop, True),
         "new_one_block": (new(None, float("inf")), flop, True),
         "new_overflow": (new(cpu_cost(w), bound), flop, True),
     }
+
+
+def mlx_gather(fn: Callable[[Stages], mx.array]) -> Callable[[Stages], mx.array]:
+    """`fn` with MLX's own gather for the row gathers (kernels/row_gather.py switched off)."""
+    def run(st: Stages) -> mx.array:
+        saved = row_gather.kernel_enabled()
+        row_gather.set_kernel_enabled(False)
+        try:
+            return fn(st)
+        finally:
+            row_gather.set_kernel_enabled(saved)
+    return run
 
 
 def check_layouts(out, label, settings, x, experts, weights, w) -> None:
@@ -408,7 +424,7 @@ def check_layouts(out, label, settings, x, experts, weights, w) -> None:
     try:
         want = moe_mod._sum_in(routed_experts(x, experts, weights, w, LIMIT, layout="padded"),
                                swiglu(x, w.shared_w1, w.shared_w2, w.shared_w3, LIMIT), x)
-        for name in ("session5", "session5_one_block", "new", "new_one_block", "new_overflow"):
+        for name in ("session5", "session5_one_block", "new", "new_mlx_gather", "new_one_block", "new_overflow"):
             check(out, label, name, settings[name][0](NO_STAGES), want)
     finally:
         moe_mod.PADDED_MAX_ROWS_PER_PAIR = saved

@@ -30,8 +30,8 @@ from tessera.engine.model.compressor import compress
 from tessera.engine.model.config import CSA, HCA, WINDOW, ModelConfig
 from tessera.engine.model.decode_attention import DecodeRows, decode_attention
 from tessera.engine.model.norms import rms_norm, unweighted_rms_norm
-from tessera.engine.model.quantized import for_rows, grouped_linear, linear
-from tessera.engine.model.rope import apply_rope, cos_sin
+from tessera.engine.model.quantized import DENSE_MIN_ROWS, for_rows, grouped_linear, linear
+from tessera.engine.model.rope import StepRope, apply_rope
 from tessera.engine.model.trace import ForwardTrace
 from tessera.kernels.indexer import indexer_scores, select_topk
 from tessera.kernels.sparse_attention import mixed_attention, shared_rows
@@ -72,7 +72,7 @@ class _ChunkProjections:
 
 def attention(
     x: mx.array,
-    positions: mx.array,
+    rope: StepRope,
     segments: list[SegmentSlice],
     w: AttentionWeights,
     cfg: ModelConfig,
@@ -80,28 +80,27 @@ def attention(
     tile: int,
     timer: ForwardTrace,
 ) -> mx.array:
-    """x: [T, D] (normed block input), positions: [T] -> [T, D]."""
-    rope = cfg.rope_for(layer)
-    cos, sin = cos_sin(rope, positions)
+    """x: [T, D] (normed block input), rope: the step's RoPE tables (its positions [T]) -> [T, D]."""
+    cos, sin, neg_sin = rope.tables(cfg.rope_for(layer))
     w = _for_batch(w, x.shape[0], x.dtype)
     chunk = _project_chunk(x, cos, sin, w, cfg, layer)
     queries = _QueryBlocks(chunk.q_residual, cos, sin, w, cfg, layer)
-    output = _OutputBlocks(cos, sin, w, cfg)
+    output = _OutputBlocks(cos, neg_sin, w, cfg)
     decodes = [seg for seg in segments if seg.length == 1] if BATCH_DECODE_ROWS else []
     decoded = None
     if decodes:
         decoded = timer.stage("attention", decode_attention(_decode_rows(x, chunk, queries, decodes), w, cfg, layer, timer))
-    # Decode rows that lead the step (the runner puts decodes first) go out as one piece, not one slice each.
-    lead = len(decodes) if decoded is not None and all(a is b for a, b in zip(segments, decodes)) else 0
-    if lead:
-        output.add(decoded)
-    done = lead  # decode rows handed to `output` so far
-    for seg in segments[lead:]:
+    done = pending = 0  # decode rows handed to `output` so far; batched rows waiting to go with them
+    for seg in segments:
         if decoded is not None and seg.length == 1:  # batched above; its row goes out in batch order
-            output.add(decoded[done : done + 1])
-            done += 1
-        else:
-            _segment_attention(x, chunk, queries, output, seg, w, cfg, layer, tile, timer)
+            pending += 1
+            continue
+        if pending:
+            output.add(_rows(decoded, done, done + pending))
+            done, pending = done + pending, 0
+        _segment_attention(x, chunk, queries, output, seg, w, cfg, layer, tile, timer)
+    if pending:  # a run of decode rows goes out as one piece (all of them in a decode step: no slice)
+        output.add(_rows(decoded, done, done + pending))
     return output.result()
 
 
@@ -110,7 +109,7 @@ def _decode_rows(x: mx.array, chunk: _ChunkProjections, queries: _QueryBlocks, d
     offsets = [seg.offset for seg in decodes]
     first = offsets[0]
     if offsets == list(range(first, first + len(offsets))):
-        take = lambda a: None if a is None else a[first : first + len(offsets)]  # noqa: E731
+        take = lambda a: None if a is None else _rows(a, first, first + len(offsets))  # noqa: E731
         q, index_q = queries.rows(first, first + len(offsets))
     else:
         index = mx.array(offsets)
@@ -124,7 +123,10 @@ def _decode_rows(x: mx.array, chunk: _ChunkProjections, queries: _QueryBlocks, d
 def _for_batch(w: AttentionWeights, rows: int, dtype: mx.Dtype) -> AttentionWeights:
     """The block-projected weights in the form the whole batch uses (quantized.for_rows by its rows):
     a large batch dequantizes each once and its PROJECTION_ROWS blocks share the copy, and every
-    row takes the same path however the batch is tiled."""
+    row takes the same path however the batch is tiled. Below DENSE_MIN_ROWS (decode) for_rows keeps
+    every weight as it is: `w` itself, with no per-layer copy of the weights record."""
+    if rows < DENSE_MIN_ROWS:
+        return w
     return replace(
         w, wq_b=for_rows(w.wq_b, rows, dtype), wo_a=for_rows(w.wo_a, rows, dtype), wo_b=for_rows(w.wo_b, rows, dtype),
         index_wq_b=None if w.index_wq_b is None else for_rows(w.index_wq_b, rows, dtype),
@@ -159,8 +161,8 @@ class _QueryBlocks:
         first, last = r0 // PROJECTION_ROWS, (r1 - 1) // PROJECTION_ROWS
         blocks = [self._block(j) for j in range(first, last + 1)]
         lo, hi = r0 - first * PROJECTION_ROWS, r1 - first * PROJECTION_ROWS
-        q = _joined([b[0] for b in blocks])[lo:hi]
-        index_q = _joined([b[1] for b in blocks])[lo:hi] if self._indexed else None
+        q = _rows(_joined([b[0] for b in blocks]), lo, hi)
+        index_q = _rows(_joined([b[1] for b in blocks]), lo, hi) if self._indexed else None
         return q, index_q
 
     def _block(self, j: int) -> tuple[mx.array, mx.array | None]:
@@ -168,7 +170,7 @@ class _QueryBlocks:
             return self._last[1], self._last[2]
         cfg, w, eps = self._cfg, self._w, self._cfg.rms_norm_eps
         r0, r1 = j * PROJECTION_ROWS, min((j + 1) * PROJECTION_ROWS, self._q_residual.shape[0])
-        q_residual, cos, sin = self._q_residual[r0:r1], self._cos[r0:r1], self._sin[r0:r1]
+        q_residual, cos, sin = (_rows(a, r0, r1) for a in (self._q_residual, self._cos, self._sin))
         q = linear(q_residual, w.wq_b).reshape(r1 - r0, cfg.num_attention_heads, cfg.head_dim)
         q = apply_rope(unweighted_rms_norm(q, eps), cos, sin)  # [B, H, hd]
         index_q = None
@@ -184,8 +186,8 @@ class _OutputBlocks:
     PROJECTION_ROWS block to the model width, so at most a block plus a tile of [rows, H, hd]
     outputs wait at a time."""
 
-    def __init__(self, cos: mx.array, sin: mx.array, w: AttentionWeights, cfg: ModelConfig) -> None:
-        self._cos, self._sin, self._w, self._cfg = cos, sin, w, cfg
+    def __init__(self, cos: mx.array, neg_sin: mx.array, w: AttentionWeights, cfg: ModelConfig) -> None:
+        self._cos, self._neg_sin, self._w, self._cfg = cos, neg_sin, w, cfg
         self._pending: list[mx.array] = []  # [r, H, hd] pieces, in batch order
         self._pending_rows = 0
         self._projected: list[mx.array] = []  # [B, D] blocks
@@ -222,7 +224,7 @@ class _OutputBlocks:
         r0 = len(self._projected) * PROJECTION_ROWS
         r1 = r0 + out.shape[0]
         # K = V carried RoPE into the output's rope slice: rotate back by the query position.
-        out = apply_rope(out, self._cos[r0:r1], -self._sin[r0:r1])
+        out = apply_rope(out, _rows(self._cos, r0, r1), _rows(self._neg_sin, r0, r1))
         block = _grouped_output(out, self._w, self._cfg)  # [B, D]
         self._projected.append(block)
         return block
@@ -230,6 +232,11 @@ class _OutputBlocks:
 
 def _joined(parts: list[mx.array]) -> mx.array:
     return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+
+def _rows(a: mx.array, r0: int, r1: int) -> mx.array:
+    """a[r0:r1], without a slice node when that is all of `a` (a decode step's batch, one block)."""
+    return a if r0 == 0 and r1 == a.shape[0] else a[r0:r1]
 
 
 def _grouped_output(out: mx.array, w: AttentionWeights, cfg: ModelConfig) -> mx.array:

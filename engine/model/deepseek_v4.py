@@ -7,18 +7,23 @@ each running sequence) because each segment has its own cache.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from tessera.engine.model.attention import AttentionWeights, SegmentSlice, attention
 from tessera.engine.model.cache import SequenceCache
 from tessera.engine.model.compressor import CompressorWeights
 from tessera.engine.model.config import HASH_MOE, ModelConfig
+from tessera.engine.model.decode_async import decode_async_enabled
 from tessera.engine.model.hyper import HyperWeights, expand, head_collapse, hyper_weights
 from tessera.engine.model.moe import MoEWeights, moe
 from tessera.engine.model.norms import rms_norm
+from tessera.engine.model.rope import StepRope
 from tessera.engine.model.trace import ForwardTrace
 
 
@@ -67,8 +72,9 @@ class DeepseekV4:
         `tile`: indexer/attention query rows per tile (None: the whole segment, the untiled path).
         """
         timer = timer or ForwardTrace(stage_sync=False)  # nobody reads the times: no stage syncs
-        streams = self.embed(segments)
-        streams = self.run_layers(streams, segments, self.layer_ids, tile, timer)
+        token_ids = step_token_ids(segments)
+        streams = self.embed(segments, token_ids)
+        streams = self.run_layers(streams, segments, self.layer_ids, tile, timer, token_ids)
         advance_caches(segments)
         if isinstance(all_logits, bool):
             return self.logits(streams if all_logits else last_rows(streams, segments), segments, all_logits)
@@ -77,26 +83,35 @@ class DeepseekV4:
     # The three parts of `forward`, public so that a pipeline stage (engine/parallel/) can run its
     # own layer range between them and pass the streams on.
 
-    def embed(self, segments: Sequence[Segment]) -> mx.array:
+    def embed(self, segments: Sequence[Segment], token_ids: mx.array | None = None) -> mx.array:
         """The step's tokens -> streams [T, hc, D]: every stream starts as the token's embedding (a
-        broadcast view, gone with the first layer's output)."""
-        embedded = self.weights["embed.weight"][step_token_ids(segments)]  # [T, D]
+        broadcast view, gone with the first layer's output). token_ids: `step_token_ids(segments)`, if
+        the caller has it already."""
+        token_ids = step_token_ids(segments) if token_ids is None else token_ids
+        embedded = self.weights["embed.weight"][token_ids]  # [T, D]
         return mx.broadcast_to(embedded[:, None, :], (embedded.shape[0], self.cfg.hc_mult, embedded.shape[1]))
 
     def run_layers(self, streams: mx.array, segments: Sequence[Segment], layer_ids: range, tile: int | None = None,
-                   timer: ForwardTrace | None = None) -> mx.array:
+                   timer: ForwardTrace | None = None, token_ids: mx.array | None = None) -> mx.array:
         """streams [T, hc, D] through `layer_ids` (a subset of this model's), appending to the segments'
-        caches of those layers; the caches' token counts move only in `advance_caches`."""
+        caches of those layers; the caches' token counts move only in `advance_caches`.
+        token_ids: `step_token_ids(segments)`, if the caller has it already."""
         timer = timer or ForwardTrace(stage_sync=False)
-        token_ids = step_token_ids(segments)
-        positions = mx.concatenate([mx.arange(s.cache.num_tokens, s.cache.num_tokens + len(s.token_ids)) for s in segments])
-        tile = tile or max(len(s.token_ids) for s in segments)
-        # Evaluating layer by layer bounds a prefill chunk's graph; a decode step's whole graph is small.
-        settle = timer.boundary if max(len(s.token_ids) for s in segments) > 1 else timer.stage
+        token_ids = step_token_ids(segments) if token_ids is None else token_ids
+        rope = StepRope(step_positions(segments))  # every layer's RoPE tables, built once per step
+        rows = _segment_rows(segments)
+        longest = max(length for _, length, _, _ in rows)
+        tile = tile or longest
         for i in layer_ids:
-            slices = _slices(segments, i)
-            streams = self._layer(streams, token_ids, positions, slices, self.layers[i], i, tile, timer)
-            settle("other", streams)
+            slices = [SegmentSlice(offset, length, start, cache.layers[i]) for offset, length, start, cache in rows]
+            streams = self._layer(streams, token_ids, rope, slices, self.layers[i], i, tile, timer)
+            if longest > 1:  # evaluating layer by layer bounds a prefill chunk's graph
+                timer.boundary("other", streams)
+            elif decode_async_enabled() and not timer.stage_sync:
+                # Decode: the device may run this layer while Python builds the next (decode_async.py; off by default).
+                mx.async_eval(streams, *[a for s in slices for a in s.cache.arrays()])
+            else:
+                timer.stage("other", streams)
         return streams
 
     def logits(self, streams: mx.array, segments: Sequence[Segment], all_logits: bool | Sequence[bool]) -> list[mx.array]:
@@ -104,20 +119,31 @@ class DeepseekV4:
         or [1, vocab] of its last token (streams: `last_rows`, one per segment); with one flag per segment,
         streams are `head_rows`."""
         cfg, w = self.cfg, self.weights
-        hidden = head_collapse(streams, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], cfg.hc_eps, cfg.rms_norm_eps)
-        logits = rms_norm(hidden, w["norm.weight"], cfg.rms_norm_eps) @ w["head.weight"].T  # [rows, vocab]
+        hidden = head_collapse(streams, self._head_hc, cfg.hc_eps, cfg.rms_norm_eps)
+        logits = rms_norm(hidden, w["norm.weight"], cfg.rms_norm_eps) @ self._head_t  # [rows, vocab]
         wants = [all_logits] * len(segments) if isinstance(all_logits, bool) else list(all_logits)
-        out, offset = [], 0
-        for s, want in zip(segments, wants):
-            size = len(s.token_ids) if want else 1
-            out.append(logits[offset : offset + size])
-            offset += size
-        return out
+        sizes = [len(s.token_ids) if want else 1 for s, want in zip(segments, wants)]
+        if len(sizes) == 1:
+            return [logits]
+        return mx.split(logits, list(itertools.accumulate(sizes[:-1])), axis=0)  # one node for every segment
 
-    def _layer(self, streams, token_ids, positions, slices, layer: LayerWeights, i: int, tile: int, timer: ForwardTrace):
+    @cached_property
+    def _head_hc(self) -> HyperWeights:
+        w = self.weights
+        return HyperWeights(w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"])
+
+    @cached_property
+    def _head_t(self) -> mx.array:
+        """[D, vocab]: the head's transposed view, made once (the gemm's operand as `head.weight.T`
+        gave it, without a transpose node in every step)."""
+        head_t = self.weights["head.weight"].T
+        mx.eval(head_t)
+        return head_t
+
+    def _layer(self, streams, token_ids, rope: StepRope, slices, layer: LayerWeights, i: int, tile: int, timer: ForwardTrace):
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         post, comb, collapsed = hyper_weights(streams, layer.attn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
-        attn_out = attention(rms_norm(collapsed, layer.attn_norm, eps), positions, slices, layer.attn, cfg, i, tile, timer)
+        attn_out = attention(rms_norm(collapsed, layer.attn_norm, eps), rope, slices, layer.attn, cfg, i, tile, timer)
         streams = expand(attn_out, streams, post, comb)
         post, comb, collapsed = hyper_weights(streams, layer.ffn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
         timer.stage("other", collapsed)
@@ -132,6 +158,14 @@ def step_token_ids(segments: Sequence[Segment]) -> mx.array:
     return mx.array([int(t) for s in segments for t in s.token_ids], dtype=mx.int32)
 
 
+def step_positions(segments: Sequence[Segment]) -> mx.array:
+    """[T] int32: every token's position in its sequence (the step's flat batch), one array from the host."""
+    if all(len(s.token_ids) == 1 for s in segments):  # a decode step: each sequence's next position
+        return mx.array([s.cache.num_tokens for s in segments], dtype=mx.int32)
+    starts = [np.arange(s.cache.num_tokens, s.cache.num_tokens + len(s.token_ids), dtype=np.int32) for s in segments]
+    return mx.array(np.concatenate(starts))
+
+
 def advance_caches(segments: Sequence[Segment]) -> None:
     """After every layer of this process ran: the segments' tokens are in their caches."""
     for s in segments:
@@ -141,6 +175,8 @@ def advance_caches(segments: Sequence[Segment]) -> None:
 
 def last_rows(streams: mx.array, segments: Sequence[Segment]) -> mx.array:
     """[T, hc, D] -> [len(segments), hc, D]: each segment's last token, the only one sampled."""
+    if all(len(s.token_ids) == 1 for s in segments):  # a decode step: every row is a last row
+        return streams
     return streams[mx.array(segment_ends(segments))]
 
 
@@ -163,10 +199,12 @@ def segment_ends(segments: Sequence[Segment]) -> list[int]:
     return ends
 
 
-def _slices(segments: Sequence[Segment], layer: int) -> list[SegmentSlice]:
+def _segment_rows(segments: Sequence[Segment]) -> list[tuple[int, int, int, SequenceCache]]:
+    """Per segment (offset in the step's flat batch, token count, cached tokens, cache): what each layer's
+    SegmentSlice is made of, worked out once per step."""
     out, offset = [], 0
     for s in segments:
-        out.append(SegmentSlice(offset, len(s.token_ids), s.cache.num_tokens, s.cache.layers[layer]))
+        out.append((offset, len(s.token_ids), s.cache.num_tokens, s.cache))
         offset += len(s.token_ids)
     return out
 

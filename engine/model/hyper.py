@@ -20,41 +20,72 @@ from tessera.kernels import sinkhorn as sinkhorn_kernels
 
 @dataclass(frozen=True)
 class HyperWeights:
+    """A layer's mixing weights (shapes below), or the head's: fn [hc, hc·hidden], base [hc], scale [1]
+    (pre mixes only, `head_collapse`)."""
+
     fn: mx.array  # [(2 + hc)·hc, hc·hidden]
     base: mx.array  # [(2 + hc)·hc]
     scale: mx.array  # [3]: pre, post, comb
 
     @cached_property
+    def hc(self) -> int:
+        mixes = self.base.shape[0]
+        return next(h for h in range(1, mixes + 1) if (2 + h) * h == mixes)
+
+    @cached_property
     def scale_per_mix(self) -> mx.array:
         """[(2 + hc)·hc] float32: scale[0] over the pre mixes, scale[1] over post, scale[2] over comb,
         so one elementwise product scales every mix (no slicing inside a compiled function)."""
-        mixes = self.base.shape[0]
-        hc = next(h for h in range(1, mixes + 1) if (2 + h) * h == mixes)
-        s = self.scale.astype(mx.float32)
+        hc, s = self.hc, self.scale.astype(mx.float32)
         per_mix = mx.concatenate([mx.broadcast_to(s[0], (hc,)), mx.broadcast_to(s[1], (hc,)), mx.broadcast_to(s[2], (hc * hc,))])
         mx.eval(per_mix)  # once per layer, not in every step's graph
         return per_mix
 
+    @cached_property
+    def fn_t32(self) -> mx.array:
+        """[hc·hidden, (2 + hc)·hc] float32: `fn` cast and transposed once per layer (a strided view,
+        the operand the per-step `fn.astype(float32).T` gave the gemm), not one cast and one transpose
+        in every step's graph. Costs a float32 copy of `fn` where the checkpoint's is narrower
+        (~1.5 MiB a matrix at V4 Flash's widths)."""
+        return _evaluated(self.fn.astype(mx.float32).T)
+
+    @cached_property
+    def base32(self) -> mx.array:
+        return _evaluated(self.base.astype(mx.float32))
+
+    @cached_property
+    def scale32(self) -> mx.array:
+        return _evaluated(self.scale.astype(mx.float32))
+
+
+def _evaluated(a: mx.array) -> mx.array:
+    mx.eval(a)
+    return a
+
 
 def hyper_weights(streams: mx.array, w: HyperWeights, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
-    """streams: [T, hc, D] -> (post [T, hc], comb [T, hc, hc], collapsed block input [T, D])."""
+    """streams: [T, hc, D] -> (post [T, hc, 1], comb [T, hc, hc], collapsed block input [T, D]).
+
+    The mixes come out as [T, mixes, 1], so pre and post are split off already shaped to scale
+    [T, hc, D] streams (one node for the three parts and none to expand pre and post)."""
     num_tokens, hc, _ = streams.shape
-    logits = _mix_logits(streams.reshape(num_tokens, -1), w.fn, w.scale_per_mix, w.base, norm_eps)  # [T, (2 + hc)·hc]
-    comb_logits = logits[:, 2 * hc :].reshape(num_tokens, hc, hc)
-    pre, post, comb = _coefficients(logits[:, :hc], logits[:, hc : 2 * hc], comb_logits, hc_eps)
+    logits = _mix_logits(streams.reshape(num_tokens, -1), w.fn_t32, w.scale_per_mix, w.base32, norm_eps)  # [T, (2 + hc)·hc, 1]
+    pre_logits, post_logits, comb_logits = mx.split(logits, [hc, 2 * hc], axis=1)  # one node, not three slices
+    pre, post, comb = _coefficients(pre_logits, post_logits, comb_logits.reshape(num_tokens, hc, hc), hc_eps)
     return post, _sinkhorn(comb, sinkhorn_iters, hc_eps), _collapse(pre, streams)
 
 
 @shapeless
-def _mix_logits(flat: mx.array, fn: mx.array, scale: mx.array, base: mx.array, norm_eps: float) -> mx.array:
-    """flat: [T, hc·D] -> [T, (2 + hc)·hc] float32: normed streams through the mixing weights, scaled, biased."""
+def _mix_logits(flat: mx.array, fn_t32: mx.array, scale: mx.array, base32: mx.array, norm_eps: float) -> mx.array:
+    """flat: [T, hc·D], fn_t32: [hc·D, mixes] -> [T, mixes, 1] float32: normed streams through the
+    mixing weights, scaled, biased."""
     normed = unweighted_rms_norm.plain(flat.astype(mx.float32), norm_eps)  # inlined: this trace is compiled
-    return (normed @ fn.astype(mx.float32).T) * scale + base.astype(mx.float32)
+    return ((normed @ fn_t32) * scale + base32)[..., None]
 
 
 @shapeless
 def _coefficients(pre_logits: mx.array, post_logits: mx.array, comb_logits: mx.array, hc_eps: float):
-    """[T, hc], [T, hc], [T, hc, hc] -> pre [T, hc], post [T, hc], comb [T, hc, hc] (before Sinkhorn)."""
+    """[T, hc, 1], [T, hc, 1], [T, hc, hc] -> pre, post [T, hc, 1], comb [T, hc, hc] (before Sinkhorn)."""
     pre = mx.sigmoid(pre_logits) + hc_eps
     post = 2 * mx.sigmoid(post_logits)
     return pre, post, mx.softmax(comb_logits, axis=-1, precise=True) + hc_eps
@@ -73,25 +104,27 @@ def _sinkhorn(comb: mx.array, iters: int, eps: float) -> mx.array:
 
 @shapeless
 def _collapse(pre: mx.array, streams: mx.array) -> mx.array:
-    """pre [T, hc], streams [T, hc, D] -> [T, D]: the pre-weighted sum of the streams."""
-    return (pre[..., None] * streams).sum(axis=1).astype(streams.dtype)
+    """pre [T, hc, 1], streams [T, hc, D] -> [T, D]: the pre-weighted sum of the streams."""
+    return (pre * streams).sum(axis=1).astype(streams.dtype)
 
 
 @shapeless
 def expand(block_out: mx.array, streams: mx.array, post: mx.array, comb: mx.array) -> mx.array:
-    """new[k] = post[k]·out + Σ_j comb[j, k]·streams[j]; block_out: [T, D], streams: [T, hc, D]."""
+    """new[k] = post[k]·out + Σ_j comb[j, k]·streams[j]; block_out: [T, D], streams: [T, hc, D],
+    post: [T, hc, 1] (`hyper_weights`)."""
     dtype = streams.dtype
     mixed = comb.astype(dtype).transpose(0, 2, 1) @ streams  # [T, hc, D]
-    return post.astype(dtype)[..., None] * block_out[:, None, :] + mixed
+    return post.astype(dtype) * block_out[:, None, :] + mixed
 
 
-def head_collapse(streams: mx.array, fn: mx.array, base: mx.array, scale: mx.array, hc_eps: float, norm_eps: float):
-    """Final collapse of the streams before the output norm: [T, hc, D] -> [T, D]."""
-    return _head_collapse(streams.reshape(streams.shape[0], -1), streams, fn, base, scale, hc_eps, norm_eps)
+def head_collapse(streams: mx.array, w: HyperWeights, hc_eps: float, norm_eps: float) -> mx.array:
+    """Final collapse of the streams before the output norm: [T, hc, D] -> [T, D]. `w` holds the
+    head's hc mixes (pre only): fn [hc, hc·D], base [hc], scale [1]."""
+    return _head_collapse(streams.reshape(streams.shape[0], -1), streams, w.fn_t32, w.base32, w.scale32, hc_eps, norm_eps)
 
 
 @shapeless
-def _head_collapse(flat, streams, fn, base, scale, hc_eps: float, norm_eps: float) -> mx.array:
+def _head_collapse(flat, streams, fn_t32, base32, scale32, hc_eps: float, norm_eps: float) -> mx.array:
     """The per-layer collapse's mixing and pre-weighted sum, with the head's hc mixes (pre only)."""
-    mixes = _mix_logits.plain(flat, fn, scale.astype(mx.float32), base, norm_eps)  # [T, hc]
+    mixes = _mix_logits.plain(flat, fn_t32, scale32, base32, norm_eps)  # [T, hc, 1]
     return _collapse.plain(mx.sigmoid(mixes) + hc_eps, streams)

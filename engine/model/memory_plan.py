@@ -298,11 +298,11 @@ def cache_bytes_at(cfg: ModelConfig, num_tokens: int, b: int, layers: range | No
 def plan_for(model_dir: Path | None, preset: str | None, ctx: int, chunk: int, tile: int, dtype: str | None,
              weights_format: str | None = None, memory_budget: int | None = None) -> MemoryPlan:
     """weights_format: count the weights as engine/model/weight_formats.py holds them (None: all in dtype)."""
-    plan = _plan_for(model_dir, preset, ctx, chunk, tile, dtype)
+    cfg, dtype = _config_and_dtype(model_dir, preset, dtype)
+    plan = make_plan(cfg, ctx, chunk, tile, dtype)
     if weights_format:
         from tessera.engine.model.weight_formats import QUANTIZED_FORMATS, format_weights_bytes
 
-        cfg = _config_for(model_dir, preset)
         if weights_format in QUANTIZED_FORMATS:  # every quantized format keeps the dense projections mxfp8
             plan = replace(plan, chunk_activations=plan.chunk_activations
                            + dequantized_buffers(cfg, chunk, DTYPES[plan.dtype].size))
@@ -311,28 +311,16 @@ def plan_for(model_dir: Path | None, preset: str | None, ctx: int, chunk: int, t
     return replace(plan, memory_budget=memory_budget)
 
 
-def _config_for(model_dir: Path | None, preset: str | None) -> ModelConfig:
-    if model_dir is not None:
-        return config_from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
-    if preset == "v4-flash" or preset is None:
-        return config_from_dict(V4_FLASH)
-    from tessera.engine.tools.make_model import preset_config
-
-    return preset_config(preset)
-
-
-def _plan_for(model_dir: Path | None, preset: str | None, ctx: int, chunk: int, tile: int, dtype: str | None) -> MemoryPlan:
+def _config_and_dtype(model_dir: Path | None, preset: str | None, dtype: str | None) -> tuple[ModelConfig, str]:
+    """The config (read once) and the dtype to plan in: `dtype`, else the checkpoint's, else the preset's."""
     if model_dir is not None:
         raw = json.loads((Path(model_dir) / "config.json").read_text())
-        cfg = config_from_dict(raw)
-        dtype = dtype or raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
-    elif preset == "v4-flash" or preset is None:
-        cfg, dtype = config_from_dict(V4_FLASH), dtype or "bfloat16"
-    else:
-        from tessera.engine.tools.make_model import preset_config
+        return config_from_dict(raw), dtype or raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
+    if preset == "v4-flash" or preset is None:
+        return config_from_dict(V4_FLASH), dtype or "bfloat16"
+    from tessera.engine.tools.make_model import preset_config
 
-        cfg, dtype = preset_config(preset), dtype or "float32"
-    return make_plan(cfg, ctx, chunk, tile, dtype)
+    return preset_config(preset), dtype or "float32"
 
 
 def format_plan(plan: MemoryPlan) -> str:

@@ -29,6 +29,7 @@ from tessera.engine.model.compiled import shapeless
 from tessera.engine.model.expert_slices import sorted_gather_mm
 from tessera.engine.model.quantized import QuantizedWeight, Weight, linear
 from tessera.kernels.cuda import on_cuda
+from tessera.kernels.row_gather import take_rows
 
 # A step with at least this many (token, slot) pairs per routed expert on average runs the padded layout.
 # Below it most of the padded block would be padding and every expert's weights would be read even when
@@ -37,8 +38,12 @@ from tessera.kernels.cuda import on_cuda
 PADDED_MIN_PAIRS_PER_EXPERT = 12
 # The padded layout computes at most this many rows per pair (padding included); a step whose plan needs
 # more (pathological routing) runs the gathered layout instead, so the MoE's scratch stays within this
-# factor of the gathered layout's (engine/model/memory_plan.py counts it).
-PADDED_MAX_ROWS_PER_PAIR = 2.0
+# factor of the gathered layout's (engine/model/memory_plan.py counts it). 3, not 2: with 20 % of the
+# experts drawn 4× as often (docs/bench/issue14_moe_parts.py's skew) one block needs exactly 3 rows a
+# pair, and on the H200 it ran in 10.8 ms where the plan the bound of 2 forced (an overflow block) took
+# 20.2 ms (docs/BENCHMARKS.md, "Session 6 on the H200 … the MoE's parts"); the cost is 1.5× the MoE's
+# planned scratch (0.9 instead of 0.6 GB per 4,096-row V4 Flash chunk).
+PADDED_MAX_ROWS_PER_PAIR = 3.0
 # The padded capacities are multiples of this many rows (gemm tiles; fewer distinct shapes to compile).
 CAPACITY_MULTIPLE = 16
 # MLX's CUDA gather_qmm launches one grid z-slice per batch entry (qmm_sm80; CUDA allows 65,535), so
@@ -267,7 +272,7 @@ def padded_pairs(x: mx.array, flat: mx.array, order: mx.array, k: int, w: MoEWei
     if plan is None:  # no plan within the row bound (pathological routing)
         return gathered_pairs(x, flat, order, k, w, limit)
     tables = padded_tables(counts_np, plan)
-    rows = x[order[mx.array(tables.source)] // k]  # [rows, D]: each padded row's token
+    rows = take_rows(x, order[mx.array(tables.source)] // k)  # [rows, D]: each padded row's token
     slot = mx.zeros((num_pairs,), dtype=mx.int32)
     slot[order] = mx.array(tables.slot)  # [P]: pair p's padded row (order is a permutation: one write each)
     main_rows = num_experts * plan.capacity
@@ -276,7 +281,7 @@ def padded_pairs(x: mx.array, flat: mx.array, order: mx.array, k: int, w: MoEWei
         experts = mx.array(plan.overflow, dtype=mx.uint32)
         over = rows[main_rows:].reshape(len(plan.overflow), plan.overflow_capacity, dim)  # [E_o, C_o, D]
         out = mx.concatenate([out, _overflow_block(over, w, experts, limit).reshape(-1, dim)])
-    return out[slot]
+    return take_rows(out, slot)
 
 
 def _overflow_block(over: mx.array, w: MoEWeights, experts: mx.array, limit: float) -> mx.array:

@@ -63,15 +63,31 @@ class FormatError(ValueError):
     """A shape the official format (as transformers reads it) cannot hold."""
 
 
+def check_fp8_shape(name: str, shape: tuple[int, ...]) -> None:
+    """transformers derives the FP8 block from the scale grid: exact only for dimensions ≤ BLOCK or multiples of it."""
+    for size in shape:
+        if size > BLOCK and size % BLOCK:
+            raise FormatError(f"tensor {name!r} {shape}: FP8 needs each dimension ≤ {BLOCK} or a multiple of {BLOCK}")
+
+
+def check_fp4_shape(shape: tuple[int, ...]) -> None:
+    if shape[-1] % FP4_GROUP:
+        raise FormatError(f"FP4 experts need the input dimension to be a multiple of {FP4_GROUP}; got {shape}")
+
+
+def fp4_base_exponent(cols: int) -> int:
+    """The biased E8M0 exponent that puts a uniform random nibble's RMS near 1/sqrt(cols) (random experts)."""
+    rms_code = float(np.sqrt(np.mean(E2M1_VALUES**2)))  # of a uniform nibble
+    return 127 + int(round(-np.log2(rms_code * np.sqrt(cols))))
+
+
 # ---- writing (make-model --format official) -----------------------------------------------------
 
 
 def quantize_fp8(name: str, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """[out, in] float -> (E4M3 codes [out, in] uint8, E8M0 block scales [ceil(out/128), ceil(in/128)])."""
     rows, cols = w.shape
-    for size in (rows, cols):  # transformers derives the block from the grid: exact only then
-        if size > BLOCK and size % BLOCK:
-            raise FormatError(f"tensor {name!r} {w.shape}: FP8 needs each dimension ≤ {BLOCK} or a multiple of {BLOCK}")
+    check_fp8_shape(name, w.shape)
     sr, sc = fp8_scale_shape(w.shape)
     br, bc = min(rows, BLOCK), min(cols, BLOCK)
     blocks = w.reshape(sr, br, sc, bc)
@@ -84,12 +100,9 @@ def random_fp4(shape: tuple[int, ...], rng: np.random.Generator) -> tuple[np.nda
     """A random FP4 expert weight [out, in] drawn directly as codes (fast at V4 Flash widths):
     uniform nibbles, per-group scales near 1/sqrt(in) with a ±1 exponent jitter."""
     rows, cols = shape
-    if cols % FP4_GROUP:
-        raise FormatError(f"FP4 experts need the input dimension to be a multiple of {FP4_GROUP}; got {shape}")
+    check_fp4_shape(shape)
     packed = rng.integers(0, 256, size=(rows, cols // 2), dtype=np.uint8).view(np.int8)
-    rms_code = float(np.sqrt(np.mean(E2M1_VALUES**2)))  # of a uniform nibble
-    base = 127 + int(round(-np.log2(rms_code * np.sqrt(cols))))
-    scale = (base + rng.integers(-1, 2, size=(rows, cols // FP4_GROUP))).astype(np.uint8)
+    scale = (fp4_base_exponent(cols) + rng.integers(-1, 2, size=(rows, cols // FP4_GROUP))).astype(np.uint8)
     return packed, scale
 
 

@@ -10,6 +10,7 @@ and runs a dense matmul instead (`DENSE_MIN_ROWS`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import mlx.core as mx
 
@@ -42,6 +43,17 @@ class QuantizedWeight:
     def dequantize(self, dtype: mx.Dtype = mx.float32) -> mx.array:
         out = mx.dequantize(self.values, self.scales, self.biases, group_size=self.group_size, bits=self.bits, mode=self.mode)
         return out.astype(dtype)
+
+    def grouped(self, groups: int) -> "QuantizedWeight":
+        """[out, in] -> [groups, out / groups, in] (views of the packed arrays), made once per weight and group
+        count: the output projection of every layer of every decode step uses them (four graph nodes each)."""
+        made = self.__dict__.setdefault("_grouped", {})  # a frozen dataclass's own cache, outside its fields
+        if groups not in made:
+            split = lambda a: None if a is None else a.reshape(groups, -1, a.shape[-1])  # noqa: E731
+            made[groups] = QuantizedWeight(split(self.values), split(self.scales), split(self.biases), self.mode,
+                                           self.bits, self.group_size)
+            mx.eval(made[groups].arrays())
+        return made[groups]
 
     def with_float_dtype(self, dtype: mx.Dtype) -> "QuantizedWeight":
         """Affine scales/biases follow the compute dtype (E8M0 scales are bytes and stay)."""
@@ -97,14 +109,19 @@ def grouped_linear(x: mx.array, w: Weight, groups: int) -> mx.array:
     """x: [G, B, in] -> [G, B, out / G]: group g through rows [g·out/G, (g+1)·out/G) of w: [out, in]."""
     w = for_rows(w, x.shape[1], x.dtype)
     if isinstance(w, QuantizedWeight):
-        split = QuantizedWeight(
-            w.values.reshape(groups, -1, w.values.shape[-1]), w.scales.reshape(groups, -1, w.scales.shape[-1]),
-            None if w.biases is None else w.biases.reshape(groups, -1, w.biases.shape[-1]), w.mode, w.bits, w.group_size,
-        )
-        return mx.gather_qmm(x, split.values, split.scales, split.biases, rhs_indices=mx.arange(groups, dtype=mx.uint32),
+        split = w.grouped(groups)
+        return mx.gather_qmm(x, split.values, split.scales, split.biases, rhs_indices=_group_ids(groups),
                              transpose=True, group_size=w.group_size, bits=w.bits, mode=w.mode)
     wg = w.reshape(groups, -1, w.shape[-1])  # [G, out/G, in]
     return x @ wg.transpose(0, 2, 1)
+
+
+@lru_cache(maxsize=8)
+def _group_ids(groups: int) -> mx.array:
+    """[groups] uint32: group g through block g (gather_qmm's rhs_indices), made once."""
+    ids = mx.arange(groups, dtype=mx.uint32)
+    mx.eval(ids)
+    return ids
 
 
 def dequantized(w: Weight, dtype: mx.Dtype) -> mx.array:

@@ -33,9 +33,11 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from tessera.engine.model.config import ModelConfig
-from tessera.engine.model.fp_formats import E2M1_VALUES, E4M3_MAX
+from tessera.engine.model.fp_formats import E4M3_MAX
 from tessera.engine.model.init_rules import init_rule
-from tessera.engine.model.official_format import BLOCK, FP4_GROUP, MX_GROUP, FormatError, fp8_scale_shape, storage
+from tessera.engine.model.official_format import (
+    BLOCK, FP4_GROUP, MX_GROUP, check_fp4_shape, check_fp8_shape, fp4_base_exponent, fp8_scale_shape, storage,
+)
 from tessera.engine.model.quantized import QuantizedWeight, Weight
 from tessera.engine.model.weights import expected_shapes, expert_key
 
@@ -131,9 +133,7 @@ def random_fp8(name: str, value: mx.array) -> Weight:
     """float32 [out, in] -> what the loader makes of its FP8 E4M3 codes + 128×128 E8M0 block scales:
     MLX mxfp8 with each block scale repeated over its 128 rows × 4 groups of 32."""
     rows, cols = value.shape
-    for size in (rows, cols):  # the same limit as the checkpoint writer (transformers' block grid)
-        if size > BLOCK and size % BLOCK:
-            raise FormatError(f"tensor {name!r} {value.shape}: FP8 needs each dimension ≤ {BLOCK} or a multiple of {BLOCK}")
+    check_fp8_shape(name, value.shape)  # the same limit as the checkpoint writer
     sr, sc = fp8_scale_shape(value.shape)
     br, bc = min(rows, BLOCK), min(cols, BLOCK)
     blocks = value.reshape(sr, br, sc, bc)
@@ -153,12 +153,9 @@ def random_fp4_stacked(experts: int, shape: tuple[int, ...], key: mx.array) -> Q
     """A layer's routed experts `[E, out, in]` as the loader stacks them: MLX mxfp4, uniform nibbles,
     per-group E8M0 scales near 1/sqrt(in) (±1 in the exponent), as `random_fp4` draws them on the host."""
     rows, cols = shape
-    if cols % FP4_GROUP:
-        raise FormatError(f"FP4 experts need the input dimension to be a multiple of {FP4_GROUP}; got {shape}")
+    check_fp4_shape(shape)
     value_key, scale_key = mx.random.split(key)
     packed = mx.random.randint(0, 256, (experts, rows, cols // 2), dtype=mx.uint8, key=value_key)
-    rms_code = math.sqrt(float((E2M1_VALUES**2).mean()))  # of a uniform nibble
-    base = 127 + round(-math.log2(rms_code * math.sqrt(cols)))
     jitter = mx.random.randint(-1, 2, (experts, rows, cols // FP4_GROUP), key=scale_key)
-    scales = (base + jitter).astype(mx.uint8)
+    scales = (fp4_base_exponent(cols) + jitter).astype(mx.uint8)
     return QuantizedWeight(packed.view(mx.uint32), scales, None, "mxfp4", 4, FP4_GROUP)

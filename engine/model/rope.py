@@ -47,30 +47,77 @@ def inv_freq(spec: RopeSpec) -> mx.array:
 
 
 def cos_sin(spec: RopeSpec, positions: mx.array) -> tuple[mx.array, mx.array]:
-    """positions: [L] int -> cos, sin: [L, dim // 2] float32 (one angle per interleaved pair)."""
-    freqs = positions.astype(mx.float32)[:, None] * inv_freq(spec)[None, :]
-    return mx.cos(freqs) * spec.attention_factor, mx.sin(freqs) * spec.attention_factor
+    """positions: [L] int -> cos, sin: [L, 1, dim // 2, 1] float32, one angle per interleaved pair,
+    already shaped for `apply_rope`'s [L, heads, half, 2] pairs (no reshape per call there)."""
+    return _cos_sin(positions.astype(mx.float32).reshape(-1, 1, 1, 1), _inv_freq_table(spec), spec.attention_factor)
 
 
-def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """Rotate the trailing 2·cos.shape[-1] channels of x in interleaved pairs.
-
-    x: [L, ..., D] with the position on axis 0; cos/sin: [L, dim // 2]. Pass -sin to undo.
-    """
-    half = cos.shape[-1]
-    rope_dim = 2 * half
-    extra_axes = x.ndim - 2
-    shape = (cos.shape[0],) + (1,) * extra_axes + (half,)
-    cos, sin = cos.reshape(shape), sin.reshape(shape)
-    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
-    pairs = rope.reshape(*rope.shape[:-1], half, 2)
-    rotated = _rotated_pairs(pairs[..., 0], pairs[..., 1], cos, sin).reshape(rope.shape)
-    return mx.concatenate([nope, rotated], axis=-1)
+@lru_cache(maxsize=16)
+def _inv_freq_table(spec: RopeSpec) -> mx.array:
+    """[1, 1, dim // 2, 1] float32, built once per table (not one constant per call in every step's graph)."""
+    table = mx.array(_inv_freq_np(spec)).reshape(1, 1, -1, 1)
+    mx.eval(table)
+    return table
 
 
 @shapeless
-def _rotated_pairs(even: mx.array, odd: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """even, odd: [..., half] (x's dtype) -> [..., half, 2] rotated in float32, back in x's dtype."""
-    dtype = even.dtype
-    even, odd = even.astype(mx.float32), odd.astype(mx.float32)
-    return mx.stack([(even * cos - odd * sin).astype(dtype), (odd * cos + even * sin).astype(dtype)], axis=-1)
+def _cos_sin(positions: mx.array, inv_freq: mx.array, attention_factor: float) -> tuple[mx.array, mx.array]:
+    """positions: [L, 1, 1, 1] float32, inv_freq: [1, 1, half, 1] -> cos, sin: [L, 1, half, 1], fused."""
+    freqs = positions * inv_freq
+    return mx.cos(freqs) * attention_factor, mx.sin(freqs) * attention_factor
+
+
+class StepRope:
+    """The RoPE tables of one step's positions, computed once per table and shared by every layer that
+    uses it (a model has two tables; without this each layer would build its own, a few nodes each)."""
+
+    def __init__(self, positions: mx.array) -> None:
+        self.positions = positions  # [T] int
+        self._tables: dict[RopeSpec, tuple[mx.array, mx.array, mx.array]] = {}
+
+    def tables(self, spec: RopeSpec) -> tuple[mx.array, mx.array, mx.array]:
+        """-> cos, sin, -sin: [T, 1, dim // 2, 1] float32 (`cos_sin`; -sin undoes the rotation, apply_rope)."""
+        got = self._tables.get(spec)
+        if got is None:
+            cos, sin = cos_sin(spec, self.positions)
+            got = self._tables[spec] = (cos, sin, -sin)
+        return got
+
+
+def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """Rotate the trailing 2·half channels of x in interleaved pairs.
+
+    x: [L, ..., D] with the position on axis 0; cos/sin: [L, 1, half, 1] as `cos_sin` gives them
+    (or [L, half], at the cost of a reshape). Pass -sin to undo.
+
+    Written for few graph nodes (a decode step runs this ~4 times per layer, docs/BENCHMARKS.md
+    "Issue 14, session 6"): each pair (even, odd) and its swapped copy (odd, even) — one reversed
+    view of the pairs — meet cos and ±sin in one fused product, instead of slicing the even and odd
+    channels apart and stacking them back. The same products and sums as the slice-and-stack form.
+    """
+    half = cos.shape[-2] if cos.ndim == 4 else cos.shape[-1]
+    rope_dim = 2 * half
+    shape = (cos.shape[0],) + (1,) * (x.ndim - 2) + (half, 1)  # against pairs [L, .., half, 2]
+    if cos.shape != shape:
+        cos, sin = cos.reshape(shape), sin.reshape(shape)
+    if x.shape[-1] == rope_dim:  # every channel rotates (the indexer's queries and keys)
+        return _rotated(x.reshape(*x.shape[:-1], half, 2), cos, sin).reshape(x.shape)
+    nope, rope = mx.split(x, [x.shape[-1] - rope_dim], axis=-1)
+    rotated = _rotated(rope.reshape(*rope.shape[:-1], half, 2), cos, sin).reshape(rope.shape)
+    return mx.concatenate([nope, rotated], axis=-1)
+
+
+def _rotated(pairs: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """pairs [..., half, 2] -> the rotated pairs; `pairs[..., ::-1]` is (odd, even) per pair."""
+    return _rotated_pairs(pairs, pairs[..., ::-1], cos, sin)
+
+
+_SWAPPED_SIGN = mx.array([-1.0, 1.0], dtype=mx.float32)  # even' = e·cos + o·(−sin), odd' = o·cos + e·sin
+
+
+@shapeless
+def _rotated_pairs(pairs: mx.array, swapped: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """pairs, swapped: [..., half, 2] (x's dtype), cos/sin: [..., half, 1] -> [..., half, 2] rotated
+    in float32, back in x's dtype."""
+    dtype = pairs.dtype
+    return (pairs.astype(mx.float32) * cos + swapped.astype(mx.float32) * (sin * _SWAPPED_SIGN)).astype(dtype)

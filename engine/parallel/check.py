@@ -143,21 +143,16 @@ def _worker(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     from tessera.engine.model.deepseek_v4 import Segment
-    from tessera.engine.model.loader import load_config, load_model
     from tessera.engine.model.trace import ForwardTrace
     from tessera.engine.parallel.launch import init_group
-    from tessera.engine.parallel.layout import split_layers
-    from tessera.engine.parallel.pipeline import PipelineStage
-    from tessera.engine.parallel.transport import make_transport
+    from tessera.engine.parallel.serving import load_stage
     from tessera.engine.tools.replay import random_tokens
 
     group = init_group(args.backend)
     rank = group.rank()
-    cfg = load_config(args.model)
-    layers = split_layers(cfg.num_hidden_layers, group.size()).layers_of(rank)
-    model = load_model(args.model, dtype=args.dtype, layers=layers, vocab=rank == 0)
-    stage = PipelineStage(model, group, make_transport(group, args.backend))
-    ids = random_tokens(cfg.vocab_size, args.tokens + args.decode, args.seed)
+    stage = load_stage(args.model, group, args.backend, dtype=args.dtype)  # as `tessera serve --world` loads it
+    layers = stage.model.layer_ids
+    ids = random_tokens(stage.cfg.vocab_size, args.tokens + args.decode, args.seed)
     cache, trace, rows = stage.new_cache(), ForwardTrace(record_selections=True), []
     mx.eval(mx.distributed.all_sum(mx.array([1]), group=group))  # every rank loaded: time the replay only
     started = time.perf_counter()

@@ -49,7 +49,7 @@ class PipelineStage:
         before the last. The last rank runs its layers and sends nothing back, and rank 0 returns None at
         once, free to start the next chunk while the later ranks still run this one: in a loop of such
         chunks the ranks overlap (`tessera check parallel --overlap`). Same arithmetic, so the same caches."""
-        timer = timer or ForwardTrace()
+        timer = timer or ForwardTrace(stage_sync=False)  # as DeepseekV4.forward: nobody reads the times (a follower's steps)
         num_tokens = sum(len(s.token_ids) for s in segments)
         streams = self.model.embed(segments) if self.is_first else None
         for hop in range(self.world):

@@ -45,17 +45,23 @@ logger = logging.getLogger("tessera.parallel")
 
 RANK_LOST_EXIT_CODE = 3
 _STOP_GRACE_S = 10.0
+# How old the followers' memory in rank 0's snapshot may get while steps run: their all_gather joins one step
+# in this many seconds, not every step (a decode step is milliseconds; the gauges are read per scrape).
+MEMORY_GATHER_INTERVAL_S = 1.0
 
 
 class PipelineRunner:
     """The Runner of rank 0: tells the followers each step, then runs it through the pipeline."""
 
     def __init__(self, runner: ModelRunner, stage: PipelineStage,
-                 name_lost_rank: Callable[[], None] | None = None) -> None:
+                 name_lost_rank: Callable[[], None] | None = None,
+                 memory_gather_interval_s: float = MEMORY_GATHER_INTERVAL_S) -> None:
         self._runner, self._stage = runner, stage
         self._name_lost_rank = name_lost_rank  # exits naming the follower if one died (local world only)
         self._stopped = False
         self._follower_memory: dict[str, int] = {}
+        self._memory_gather_interval_s = memory_gather_interval_s
+        self._last_memory_gather: float | None = None  # time.monotonic() of the last gather; None: never
 
     def execute(self, plan: StepPlan) -> StepOutput:
         try:
@@ -68,14 +74,25 @@ class PipelineRunner:
             os._exit(RANK_LOST_EXIT_CODE)
 
     def _execute(self, plan: StepPlan) -> StepOutput:
-        self._tell(StepMessage.of(plan))
+        gather = self._gathers_memory(plan)
+        self._tell(StepMessage.of(plan, gather_memory=gather))
         output = self._runner.execute(plan)
-        if plan.num_tokens:  # the followers gather exactly when they ran segments
-            snapshot = self._runner.memory_snapshot()
-            rows = gather_memory(self._stage.group, snapshot["weights"], snapshot["kv_cache"])
+        if gather:  # the followers join it because the message said so
+            rows = gather_memory(self._stage.group, 0, 0)  # rank 0's own row is unused: its snapshot is local
             self._follower_memory = {f"rank{r}_{kind}": int(v) for r in range(1, len(rows))
                                      for kind, v in zip(MEMORY_KINDS, rows[r])}
         return output
+
+    def _gathers_memory(self, plan: StepPlan) -> bool:
+        """The first step that runs tokens, then one every `memory_gather_interval_s`."""
+        if not plan.num_tokens:
+            return False
+        now = time.monotonic()
+        last = self._last_memory_gather
+        if last is not None and now - last < self._memory_gather_interval_s:
+            return False
+        self._last_memory_gather = now
+        return True
 
     def match_prefix(self, request_id: str, prompt_ids: Sequence[int]) -> int:
         """No prefix cache across ranks yet: every rank would have to restore the same state."""
@@ -87,7 +104,8 @@ class PipelineRunner:
         return max_stage_cache_bytes(cfg, layout, num_tokens, self._stage.dtype.size)
 
     def memory_snapshot(self) -> dict[str, int]:
-        """Rank 0's own kinds, and each follower's as `rank{r}_{kind}` (as of the last step)."""
+        """Rank 0's own kinds, and each follower's as `rank{r}_{kind}` (as of the last gather: a step at most
+        `memory_gather_interval_s` before the last one)."""
         return {**self._runner.memory_snapshot(), **self._follower_memory}
 
     def stop(self) -> None:
@@ -114,6 +132,7 @@ def run_follower(stage: PipelineStage, indexer_tile: int) -> int:
         segments = plan_segments(message.plan, caches)
         if segments:
             stage.forward(segments, tile=indexer_tile)
+        if message.gather_memory:
             gather_memory(stage.group, weights_bytes, sum(c.nbytes for c in caches.values()))
 
 
@@ -126,7 +145,7 @@ MEMORY_KINDS = ("weights", "kv_cache", "mlx_active", "mlx_peak", "mlx_cache")
 
 def gather_memory(group: mx.distributed.Group, weights_bytes: int, kv_cache_bytes: int) -> np.ndarray:
     """Every rank's memory after a step ([world, len(MEMORY_KINDS)] bytes, rounded down to KiB): one small
-    all_gather, which every rank calls at the same point of the step."""
+    all_gather, which every rank calls at the same point of a step whose StepMessage says `gather_memory`."""
     row = [weights_bytes, kv_cache_bytes, mx.get_active_memory(), mx.get_peak_memory(), mx.get_cache_memory()]
     # int32 KiB (up to 2 TiB): GPUs have no float64 and not every backend moves 64-bit integers
     kib = mx.array([[n // 1024 for n in row]], dtype=mx.int32)
@@ -141,10 +160,12 @@ def plan_segments(plan: StepPlan, caches: dict[str, SequenceCache]) -> list[Segm
     return segments
 
 
-def load_stage(model_dir: Path, group: mx.distributed.Group, backend: str) -> PipelineStage:
+def load_stage(model_dir: Path, group: mx.distributed.Group, backend: str, dtype: str | None = None) -> PipelineStage:
+    """This rank's layers of the model (and the vocabulary on rank 0) with its transport. dtype None: the
+    serving default (default_compute_dtype)."""
     cfg = load_config(model_dir)
     layers = split_layers(cfg.num_hidden_layers, group.size()).layers_of(group.rank())
-    model = load_model(model_dir, dtype=default_compute_dtype(), layers=layers, vocab=group.rank() == 0)
+    model = load_model(model_dir, dtype=dtype or default_compute_dtype(), layers=layers, vocab=group.rank() == 0)
     logger.info("rank %d holds layers %d..%d", group.rank(), layers.start, layers.stop - 1)
     transport = make_transport(group, backend)
     logger.info("rank %d moves streams and steps by %s", group.rank(), transport.name)

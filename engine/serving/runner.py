@@ -26,7 +26,6 @@ from tessera.engine.model.loader import load_model
 from tessera.engine.model.memory_plan import attention_call_elements, cache_bytes_at, make_plan, tile_array_elements
 from tessera.engine.model.quantized import QuantizedWeight
 from tessera.engine.model.deepseek_v4 import DeepseekV4, Segment
-import numpy as np
 
 from tessera.engine.serving.prefix_cache import Lineage, PrefixCache, PrefixNode
 from tessera.engine.serving.protocol import (
@@ -38,7 +37,7 @@ from tessera.engine.serving.protocol import (
     StepOutput,
     StepPlan,
 )
-from tessera.engine.serving.sampler import RequestRng, TokenHistory, sample
+from tessera.engine.serving.sampler import RequestRng, TokenHistory, ranked_logprobs, sample, token_logprobs
 from tessera.engine.model.trace import ForwardTrace
 
 
@@ -209,7 +208,7 @@ class ModelRunner:
             prompt_logprobs = (self._prompt_logprobs(plan.prefill, logits[-1]),)
             logits[-1] = logits[-1][-1:]  # the last row is what samples
         rows = logits[: len(sampled_ids)]  # the prefill is last: its row only counts when it samples
-        sampled = self._sample(sampled_ids, mx.concatenate(rows) if rows else None)
+        sampled = self._sample(sampled_ids, _joined(rows))
         return StepOutput(sampled=tuple(sampled), prompt_logprobs=prompt_logprobs, stage_seconds=timer.as_dict())
 
     def _prompt_logprobs(self, chunk: PrefillChunk, logits: mx.array) -> PromptLogprobs:
@@ -223,18 +222,10 @@ class ModelRunner:
         rows = logits[:num_rows].astype(mx.float32)  # [n, V]
         logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)  # raw distribution, as vLLM's prompt logprobs
         targets = seq.prompt_ids[chunk.start + 1 : end + 1]
-        num_top = min(seq.sampling.prompt_logprobs or 0, rows.shape[1])
-        top_ids = mx.argpartition(-logprobs, num_top - 1, axis=-1)[:, :num_top] if num_top > 0 else None
-        mx.eval(logprobs, *([top_ids] if top_ids is not None else []))
-        values = np.array(logprobs)
-        entries = []
-        for j, target in enumerate(targets):
-            top: tuple[tuple[int, float], ...] = ()
-            if top_ids is not None:
-                ids = np.array(top_ids[j])
-                ids = ids[np.lexsort((ids, -values[j, ids]))]
-                top = tuple((int(i), float(values[j, i])) for i in ids)
-            entries.append(PromptLogprob(int(target), float(values[j, target]), top))
+        lazy = token_logprobs(logprobs, mx.array(targets), seq.sampling.prompt_logprobs or 0)
+        mx.eval(*[array for array in lazy if array is not None])  # only [n] and [n, k] reach the host
+        ranked = ranked_logprobs(*lazy)
+        entries = [PromptLogprob(int(target), logprob, top) for target, (logprob, top) in zip(targets, ranked)]
         return PromptLogprobs(chunk.request_id, chunk.start + 1, tuple(entries))
 
     def _times_stages(self, plan: StepPlan) -> bool:
@@ -308,6 +299,13 @@ class ModelRunner:
                 seq.sampling.constraint.accept(s.token_id)
             out.append(SampledToken(request_id, s.token_id, s.logprob, s.top_logprobs))
         return out
+
+
+def _joined(rows: list[mx.array]) -> mx.array | None:
+    """The sampled rows as one [B, V] array (no copy for one row, a batch-1 decode)."""
+    if not rows:
+        return None
+    return rows[0] if len(rows) == 1 else mx.concatenate(rows)
 
 
 def default_compute_dtype() -> str:

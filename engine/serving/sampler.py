@@ -33,6 +33,9 @@ from tessera.engine.serving.protocol import SamplingParams
 
 _GREEDY_TEMPERATURE = 1e-5  # vLLM's epsilon: temperatures below it sample greedily
 
+# One row's lazy result: token [1], then (if logprobs were asked) its logprob [1], top ids [1, n], their logprobs.
+_LazyRow = tuple[mx.array, "mx.array | None", "mx.array | None", "mx.array | None"]
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -222,31 +225,59 @@ def _is_greedy(params: SamplingParams) -> bool:
     return params.temperature < _GREEDY_TEMPERATURE
 
 
-def _choose(
-    row: mx.array, params: SamplingParams, history: TokenHistory, rng: RequestRng
-) -> tuple[mx.array, mx.array | None, mx.array | None]:
-    """Lazy (token [], logprob [], top-n candidate ids [n] or None) for one row; evaluated by `sample`."""
+def _choose(row: mx.array, params: SamplingParams, history: TokenHistory, rng: RequestRng) -> _LazyRow:
+    """Lazy (token [1], then its logprob [1], top-n ids [1, n], their logprobs [1, n] or Nones) for one row;
+    evaluated by `sample`."""
     processed = process_logits(row, params, history)  # [V]
     if _is_greedy(params):
         token = mx.argmax(processed)  # ties: the lowest id
     else:
         token = mx.random.categorical(processed, key=rng.next_key())
+    token = token.reshape(1)
     if params.logprobs is None:
-        return token, None, None
+        return token, None, None, None
     logprobs = processed - mx.logsumexp(processed)  # [V]
-    num_top = min(params.logprobs, row.shape[0])
-    top_ids = mx.argpartition(-logprobs, num_top - 1)[:num_top] if num_top > 0 else None
-    return token, logprobs, top_ids
+    return (token, *token_logprobs(logprobs[None], token, params.logprobs))
 
 
-def _to_sample(token: mx.array, logprobs: mx.array | None, top_ids: mx.array | None) -> Sample:
+def _to_sample(
+    token: mx.array, chosen: mx.array | None, top_ids: mx.array | None, top_values: mx.array | None
+) -> Sample:
     token_id = int(token.item())
-    if logprobs is None:
+    if chosen is None:
         return Sample(token_id)
-    values = np.array(logprobs)
-    top: tuple[tuple[int, float], ...] = ()
-    if top_ids is not None:
-        ids = np.array(top_ids)
-        ids = ids[np.lexsort((ids, -values[ids]))]  # descending logprob, ties by lower id
-        top = tuple((int(i), float(values[i])) for i in ids)
-    return Sample(token_id, float(values[token_id]), top)
+    ((logprob, top),) = ranked_logprobs(chosen, top_ids, top_values)
+    return Sample(token_id, logprob, top)
+
+
+# ---- logprobs on the device, only what is reported copied to the host ----------------------------------
+
+
+def token_logprobs(
+    logprobs: mx.array, token_ids: mx.array, num_top: int
+) -> tuple[mx.array, mx.array | None, mx.array | None]:
+    """logprobs: [n, V], token_ids: [n] -> lazy (each row's token logprob [n], top-k ids [n, k] unordered,
+    their logprobs [n, k]) with k = min(num_top, V); the tops are None when k is 0. A [n, V] block never
+    needs to reach the host: only these are evaluated and copied."""
+    chosen = mx.take_along_axis(logprobs, token_ids.astype(mx.int32)[:, None], axis=-1)[:, 0]  # [n]
+    num_top = min(num_top, logprobs.shape[-1])
+    if num_top <= 0:
+        return chosen, None, None
+    top_ids = mx.argpartition(-logprobs, num_top - 1, axis=-1)[:, :num_top]  # [n, k]
+    return chosen, top_ids, mx.take_along_axis(logprobs, top_ids, axis=-1)
+
+
+def ranked_logprobs(
+    chosen: mx.array, top_ids: mx.array | None, top_values: mx.array | None
+) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """`token_logprobs`' arrays -> per row (token logprob, top alternatives by descending logprob, ties by the
+    lower id)."""
+    chosen_host = np.array(chosen)  # [n]
+    if top_ids is None or top_values is None:
+        return [(float(value), ()) for value in chosen_host]
+    ids_host, values_host = np.array(top_ids), np.array(top_values)  # [n, k] each
+    rows = []
+    for value, ids, values in zip(chosen_host, ids_host, values_host):
+        order = np.lexsort((ids, -values))
+        rows.append((float(value), tuple((int(ids[i]), float(values[i])) for i in order)))
+    return rows

@@ -11,15 +11,14 @@ import pytest
 
 from tessera.engine.model.cache import CompressorFrontier
 from tessera.engine.model.compressor import CompressorWeights, compress, compress_decode
-from tessera.engine.model.config import CSA, HCA, WINDOW, RopeSpec
+from tessera.engine.model.config import RopeSpec
 from tessera.engine.model import attention, decode_attention
 from tessera.engine.model.deepseek_v4 import Segment
 from tessera.engine.model.loader import load_model
-from tessera.engine.tools.make_model import make_model
 from tessera.engine.tools.replay import random_tokens
 from tests.equivalence.row_invariant_blas import row_invariant_blas
+from tests.support.tiling_model import make_tiling_model
 
-OVERRIDES = dict(layer_types=[WINDOW, CSA, HCA, CSA], num_hidden_layers=4, compress_rates={CSA: 4, HCA: 32})
 # Lengths below and above the window (16), top-k (16 rows = 64 tokens) and HCA boundaries (32); the
 # 130, 129, 130 share their compressed-row counts at most steps, so they run as one batch per layer.
 LENGTHS = (5, 31, 130, 64, 129, 130)
@@ -27,7 +26,7 @@ LENGTHS = (5, 31, 130, 64, 129, 130)
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return load_model(make_model(tmp_path_factory.mktemp("batched"), "tiny", seed=5, with_tokenizer=False, **OVERRIDES), dtype="float32")
+    return load_model(make_tiling_model(tmp_path_factory.mktemp("batched"), seed=5), dtype="float32")
 
 
 def _prefilled(model, length: int, seed: int):

@@ -17,11 +17,9 @@ import pytest
 
 from tessera.engine.serving.protocol import StepStats
 from tessera.engine.tools.make_model import make_model
-from tessera.server.app import create_app
-from tessera.server.serve import build_engine
 from tessera.server.settings import Settings
 from tests.equivalence.row_invariant_blas import row_invariant_blas
-from tests.server_harness import serving
+from tests.server_harness import openai_client, real_server
 
 MAX_TOKENS = 8
 OTHER_PROMPTS = [  # other lengths than the probes', prefilling while the probes decode
@@ -37,19 +35,13 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @contextmanager
-def real_server(model_dir: Path) -> Iterator[tuple[openai.OpenAI, list[StepStats]]]:
+def tiny_server(model_dir: Path) -> Iterator[tuple[openai.OpenAI, list[StepStats]]]:
     settings = Settings(model=model_dir, served_model_name="tiny", prefill_chunk=16, indexer_tile=8,
                         max_context=2048, max_num_seqs=8)
-    served = build_engine(settings)
-    app = create_app(settings, served.engine, served.tokenizer, served.info, served.metrics)
-    steps: list[StepStats] = []
-    served.engine.subscribe(steps.append)
-    served.engine.start()
-    try:
-        with serving(app) as base_url:
-            yield openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=300), steps
-    finally:
-        served.engine.shutdown(1.0)
+    with real_server(settings) as (base_url, served):
+        steps: list[StepStats] = []
+        served.engine.subscribe(steps.append)  # the engine is idle until the first request
+        yield openai_client(base_url, timeout=300), steps
 
 
 PROBES = {
@@ -75,7 +67,7 @@ def ask(client: openai.OpenAI, kind: str, prompt: str, stream: bool = False, **s
 
 @row_invariant_blas
 def test_greedy_and_seeded_requests_give_the_same_text_alone_and_concurrently(model_dir):
-    with real_server(model_dir) as (client, steps):
+    with tiny_server(model_dir) as (client, steps):
         alone = {name: ask(client, **probe) for name, probe in PROBES.items()}
         steps.clear()
         with ThreadPoolExecutor(len(PROBES) + len(OTHER_PROMPTS)) as pool:
@@ -91,6 +83,6 @@ def test_greedy_and_seeded_requests_give_the_same_text_alone_and_concurrently(mo
 
 @row_invariant_blas
 def test_streamed_text_equals_the_whole_reply(model_dir):
-    with real_server(model_dir) as (client, _):
+    with tiny_server(model_dir) as (client, _):
         for name, probe in PROBES.items():
             assert ask(client, stream=True, **probe) == ask(client, **probe), name

@@ -18,10 +18,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tessera.engine.tools.make_model import make_model
-from tessera.server.app import create_app
 from tessera.server.cli import build_parser, settings_from_args
-from tessera.server.serve import build_engine
-from tests.server_harness import serving
+from tests.server_harness import openai_client, real_server
 
 LOGPROB_TOLERANCE = 1e-4
 PROMPTS = ["hello there, how are you", "once upon a time in a land far away, a long prompt of several chunks"]
@@ -36,15 +34,8 @@ def official_dir(tmp_path_factory) -> Path:
 def official_server(model_dir: Path, *flags: str) -> Iterator[tuple[openai.OpenAI, str]]:
     args = build_parser().parse_args(["serve", "--model", str(model_dir), "--served-model-name", "v4-official",
                                       "--prefill-chunk", "16", "--indexer-tile", "8", "--max-context", "2048", *flags])
-    settings = settings_from_args(args)
-    served = build_engine(settings)
-    app = create_app(settings, served.engine, served.tokenizer, served.info, served.metrics)
-    served.engine.start()
-    try:
-        with serving(app) as base_url:
-            yield openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=300), base_url
-    finally:
-        served.engine.shutdown(1.0)
+    with real_server(settings_from_args(args)) as (base_url, _):
+        yield openai_client(base_url, timeout=300), base_url
 
 
 def greedy(client: openai.OpenAI, prompt: str) -> tuple[str, list[float]]:

@@ -14,20 +14,10 @@ import numpy as np
 import pytest
 
 from tessera.engine.model.deepseek_v4 import Segment
-from tessera.engine.model.loader import load_model
 from tessera.engine.model.trace import ForwardTrace
 from tessera.engine.tools.consistency import check_model_consistency, differing
-from tests.support.tiling_model import CHUNK, CTX, make_tiling_model
+from tests.support.tiling_model import CHUNK, CTX, model, model_dir  # noqa: F401 (fixtures)
 from tessera.engine.tools.replay import random_tokens, run_sequence
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiling_model(tmp_path_factory.mktemp("tiling"))
-
-
-@pytest.fixture(scope="module")
-def model(model_dir):
-    return load_model(model_dir, dtype="float32")
 
 
 @pytest.fixture(scope="module")

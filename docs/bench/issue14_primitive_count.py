@@ -1,0 +1,123 @@
+"""Primitives (graph nodes) of one decode step, per forward stage, and the step's Python build time.
+
+python docs/bench/issue14_primitive_count.py MODEL_DIR [--batch 1 8] [--ctx 2048] [--steps 40]   # one JSON line per batch
+
+Counting: a trace evaluates the graph at every stage boundary (engine/model/trace.py) and counts,
+with `mx.export_to_dot`, the primitives built since the previous boundary; the head's are counted
+on the logits. Every primitive counts, views (Reshape, Transpose, ExpandDims, Slice, Squeeze,
+Broadcast) included: MLX's CUDA backend pays a roughly constant host cost per primitive
+(docs/BENCHMARKS.md, "Issue 14, session 6: primitives per decode step"). `sinkhorn_like` is the
+part of the count that is the 20-iteration Sinkhorn reference's Sum and fused add/divide nodes
+(one CUDA kernel on a GPU, kernels/sinkhorn.py); `total_sinkhorn_as_one` counts each Sinkhorn as one.
+
+Timing (no trace, nothing counted): `build_ms` is the wall time of `model.forward` for one decode
+step (the Python that builds the graph), `eval_ms` the evaluation after it; medians over `--steps`
+steps after 3 warm-up steps. Caches are random rows of a `ctx`-token prefill's shapes
+(engine/tools/cache_fill.py), so any context costs no prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from tessera.engine.model.deepseek_v4 import Segment
+from tessera.engine.model.loader import load_model
+from tessera.engine.model.trace import ForwardTrace
+from tessera.engine.tools.bench_decode import DecodeOptions, _filled
+
+# Node kinds of the Sinkhorn reference's iterations (a row sum, a column sum, two fused divides).
+SINKHORN_KINDS = ("Sum", "CompiledBroadcastBroadcastAddBroadcastBroadcastDivide")
+
+
+def primitives(arrays) -> collections.Counter:
+    """Primitive kinds in the graph that produces `arrays` (evaluated inputs are leaves, not counted)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "graph.dot"
+        mx.export_to_dot(str(path), *arrays)
+        return collections.Counter(re.findall(r'label ?= ?"([^"]*)"[^\]]*shape ?= ?rectangle', path.read_text()))
+
+
+class CountingTrace(ForwardTrace):
+    """Counts each stage's primitives, then evaluates so the next stage counts only its own."""
+
+    def __init__(self) -> None:
+        super().__init__(stage_sync=False)
+        self.kinds: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+
+    def stage(self, name: str, *arrays: mx.array) -> mx.array:
+        self.kinds[name].update(primitives(arrays))
+        mx.eval(*arrays)
+        return arrays[0]
+
+    boundary = stage
+
+
+def step(model, caches, token_ids, timer=None) -> list[int]:
+    logits = model.forward([Segment(c, [t]) for c, t in zip(caches, token_ids)], timer=timer)
+    return mx.argmax(mx.concatenate(logits), axis=-1).tolist()
+
+
+def count_step(model, caches, token_ids) -> dict:
+    trace = CountingTrace()
+    logits = model.forward([Segment(c, [t]) for c, t in zip(caches, token_ids)], timer=trace)
+    trace.kinds["head"].update(primitives(logits))
+    mx.eval(logits, [c.arrays() for c in caches])
+    per_stage = {name: sum(c.values()) for name, c in trace.kinds.items()}
+    by_kind = sum(trace.kinds.values(), collections.Counter())
+    sinkhorn_like = sum(by_kind[k] for k in SINKHORN_KINDS)
+    num_sinkhorns = 2 * len(model.layer_ids)
+    total = sum(per_stage.values())
+    return {"total": total, "sinkhorn_like": sinkhorn_like,
+            "total_sinkhorn_as_one": total - sinkhorn_like + num_sinkhorns if sinkhorn_like else total,
+            "per_stage": per_stage, "by_kind": dict(by_kind.most_common()),
+            "per_stage_by_kind": {n: dict(c.most_common()) for n, c in trace.kinds.items()}}
+
+
+def time_steps(model, caches, token_ids, steps: int) -> dict:
+    build, evaluate = [], []
+    for i in range(steps + 3):
+        t0 = time.perf_counter()
+        logits = model.forward([Segment(c, [t]) for c, t in zip(caches, token_ids)])
+        t1 = time.perf_counter()
+        token_ids = mx.argmax(mx.concatenate(logits), axis=-1).tolist()
+        mx.eval([c.arrays() for c in caches])
+        t2 = time.perf_counter()
+        if i >= 3:
+            build.append(1e3 * (t1 - t0))
+            evaluate.append(1e3 * (t2 - t1))
+    return {"build_ms_median": statistics.median(build), "eval_ms_median": statistics.median(evaluate),
+            "build_ms_p90": sorted(build)[int(0.9 * (len(build) - 1))], "steps": steps}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("model_dir", type=Path)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--ctx", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--label", default="")
+    args = p.parse_args()
+    model = load_model(args.model_dir)
+    for batch in args.batch:
+        caches = [_filled(model, args.ctx, b, DecodeOptions(1024, 256, cache_fill="random")) for b in range(batch)]
+        token_ids = [1] * batch
+        for _ in range(2):  # the first steps build lazily cached weights (HyperWeights' cached forms)
+            token_ids = step(model, caches, token_ids)
+            mx.eval([c.arrays() for c in caches])
+        counts = count_step(model, caches, token_ids)
+        timing = time_steps(model, caches, token_ids, args.steps)
+        print(json.dumps({"label": args.label, "model": str(args.model_dir), "device": str(mx.default_device()),
+                          "batch": batch, "ctx": args.ctx, **timing, **counts}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

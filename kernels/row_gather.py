@@ -1,0 +1,79 @@
+"""Row gathers, `x[idx]` for a 2-D `x` and 1-D indices: a plain-MLX reference and, for MLX's CUDA
+backend, a kernel that moves 16 bytes per thread.
+
+The MoE's padded layout gathers every (token, expert) pair's row into its expert's block and every
+pair's output back (engine/model/moe.py): at V4 Flash widths and 4,096 rows, 268 MB each way per
+layer. MLX 0.32's CUDA Gather runs one thread per element (2 bytes of bf16) with a division and a
+strided index computation per element; on the H200 the two gathers took 1.1 and 0.9 ms, ~0.25 TB/s
+(docs/BENCHMARKS.md, "Session 6 on the H200 … the MoE's parts"). The kernel copies whole 16-byte
+vectors of a row. A gather is a copy, so kernel and reference give the same bits
+(tests/test_kernels_cuda.py, and `check kernels`).
+
+Switch: TESSERA_ROW_GATHER_KERNEL=0 keeps MLX's gather on CUDA too (1, the default, uses the kernel
+where it is supported: CUDA, rows a whole number of 16-byte vectors).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from tessera.kernels.cuda import compiled_kernel, on_cuda
+from tessera.kernels.switch import Switch
+
+ENV_VAR = "TESSERA_ROW_GATHER_KERNEL"
+_switch = Switch(ENV_VAR)
+
+VECTOR_BYTES = 16
+THREADS = 256
+
+
+def set_kernel_enabled(enabled: bool) -> None:
+    _switch.set(enabled)
+
+
+def kernel_enabled() -> bool:
+    return _switch.enabled()
+
+
+def take_rows_reference(x: mx.array, idx: mx.array) -> mx.array:
+    """x: [N, D], idx: [M] integers in [0, N) -> [M, D]: row idx[i] of x at row i."""
+    return x[idx]
+
+
+def is_supported(x: mx.array, idx: mx.array) -> bool:
+    return (_switch.enabled() and on_cuda() and x.ndim == 2 and idx.ndim == 1
+            and (x.shape[1] * x.dtype.size) % VECTOR_BYTES == 0 and idx.dtype in (mx.int32, mx.uint32))
+
+
+def take_rows(x: mx.array, idx: mx.array) -> mx.array:
+    """`take_rows_reference`, through the kernel where it is supported."""
+    if not is_supported(x, idx) or idx.shape[0] == 0 or x.shape[1] == 0:
+        return take_rows_reference(x, idx)
+    return take_rows_kernel(x, idx)
+
+
+# One thread per 16-byte vector of the output; a row is VECTORS_PER_ROW vectors. MLX hands the kernel
+# row-contiguous inputs whose rows start 16-byte aligned (a row is a whole number of vectors).
+_SOURCE = r"""
+  const size_t t = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= (size_t)idx_shape[0] * VECTORS_PER_ROW) return;
+  const size_t row = t / VECTORS_PER_ROW;
+  const size_t source = (size_t)idx[row] * VECTORS_PER_ROW + t % VECTORS_PER_ROW;
+  reinterpret_cast<uint4*>(out)[t] = reinterpret_cast<const uint4*>(x)[source];
+"""
+
+
+def take_rows_kernel(x: mx.array, idx: mx.array) -> mx.array:
+    """x: [N, D] on a CUDA device (D · itemsize a multiple of 16 bytes), idx: [M] int32/uint32 -> [M, D]."""
+    vectors_per_row = x.shape[1] * x.dtype.size // VECTOR_BYTES
+    total = idx.shape[0] * vectors_per_row
+    kernel = compiled_kernel("tessera_take_rows", ("x", "idx"), ("out",), _SOURCE, "")
+    (out,) = kernel(
+        inputs=[x, idx],
+        template=[("VECTORS_PER_ROW", vectors_per_row)],
+        grid=((total + THREADS - 1) // THREADS * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(idx.shape[0], x.shape[1])],
+        output_dtypes=[x.dtype],
+    )
+    return out

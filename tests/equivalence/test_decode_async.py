@@ -1,0 +1,96 @@
+"""Decode steps that start each layer on the device as soon as it is built (engine/model/decode_async.py,
+TESSERA_DECODE_ASYNC) give the bits of steps evaluated whole: sequences of different lengths decoded
+together, greedy, step after step, then a step that mixes decodes with a prefill chunk — identical
+logits and identical caches with the switch on and off. Only the evaluation order may change."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tessera.engine.model import decode_async
+from tessera.engine.model.config import CSA, HCA, WINDOW
+from tessera.engine.model.deepseek_v4 import Segment
+from tessera.engine.model.loader import load_model
+from tessera.engine.model.trace import ForwardTrace
+from tessera.engine.tools.make_model import make_model
+from tessera.engine.tools.replay import random_tokens
+
+OVERRIDES = dict(layer_types=[WINDOW, CSA, HCA, CSA], num_hidden_layers=4, compress_rates={CSA: 4, HCA: 32})
+# Around the window (16), the top-k (16 rows = 64 tokens) and the HCA ratio (32): decoding crosses
+# compressor emissions, so cache rows written by one started layer are read by later steps.
+LENGTHS = (5, 62, 127, 31)
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(make_model(tmp_path_factory.mktemp("async"), "tiny", seed=8, with_tokenizer=False, **OVERRIDES), dtype="float32")
+
+
+@pytest.fixture(autouse=True)
+def _restore_switch():
+    before = decode_async.decode_async_enabled()
+    yield
+    decode_async.set_decode_async_enabled(before)
+
+
+def _prefilled(model, length: int, seed: int):
+    cache = model.new_cache()
+    model.forward([Segment(cache, random_tokens(model.cfg.vocab_size, length, seed))], tile=16)
+    return cache
+
+
+def _run(model, monkeypatch, enabled: bool, timer_factory=lambda: None):
+    """Greedy batched decode, then one decode + prefill-chunk step -> (logits, cache arrays, async_eval calls
+    made by the decode-only steps)."""
+    decode_async.set_decode_async_enabled(enabled)
+    caches = [_prefilled(model, n, seed) for seed, n in enumerate(LENGTHS)]
+    calls: list[int] = []
+    real = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *arrays: (calls.append(len(arrays)), real(*arrays))[1])
+    tokens, logits = [3 * b + 1 for b in range(len(caches))], []
+    for _ in range(STEPS):
+        step = model.forward([Segment(c, [t]) for c, t in zip(caches, tokens)], timer=timer_factory())
+        logits += [np.array(l) for l in step]
+        tokens = [int(t) for t in mx.argmax(mx.concatenate(step), axis=-1).tolist()]
+    decode_calls = len(calls)
+    monkeypatch.setattr(mx, "async_eval", real)
+    newcomer = _prefilled(model, 9, seed=77)
+    mixed = [Segment(c, [t]) for c, t in zip(caches, tokens)] + [Segment(newcomer, random_tokens(model.cfg.vocab_size, 20, 78))]
+    logits += [np.array(l) for l in model.forward(mixed, tile=8, all_logits=True)]
+    arrays = [np.array(a) for c in caches + [newcomer] for a in c.arrays()]
+    return logits, arrays, decode_calls
+
+
+def test_decode_steps_give_the_same_bits_with_layers_started_early_or_not(model, monkeypatch):
+    on_logits, on_cache, on_calls = _run(model, monkeypatch, True)
+    off_logits, off_cache, off_calls = _run(model, monkeypatch, False)
+    assert on_calls == STEPS * model.cfg.num_hidden_layers  # every layer of every decode step started early
+    assert off_calls == 0
+    assert len(on_logits) == len(off_logits) and len(on_cache) == len(off_cache)
+    for i, (a, b) in enumerate(zip(on_logits, off_logits)):
+        assert np.array_equal(a, b), f"logits {i} differ"
+    for i, (a, b) in enumerate(zip(on_cache, off_cache)):
+        assert a.shape == b.shape and np.array_equal(a, b), f"cache array {i} differs"
+
+
+def test_stage_synced_decode_does_not_start_layers_early(model, monkeypatch):
+    """A stage-synced trace evaluates every stage anyway: nothing is left to overlap."""
+    _, _, calls = _run(model, monkeypatch, True, timer_factory=lambda: ForwardTrace(stage_sync=True))
+    assert calls == 0
+
+
+@pytest.mark.parametrize("value,expected", [("0", "False"), ("1", "True"), (None, "False")])
+def test_environment_switch(value, expected):
+    env = {k: v for k, v in os.environ.items() if k != decode_async.ENV_VAR}
+    if value is not None:
+        env[decode_async.ENV_VAR] = value
+    code = "from tessera.engine.model.decode_async import decode_async_enabled; print(decode_async_enabled())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == expected
