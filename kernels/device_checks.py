@@ -109,7 +109,8 @@ def _tie_scores(rng: np.random.Generator, t: int, n: int) -> tuple[np.ndarray, n
     scores[rng.random((t, n)) < 0.05] = -0.0
     visible = rng.integers(0, n + 1, t)
     visible[: t // 4] = n
-    visible[t // 4 : t // 4 + 8] = rng.integers(0, 64, 8)  # fewer visible rows than k
+    few = min(8, t - t // 4)
+    visible[t // 4 : t // 4 + few] = rng.integers(0, 64, few)  # fewer visible rows than k
     scores[np.arange(n)[None, :] >= visible[:, None]] = -np.inf
     return scores, visible.astype(np.int32)
 
