@@ -13,6 +13,7 @@ import mlx.core as mx
 import pytest
 
 from tessera.engine.model import compiled, hyper
+from tests.support.env_switch import switch_in_fresh_process
 
 HC, WIDTH, ITERS, EPS = 4, 48, 20, 1e-6
 
@@ -118,12 +119,7 @@ def _node_count(arrays, path) -> int:
 
 @pytest.mark.parametrize("value,expected", [("0", "False"), ("1", "True"), (None, "True")])
 def test_environment_switch(value, expected):
-    env = {k: v for k, v in os.environ.items() if k != compiled.ENV_VAR}
-    if value is not None:
-        env[compiled.ENV_VAR] = value
-    code = "from tessera.engine.model.compiled import compile_enabled; print(compile_enabled())"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == expected
+    assert switch_in_fresh_process(compiled.ENV_VAR, value, "tessera.engine.model.compiled", "compile_enabled") == expected
 
 
 def test_environment_switch_rejects_other_values():

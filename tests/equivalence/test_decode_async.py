@@ -5,9 +5,6 @@ logits and identical caches with the switch on and off. Only the evaluation orde
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import mlx.core as mx
 import numpy as np
@@ -20,6 +17,7 @@ from tessera.engine.model.loader import load_model
 from tessera.engine.model.trace import ForwardTrace
 from tessera.engine.tools.make_model import make_model
 from tessera.engine.tools.replay import random_tokens
+from tests.support.env_switch import switch_in_fresh_process
 
 OVERRIDES = dict(layer_types=[WINDOW, CSA, HCA, CSA], num_hidden_layers=4, compress_rates={CSA: 4, HCA: 32})
 # Around the window (16), the top-k (16 rows = 64 tokens) and the HCA ratio (32): decoding crosses
@@ -88,9 +86,4 @@ def test_stage_synced_decode_does_not_start_layers_early(model, monkeypatch):
 
 @pytest.mark.parametrize("value,expected", [("0", "False"), ("1", "True"), (None, "False")])
 def test_environment_switch(value, expected):
-    env = {k: v for k, v in os.environ.items() if k != decode_async.ENV_VAR}
-    if value is not None:
-        env[decode_async.ENV_VAR] = value
-    code = "from tessera.engine.model.decode_async import decode_async_enabled; print(decode_async_enabled())"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == expected
+    assert switch_in_fresh_process(decode_async.ENV_VAR, value, "tessera.engine.model.decode_async", "decode_async_enabled") == expected
