@@ -273,3 +273,14 @@ def test_padded_layout_falls_back_when_padding_would_exceed_its_bound(max_rows_p
 def test_layout_follows_pairs_per_expert():
     assert moe_mod.uses_padded_layout(moe_mod.PADDED_MIN_PAIRS_PER_EXPERT * 256, 256)
     assert not moe_mod.uses_padded_layout(6, 256)  # one decode token, top-6
+
+
+def test_skewed_v4_flash_step_runs_one_block_on_cuda():
+    """The H200's measured skew (20 % of 256 experts drawn 4x as often, 4,096 rows x top-6; busiest expert
+    276 pairs): one block of 288 rows an expert (10.8 ms there) must fit the row bound and beat the plan with
+    an overflow block (20.2 ms): docs/BENCHMARKS.md "Session 6 on the H200 ... the MoE's parts"."""
+    counts = np.array([276] + [240] * 50 + [60] * 205, dtype=np.int64)  # 24,576 pairs in all
+    assert counts.sum() == 24576 and counts.min() > 0
+    bf16_cuda = moe_mod.OVERFLOW_COST[("cuda", "plain")]
+    plan = moe_mod.plan_padded(counts, bf16_cuda, moe_mod.PADDED_MAX_ROWS_PER_PAIR * counts.sum())
+    assert plan is not None and plan.overflow == () and plan.capacity == 288
