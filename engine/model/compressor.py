@@ -58,14 +58,20 @@ def compress(
     overlap = (None, None)
     if overlapping:
         kv, gate, overlap = _overlap_slots(kv, gate, frontier, head_dim)
+    positions = mx.arange(num_windows) * ratio + frontier.num_emitted * ratio
+    after = CompressorFrontier.holding(pending_kv, pending_gate, *overlap, frontier.num_emitted + num_windows, ratio)
+    return _pooled_rows(kv, gate, weights, positions, rope, eps), after
+
+
+def _pooled_rows(kv: mx.array, gate: mx.array, weights: CompressorWeights, positions: mx.array, rope: RopeSpec,
+                 eps: float) -> mx.array:
+    """Closed windows kv, gate [n, slots, ·] (gate biased) -> their compressed rows [n, head_dim]: the
+    gate-softmax-weighted sum of the slots, normed, rotated at `positions` [n]. One owner for prefill
+    (`compress`) and decode (`compress_decode`), so the two give the same bits."""
     pooled = (kv * mx.softmax(gate.astype(mx.float32), axis=1, precise=True).astype(kv.dtype)).sum(axis=1)
     rows = rms_norm(pooled, weights.norm, eps)  # [n, head_dim]
-
-    first = frontier.num_emitted * ratio
-    positions = mx.arange(num_windows) * ratio + first
     cos, sin = cos_sin(rope, positions)
-    after = CompressorFrontier.holding(pending_kv, pending_gate, *overlap, frontier.num_emitted + num_windows, ratio)
-    return apply_rope(rows, cos, sin), after
+    return apply_rope(rows, cos, sin)
 
 
 def _overlap_slots(
@@ -184,7 +190,5 @@ def _closed_windows(
             overlap_gate = mx.where(shut, ca_gate[order], overlap_gate)
         kv_w = mx.concatenate([prev_kv, kv_w[..., head_dim:]], axis=1)  # [E, 2·ratio, d]
         gate_w = mx.concatenate([prev_gate, gate_w[..., head_dim:]], axis=1)
-    pooled = (kv_w * mx.softmax(gate_w.astype(mx.float32), axis=1, precise=True).astype(kv_w.dtype)).sum(axis=1)
-    rows = rms_norm(pooled, weights.norm, eps)  # [E, head_dim]
-    cos, sin = cos_sin(rope, mx.array([frontiers[i].num_emitted * ratio for i in closing]))
-    return apply_rope(rows, cos, sin), overlap_kv, overlap_gate
+    positions = mx.array([frontiers[i].num_emitted * ratio for i in closing])  # [E]
+    return _pooled_rows(kv_w, gate_w, weights, positions, rope, eps), overlap_kv, overlap_gate

@@ -52,7 +52,8 @@ def decode_attention(rows: DecodeRows, w: AttentionWeights, cfg: ModelConfig, la
     if kind in (CSA, HCA):
         _emit_compressed(rows, w, cfg, layer)
     window, window_valid = _window_rows(rows, cfg)  # [B, W, hd], [B, W]
-    timer.stage("other", window, *[a for s in rows.segments for a in s.cache.arrays()])
+    if timer.stage_sync:  # the cache arrays are listed only when a stage split evaluates them
+        timer.stage("other", window, *[a for s in rows.segments for a in s.cache.arrays()])
     scale = cfg.head_dim**-0.5
     if kind == WINDOW:
         return mixed_attention(rows.q, [(window, window_valid)], w.sinks, scale)
