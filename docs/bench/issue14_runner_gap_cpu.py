@@ -3,7 +3,9 @@ the same cache, four arms interleaved (order A B C D D C B A A B C D, 10 timed s
 bare = model.forward + argmax; bare_tile = the same with the runner's tile and trace; bare_sample = the
 runner's sampler instead of argmax; runner = ModelRunner.execute of a decode-only StepPlan.
 
-python docs/bench/issue14_runner_gap_cpu.py MODEL_DIR   # a small-preset checkpoint (make-model --preset small)
+python docs/bench/issue14_runner_gap_cpu.py MODEL_DIR [CTX [ROUNDS]]   # CPU: a small-preset checkpoint, ctx 2048
+python docs/bench/issue14_runner_gap_cpu.py /dev/shm/fw 65536 4        # H200: flash-width, the decode benchmarks' ctx
+Each round's medians are printed as it ends (a run cut short by a time limit still reports).
 """
 import time, statistics, sys
 import mlx.core as mx
@@ -16,8 +18,10 @@ from tessera.engine.serving.runner import ModelRunner
 from tessera.engine.serving.protocol import DecodeSlot, SamplingParams, StepPlan
 from tessera.engine.serving.sampler import sample, TokenHistory, RequestRng
 m = load_model(Path(sys.argv[1]))
-cache = _filled(m, 2048, 0, DecodeOptions(1024, 256, cache_fill="random"))
-runner = ModelRunner(m, prefill_chunk=1024, indexer_tile=256, max_context=8192)
+ctx = int(sys.argv[2]) if len(sys.argv) > 2 else 2048
+rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+cache = _filled(m, ctx, 0, DecodeOptions(1024, 256, cache_fill="random"))
+runner = ModelRunner(m, prefill_chunk=1024, indexer_tile=256, max_context=ctx + 4096)
 runner.add_request("r", [1], SamplingParams(temperature=0.0, max_tokens=10**9))
 runner._sequences["r"].cache = cache
 nid = [1]
@@ -33,9 +37,12 @@ def run():
     out = runner.execute(StepPlan(decodes=(DecodeSlot("r", nid[0], cache.num_tokens),))); nid[0] = out.sampled[0].token_id
 arms = {"bare": bare, "bare_tile": bare_tile, "bare_sample": bare_sample, "runner": run}
 res = {k: [] for k in arms}
-for rnd in range(3):
+for rnd in range(rounds):
     for name in (list(arms) if rnd % 2 == 0 else list(arms)[::-1]):
+        times = []
         for i in range(12):
             t = time.perf_counter(); arms[name](); dt = (time.perf_counter() - t) * 1e3
-            if i >= 2: res[name].append(dt)
-for k, v in res.items(): print(k, round(statistics.median(v), 2))
+            if i >= 2: times.append(dt)
+        res[name].extend(times)
+        print(f"round {rnd} {name} median {statistics.median(times):.2f} ms", flush=True)
+for k, v in res.items(): print(k, round(statistics.median(v), 2), flush=True)
