@@ -29,6 +29,8 @@ from tessera.engine.model.compiled import shapeless
 from tessera.engine.model.expert_slices import sorted_gather_mm
 from tessera.engine.model.quantized import QuantizedWeight, Weight, linear
 from tessera.kernels.cuda import on_cuda
+from tessera.kernels.moe_padded import combine_rows, index_is_supported, padded_index_meta, padded_indices_kernel
+from tessera.kernels.moe_padded import weighted_sum as _weighted_sum  # [T, k, D] -> [T, D]: the combine's definition
 from tessera.kernels.row_gather import take_rows
 
 # A step with at least this many (token, slot) pairs per routed expert on average runs the padded layout.
@@ -261,27 +263,56 @@ def expert_counts(flat: mx.array, num_experts: int) -> mx.array:
 
 def padded_pairs(x: mx.array, flat: mx.array, order: mx.array, k: int, w: MoEWeights, limit: float,
                  counts: mx.array | None = None) -> mx.array:
-    """-> [P, D]: pair p's output at row p, through the padded blocks (`PaddedPlan`). counts: the
-    step's `expert_counts` when the caller already scheduled them (moe()). Copies the counts (E ints) to
-    the host: the capacities are shapes. The one host sync of the layout; the index tables follow from
-    the counts on the host, so the device does two small gathers and one small scatter of indices."""
+    """-> [P, D]: pair p's output at row p, through the padded blocks (`PaddedPlan`); the gathered
+    layout when no plan fits. The engine does not gather [P, D]: `_routed` combines the blocks' rows
+    per token in one step (`combine_rows`); this form is the layout as LAYOUTS lists it."""
+    blocks = _padded_blocks(x, flat, order, k, w, limit, counts)
+    if blocks is None:  # no plan within the row bound (pathological routing)
+        return gathered_pairs(x, flat, order, k, w, limit)
+    out, slot = blocks
+    return take_rows(out, slot)
+
+
+def _padded_blocks(x: mx.array, flat: mx.array, order: mx.array, k: int, w: MoEWeights, limit: float,
+                   counts: mx.array | None) -> tuple[mx.array, mx.array] | None:
+    """-> (out [rows, D]: every padded row through its expert, slot [P]: pair p's row of out), or None
+    when no plan fits the row bound. counts: the step's `expert_counts` when the caller already
+    scheduled them (moe()). Copies the counts (E ints) to the host: the capacities are shapes. The one
+    host sync of the layout; the index tables follow from the counts and the sort (`padded_indices`)."""
     num_pairs, dim = flat.shape[0], x.shape[-1]
     num_experts = w.num_experts
     counts_np = np.array(expert_counts(flat, num_experts) if counts is None else counts)  # host sync
     plan = plan_padded(counts_np, overflow_cost(w), PADDED_MAX_ROWS_PER_PAIR * num_pairs)
-    if plan is None:  # no plan within the row bound (pathological routing)
-        return gathered_pairs(x, flat, order, k, w, limit)
-    tables = padded_tables(counts_np, plan)
-    rows = take_rows(x, order[mx.array(tables.source)] // k)  # [rows, D]: each padded row's token
-    slot = mx.zeros((num_pairs,), dtype=mx.int32)
-    slot[order] = mx.array(tables.slot)  # [P]: pair p's padded row (order is a permutation: one write each)
+    if plan is None:
+        return None
+    tokens, slot = padded_indices(order, flat, counts_np, plan, k)
+    rows = take_rows(x, tokens)  # [rows, D]: each padded row's token
     main_rows = num_experts * plan.capacity
     out = _main_block(rows[:main_rows].reshape(num_experts, plan.capacity, dim), w, limit).reshape(main_rows, dim)
     if plan.overflow:
         experts = mx.array(plan.overflow, dtype=mx.uint32)
         over = rows[main_rows:].reshape(len(plan.overflow), plan.overflow_capacity, dim)  # [E_o, C_o, D]
         out = mx.concatenate([out, _overflow_block(over, w, experts, limit).reshape(-1, dim)])
-    return take_rows(out, slot)
+    return out, slot
+
+
+def padded_indices(order: mx.array, flat: mx.array, counts: np.ndarray, plan: PaddedPlan, k: int) -> tuple[mx.array, mx.array]:
+    """-> (tokens [rows]: the token each padded row reads, slot [P]: pair p's padded row) for this plan:
+    one CUDA kernel where supported (kernels/moe_padded.py), else `padded_indices_reference`."""
+    if index_is_supported(order, flat):
+        meta = padded_index_meta(counts, plan.capacity, plan.overflow, plan.overflow_capacity)
+        return padded_indices_kernel(order, flat, meta, k)
+    return padded_indices_reference(order, counts, plan, k)
+
+
+def padded_indices_reference(order: mx.array, counts: np.ndarray, plan: PaddedPlan, k: int) -> tuple[mx.array, mx.array]:
+    """`padded_indices` from the host's tables (`padded_tables`): two uploads, then a gather, a division
+    and one scatter of indices on the device."""
+    tables = padded_tables(counts, plan)
+    tokens = order[mx.array(tables.source)] // k
+    slot = mx.zeros((order.shape[0],), dtype=mx.int32)
+    slot[order] = mx.array(tables.slot)  # order is a permutation: one write each
+    return tokens, slot
 
 
 def _overflow_block(over: mx.array, w: MoEWeights, experts: mx.array, limit: float) -> mx.array:
@@ -313,19 +344,14 @@ def routed_experts(x: mx.array, experts: mx.array, weights: mx.array, w: MoEWeig
 
 def _routed(x: mx.array, flat: mx.array, order: mx.array, weights: mx.array, w: MoEWeights, limit: float,
             layout: str, counts: mx.array | None) -> mx.array:
-    """routed_experts with the sort (order: argsort(flat)) and, padded, the counts already built."""
+    """routed_experts with the sort (order: argsort(flat)) and, padded, the counts already built. The
+    padded blocks' rows are weighted and summed per token in one step (`combine_rows`)."""
     num_tokens, k = weights.shape
-    if layout == "padded":
-        by_pair = padded_pairs(x, flat, order, k, w, limit, counts)
-    else:
-        by_pair = LAYOUTS[layout](x, flat, order, k, w, limit)
+    blocks = _padded_blocks(x, flat, order, k, w, limit, counts) if layout == "padded" else None
+    if blocks is not None:
+        return combine_rows(*blocks, weights)
+    by_pair = (gathered_pairs if layout == "padded" else LAYOUTS[layout])(x, flat, order, k, w, limit)
     return _weighted_sum(by_pair.reshape(num_tokens, k, -1), weights)  # (token, slot) order
-
-
-@shapeless
-def _weighted_sum(by_pair: mx.array, weights: mx.array) -> mx.array:
-    """by_pair [T, k, D], weights [T, k] -> [T, D] float32."""
-    return (by_pair.astype(mx.float32) * weights[:, :, None]).sum(axis=1)
 
 
 def reference_routed_experts(x: mx.array, experts: mx.array, weights: mx.array, w: MoEWeights, limit: float) -> mx.array:
