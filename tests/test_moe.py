@@ -284,3 +284,85 @@ def test_skewed_v4_flash_step_runs_one_block_on_cuda():
     bf16_cuda = moe_mod.OVERFLOW_COST[("cuda", "plain")]
     plan = moe_mod.plan_padded(counts, bf16_cuda, moe_mod.PADDED_MAX_ROWS_PER_PAIR * counts.sum())
     assert plan is not None and plan.overflow == () and plan.capacity == 288
+
+
+def _indices_as_the_kernel_computes_them(order: np.ndarray, flat: np.ndarray, meta, k: int):
+    """kernels/moe_padded.py's _INDEX_SOURCE, thread by thread in numpy: checks what the CPU can check
+    of the kernel, that `padded_index_meta` carries what it reads (the kernel itself: tests/test_kernels_cuda.py)."""
+    v = meta.values.astype(np.int64)
+    cap, over_cap, num_rows = int(v[0]), int(v[1]), int(v[2])
+    num_experts = (len(v) - 3) // 4
+    starts, counts, over_row, over_experts = (v[3 + i * num_experts: 3 + (i + 1) * num_experts] for i in range(4))
+    tokens = np.empty(num_rows, dtype=np.int64)
+    for t in range(num_rows):
+        if t < num_experts * cap:
+            e, rank = t // cap, t % cap
+        else:
+            r = t - num_experts * cap
+            e, rank = over_experts[r // over_cap], cap + r % over_cap
+        tokens[t] = order[starts[e] + rank if rank < counts[e] else 0] // k
+    slot = np.empty(len(order), dtype=np.int64)
+    for i, pair in enumerate(order):
+        e = flat[pair]
+        rank = i - starts[e]
+        slot[pair] = e * cap + rank if rank < cap else over_row[e] + rank - cap
+    return tokens, slot
+
+
+@pytest.mark.parametrize("cost", [OverflowCost(0.0, 1.0), None])
+def test_padded_index_meta_gives_the_kernel_the_reference_tables(cost):
+    """The index kernel's formulation (a row finds its pair; a pair its row) over `padded_index_meta`
+    equals the reference tables (host tables, gather, division, scatter), with and without an overflow block."""
+    from tessera.kernels.moe_padded import padded_index_meta
+
+    flat = np.array(_skewed_experts(50)).reshape(-1)
+    order = np.array(mx.argsort(mx.array(flat)))
+    counts = _counts(flat)
+    plan = plan_padded(counts, cost)
+    assert (plan.overflow == (3,)) == (cost is not None)
+    meta = padded_index_meta(counts, plan.capacity, plan.overflow, plan.overflow_capacity)
+    assert meta.num_rows == plan.rows(EXPERTS)
+    want_tokens, want_slot = moe_mod.padded_indices_reference(mx.array(order), counts, plan, TOP_K)
+    tokens, slot = _indices_as_the_kernel_computes_them(order, flat, meta, TOP_K)
+    assert np.array_equal(tokens, np.array(want_tokens)) and np.array_equal(slot, np.array(want_slot))
+
+
+def test_combine_rows_off_cuda_is_the_gather_and_weighted_sum():
+    """combine_rows (kernels/moe_padded.py) on the CPU is its reference: rows[slot] weighted and summed per
+    token; and that sum adds each token's k float32 products onto 0 in slot order, the order the CUDA
+    kernel repeats (MLX CUDA's col_reduce_small)."""
+    from tessera.kernels import moe_padded
+
+    rng = np.random.default_rng(4)
+    tokens, k, dim = 37, 6, 24
+    rows = mx.array(rng.standard_normal((50, dim)).astype(np.float32) * 10.0 ** rng.integers(-3, 4, (50, 1)))
+    slot = mx.array(rng.integers(0, 50, tokens * k).astype(np.int32))
+    weights = mx.array(rng.uniform(0.01, 2.0, (tokens, k)).astype(np.float32))
+    assert not moe_padded.combine_is_supported(rows, slot, weights)  # CPU: the reference runs
+    got = np.array(moe_padded.combine_rows(rows, slot, weights))
+    by_pair = np.array(rows)[np.array(slot)].reshape(tokens, k, dim)
+    want = np.zeros((tokens, dim), dtype=np.float32)
+    for j in range(k):
+        want = want + by_pair[:, j, :] * np.array(weights)[:, j:j + 1]  # float32 products and sums, in slot order
+    assert want.dtype == np.float32 and np.array_equal(got, want)
+    assert np.array_equal(got, np.array(moe_padded.combine_rows_reference(rows, slot, weights)))
+    bf16 = rows.astype(mx.bfloat16)
+    assert np.array_equal(np.array(moe_padded.combine_rows(bf16, slot, weights)),
+                          np.array(moe_padded.weighted_sum(bf16[slot].reshape(tokens, k, dim), weights)))
+
+
+@row_invariant_blas
+def test_padded_layout_combines_per_token_as_the_pairs_form(monkeypatch):
+    """routed_experts through the padded layout (the blocks combined per token) equals padded_pairs' [P, D]
+    rows weighted and summed, and the per-expert loop, bit for bit."""
+    w = _weights()
+    mx.random.seed(13)
+    x = mx.random.normal((90, DIM))
+    experts = _skewed_experts(90)
+    _, weights = route(x, None, w, TOP_K, 1.5)
+    flat = experts.reshape(-1)
+    by_pair = moe_mod.padded_pairs(x, flat, mx.argsort(flat), TOP_K, w, LIMIT)
+    pairs_form = moe_mod._weighted_sum(by_pair.reshape(90, TOP_K, DIM), weights)
+    out = routed_experts(x, experts, weights, w, LIMIT, layout="padded")
+    assert np.array_equal(np.array(out), np.array(pairs_form))
+    assert np.array_equal(np.array(out), np.array(reference_routed_experts(x, experts, weights, w, LIMIT)))
