@@ -65,3 +65,103 @@ def test_row_gather_kernel_is_mlx_gather_bit_for_bit(dtype, width):
     assert mx.array_equal(take_rows_kernel(x, idx), take_rows_reference(x, idx)).item()
     view = x[100:]  # a view starting at a row boundary
     assert mx.array_equal(take_rows_kernel(view, idx % 200), take_rows_reference(view, idx % 200)).item()
+
+
+# --- the padded MoE layout's kernels (kernels/moe_padded.py) -----------------------------------------
+
+def _combine_inputs(dtype, width, k, tokens=300, num_rows=700):
+    """Rows of mixed sign and magnitudes 1e-3 … 1e3 (so that the summation order shows in the bits),
+    slots with repeats in any order, weights in [0.01, 2)."""
+    rng = np.random.default_rng(width + k)
+    rows = rng.standard_normal((num_rows, width)) * 10.0 ** rng.integers(-3, 4, (num_rows, 1))
+    slot = rng.integers(0, num_rows, tokens * k).astype(np.int32)
+    weights = rng.uniform(0.01, 2.0, (tokens, k)).astype(np.float32)
+    return mx.array(rows.astype(np.float32)).astype(dtype), mx.array(slot), mx.array(weights)
+
+
+@pytest.mark.parametrize("dtype, width, k", [(mx.bfloat16, 4096, 6), (mx.float32, 128, 6), (mx.float16, 64, 4),
+                                             (mx.bfloat16, 8, 1), (mx.bfloat16, 256, 8)])
+def test_moe_combine_kernel_equals_the_gather_and_weighted_sum_bit_for_bit(dtype, width, k):
+    """One kernel for take_rows + reshape + weighted_sum: MLX's sum over the k slots is col_reduce_small
+    (products rounded, then added onto 0 in slot order), and the kernel must give exactly its bits."""
+    from tessera.kernels.moe_padded import combine_is_supported, combine_rows_kernel, combine_rows_reference, weighted_sum
+
+    rows, slot, weights = _combine_inputs(dtype, width, k)
+    assert combine_is_supported(rows, slot, weights)
+    got = combine_rows_kernel(rows, slot, weights)
+    assert got.dtype == mx.float32 and got.shape == (weights.shape[0], width)
+    assert mx.array_equal(got, combine_rows_reference(rows, slot, weights)).item()
+    plain = weighted_sum(rows[slot].reshape(weights.shape[0], k, width), weights)  # MLX's own gather
+    assert mx.array_equal(got, plain).item()
+    if k > 1:  # the test can see the order: the slots summed backwards give other bits somewhere
+        backwards = weighted_sum(rows[slot].reshape(weights.shape[0], k, width)[:, ::-1], weights[:, ::-1])
+        assert not mx.array_equal(got, backwards).item()
+    view = rows[100:]  # a view starting at a row boundary; uint32 slots; bf16 weights
+    slot_u = (slot % (rows.shape[0] - 100)).astype(mx.uint32)
+    w16 = weights.astype(mx.bfloat16)
+    assert mx.array_equal(combine_rows_kernel(view, slot_u, w16), combine_rows_reference(view, slot_u, w16)).item()
+
+
+def _index_case(skewed: bool, overflow: bool):
+    """(order, flat, counts, plan, k) for 4,096 tokens × top-6 over 256 experts (skewed: 20 % drawn 4×)."""
+    from tessera.engine.model import moe as moe_mod
+
+    rng = np.random.default_rng(7 + skewed)
+    tokens, k, experts = 4096, 6, 256
+    p = np.where(np.arange(experts) < experts // 5, 4.0, 1.0) if skewed else np.ones(experts)
+    flat = np.stack([rng.choice(experts, k, replace=False, p=p / p.sum()) for _ in range(tokens)]).reshape(-1).astype(np.int32)
+    counts = np.bincount(flat, minlength=experts)
+    cost = moe_mod.OverflowCost(0.0, 1.0) if overflow else None
+    plan = moe_mod.plan_padded(counts, cost)
+    assert (len(plan.overflow) > 0) == overflow
+    flat = mx.array(flat)
+    return mx.argsort(flat), flat, counts, plan, k
+
+
+@pytest.mark.parametrize("skewed, overflow", [(False, False), (True, False), (True, True)])
+def test_moe_index_kernel_equals_the_reference_tables(skewed, overflow):
+    """The padded layout's index tables from one kernel: the same integers as the host tables + gather,
+    division and scatter (padding rows included: they read sorted position 0's token in both)."""
+    from tessera.engine.model import moe as moe_mod
+    from tessera.kernels.moe_padded import index_is_supported, padded_index_meta, padded_indices_kernel
+
+    order, flat, counts, plan, k = _index_case(skewed, overflow)
+    assert index_is_supported(order, flat)
+    meta = padded_index_meta(counts, plan.capacity, plan.overflow, plan.overflow_capacity)
+    tokens, slot = padded_indices_kernel(order, flat, meta, k)
+    want_tokens, want_slot = moe_mod.padded_indices_reference(order, counts, plan, k)
+    assert np.array_equal(np.array(tokens), np.array(want_tokens).astype(np.int32))
+    assert np.array_equal(np.array(slot), np.array(want_slot))
+
+
+@pytest.mark.parametrize("skewed", [False, True])
+def test_padded_layout_gives_the_same_bits_with_and_without_its_kernels(skewed):
+    """routed_experts through the padded layout, bf16, with the combine and index kernels and with both
+    switched off (the plain-MLX references): the same bits."""
+    from tessera.engine.model import moe as moe_mod
+    from tessera.kernels import moe_padded
+
+    rng = np.random.default_rng(3)
+    experts, dim, inter, tokens, k = 32, 256, 128, 512, 4
+    w = moe_mod.MoEWeights(
+        router=mx.zeros((experts, dim)), correction_bias=None, tid2eid=None,
+        w1=mx.array(rng.standard_normal((experts, inter, dim)).astype(np.float32) * 0.05).astype(mx.bfloat16),
+        w2=mx.array(rng.standard_normal((experts, dim, inter)).astype(np.float32) * 0.05).astype(mx.bfloat16),
+        w3=mx.array(rng.standard_normal((experts, inter, dim)).astype(np.float32) * 0.05).astype(mx.bfloat16),
+        shared_w1=mx.zeros((inter, dim)), shared_w2=mx.zeros((dim, inter)), shared_w3=mx.zeros((inter, dim)))
+    x = mx.array(rng.standard_normal((tokens, dim)).astype(np.float32)).astype(mx.bfloat16)
+    p = np.where(np.arange(experts) < 4, 8.0, 1.0) if skewed else np.ones(experts)
+    chosen = np.stack([rng.choice(experts, k, replace=False, p=p / p.sum()) for _ in range(tokens)]).astype(np.int32)
+    weights = mx.array(rng.uniform(0.1, 1.0, (tokens, k)).astype(np.float32))
+    chosen = mx.array(chosen)
+    with_kernels = moe_mod.routed_experts(x, chosen, weights, w, 10.0, layout="padded")
+    saved = moe_padded.combine_kernel_enabled(), moe_padded.index_kernel_enabled()
+    try:
+        moe_padded.set_combine_kernel_enabled(False)
+        moe_padded.set_index_kernel_enabled(False)
+        without = moe_mod.routed_experts(x, chosen, weights, w, 10.0, layout="padded")
+    finally:
+        moe_padded.set_combine_kernel_enabled(saved[0])
+        moe_padded.set_index_kernel_enabled(saved[1])
+    assert float(mx.abs(without).max()) > 0.01
+    assert mx.array_equal(with_kernels, without).item()
