@@ -22,6 +22,13 @@ once forward and once backward (A B … B A), each round 2 warm-ups + --iters ti
   `new_mlx_gather`: `new` with MLX's own gather for the two row gathers instead of kernels/row_gather.py;
   `new_one_block`: the same with one block whatever its size (no overflow block, no row bound);
   `new_overflow`: the same with the CPU's overflow cost (to re-measure what an overflow block costs here).
+- `next` (session 7): engine/model/moe.py now — the index tables from one kernel (`indices`), the
+  blocks' rows weighted and summed per token by one kernel (`combine`, replacing `gather_out` +
+  `weighted_sum`; kernels/moe_padded.py); `next_no_combine_kernel` / `next_no_index_kernel`: one of the
+  two switched off (its plain-MLX reference); `next_scheduled_as_moe`: `next` + the shared expert
+  scheduled as moe() schedules a padded step (counts and sort started, the shared expert started before
+  the host waits for the counts; whole calls only). The served chain adds `served_overlap_no_padded_kernels`
+  (moe() with both kernels off) and a `padded_kernels_vs_not` check.
 
 Each setting runs twice per round: `whole` (graph built and evaluated once, no syncs in between: what a
 step pays; `host_ms` = the Python call until it returns, host sync included) and `parts` (an eval +
@@ -57,7 +64,8 @@ use_source_tree()
 from tessera.engine.model import moe as moe_mod  # noqa: E402
 from tessera.engine.model.moe import MoEWeights, routed_experts, swiglu  # noqa: E402
 from tessera.engine.model.quantized import QuantizedWeight, quantize  # noqa: E402
-from tessera.kernels import row_gather  # noqa: E402
+from tessera.kernels import moe_padded, row_gather  # noqa: E402
+from tessera.kernels.moe_padded import combine_rows  # noqa: E402
 from tessera.kernels.row_gather import take_rows  # noqa: E402
 
 LIMIT, SCALING = 10.0, 1.5
@@ -197,6 +205,64 @@ def new_routed(x, experts, weights, w: MoEWeights, cost, max_rows_per_pair: floa
     routed = moe_mod._weighted_sum(by_pair.reshape(num_tokens, k, dim), weights)
     st.mark("weighted_sum", routed)
     return routed
+
+
+# ---------------------------------------------------------------------------------------------------
+# Session 7 (engine/model/moe.py now): the index tables from one kernel, the blocks' rows combined per
+# token by one kernel (kernels/moe_padded.py; the plain-MLX references off CUDA or when switched off).
+
+def next_routed(x, experts, weights, w: MoEWeights, st: Stages, counts_order=None) -> mx.array:
+    """moe._routed's padded path with its pieces marked. counts_order: (counts, order) already
+    scheduled by the caller (as moe() schedules them), else built here."""
+    num_tokens, k = experts.shape
+    dim, num_experts = x.shape[-1], w.num_experts
+    flat = experts.reshape(-1)
+    counts, order = counts_order or (moe_mod.expert_counts(flat, num_experts), mx.argsort(flat))
+    st.mark("sort_counts", order, counts)
+    counts_np = np.array(counts)  # host sync
+    plan = moe_mod.plan_padded(counts_np, moe_mod.overflow_cost(w), moe_mod.PADDED_MAX_ROWS_PER_PAIR * flat.shape[0])
+    assert plan is not None, "no padded plan within the row bound: the engine would run the gathered layout"
+    st.mark("sync_plan")
+    tokens, slot = moe_mod.padded_indices(order, flat, counts_np, plan, k)
+    st.mark("indices", tokens, slot)
+    rows = take_rows(x, tokens)
+    st.mark("gather_in", rows)
+    main_rows = num_experts * plan.capacity
+    y = expert_gemms(rows[:main_rows].reshape(num_experts, plan.capacity, dim), w, st).reshape(main_rows, dim)
+    if plan.overflow:
+        over = rows[main_rows:].reshape(len(plan.overflow), plan.overflow_capacity, dim)
+        y = mx.concatenate([y, moe_mod._overflow_block(over, w, mx.array(plan.overflow, dtype=mx.uint32), LIMIT).reshape(-1, dim)])
+        st.mark("overflow_block", y)
+    routed = combine_rows(y, slot, weights)
+    st.mark("combine", routed)
+    return routed
+
+
+def next_scheduled_as_moe(x, experts, weights, w: MoEWeights) -> Callable[[Stages], mx.array]:
+    """`next` + the shared expert, scheduled as moe() schedules a padded step (OVERLAP_HOST_WORK): the
+    counts and the sort started, then the shared expert started before the host waits for the counts."""
+    def run(st: Stages) -> mx.array:
+        flat = experts.reshape(-1)
+        counts, order = moe_mod.expert_counts(flat, w.num_experts), mx.argsort(flat)
+        mx.async_eval(counts, order)
+        shared = swiglu(x, w.shared_w1, w.shared_w2, w.shared_w3, LIMIT)
+        mx.async_eval(shared)
+        return moe_mod._sum_in(next_routed(x, experts, weights, w, st, (counts, order)), shared, x)
+    return run
+
+
+def with_kernels(fn: Callable[[Stages], mx.array], combine: bool, index: bool) -> Callable[[Stages], mx.array]:
+    """`fn` with kernels/moe_padded.py's combine / index kernels on or off (off: the plain-MLX references)."""
+    def run(st: Stages) -> mx.array:
+        saved = moe_padded.combine_kernel_enabled(), moe_padded.index_kernel_enabled()
+        moe_padded.set_combine_kernel_enabled(combine)
+        moe_padded.set_index_kernel_enabled(index)
+        try:
+            return fn(st)
+        finally:
+            moe_padded.set_combine_kernel_enabled(saved[0])
+            moe_padded.set_index_kernel_enabled(saved[1])
+    return run
 
 
 def expert_gemms(block: mx.array, w: MoEWeights, st: Stages) -> mx.array:
@@ -402,6 +468,21 @@ def layouts(x, experts, weights, w: MoEWeights, flop: float) -> dict[str, tuple[
         "new_mlx_gather": (mlx_gather(new(device_cost, bound)), flop, True),
         "new_one_block": (new(None, float("inf")), flop, True),
         "new_overflow": (new(cpu_cost(w), bound), flop, True),
+        **next_layouts(x, experts, weights, w, flop),
+    }
+
+
+NEXT_LAYOUTS = ("next", "next_no_combine_kernel", "next_no_index_kernel", "next_scheduled_as_moe")
+
+
+def next_layouts(x, experts, weights, w: MoEWeights, flop: float) -> dict[str, tuple[Callable, float, bool]]:
+    """Session 7's arms: the engine now, each of its two kernels off, and the engine as moe() schedules it."""
+    nxt = with_shared(lambda st: next_routed(x, experts, weights, w, st), x, w)
+    return {
+        "next": (nxt, flop, True),
+        "next_no_combine_kernel": (with_kernels(nxt, combine=False, index=True), flop, True),
+        "next_no_index_kernel": (with_kernels(nxt, combine=True, index=False), flop, True),
+        "next_scheduled_as_moe": (next_scheduled_as_moe(x, experts, weights, w), flop, False),
     }
 
 
@@ -424,7 +505,7 @@ def check_layouts(out, label, settings, x, experts, weights, w) -> None:
     try:
         want = moe_mod._sum_in(routed_experts(x, experts, weights, w, LIMIT, layout="padded"),
                                swiglu(x, w.shared_w1, w.shared_w2, w.shared_w3, LIMIT), x)
-        for name in ("session5", "session5_one_block", "new", "new_mlx_gather", "new_one_block", "new_overflow"):
+        for name in ("session5", "session5_one_block", "new", "new_mlx_gather", "new_one_block", "new_overflow", *NEXT_LAYOUTS):
             check(out, label, name, settings[name][0](NO_STAGES), want)
     finally:
         moe_mod.PADDED_MAX_ROWS_PER_PAIR = saved
@@ -515,7 +596,10 @@ def served(out, s: Size, w: MoEWeights, x: mx.array, flop: float, args) -> None:
     chain = served_chain(s, w, x, args.chain)
     on, off = overlap_setting(chain, True), overlap_setting(chain, False)
     emit(out, what="check", **label, setting="overlap_vs_not", max_abs_diff=float(mx.abs(on(NO_STAGES).astype(mx.float32) - off(NO_STAGES).astype(mx.float32)).max()))
-    settings = {"served_overlap": (on, flop * args.chain, False), "served_no_overlap": (off, flop * args.chain, False)}
+    plain = with_kernels(on, combine=False, index=False)  # kernels/moe_padded.py's references
+    emit(out, what="check", **label, setting="padded_kernels_vs_not", max_abs_diff=float(mx.abs(on(NO_STAGES).astype(mx.float32) - plain(NO_STAGES).astype(mx.float32)).max()))
+    settings = {"served_overlap": (on, flop * args.chain, False), "served_no_overlap": (off, flop * args.chain, False),
+                "served_overlap_no_padded_kernels": (plain, flop * args.chain, False)}
     res = run_rounds(out, label, settings, args.iters, args.warmup)
     for name in settings:
         t = median(sum(res["whole"][name], []))
@@ -538,7 +622,8 @@ def quantized_overflow(out, s: Size, w: MoEWeights, x: mx.array, flop: float, ar
         bound = moe_mod.PADDED_MAX_ROWS_PER_PAIR
         settings = {"new": (new(moe_mod.overflow_cost(wq), bound), flop, False),
                     "new_one_block": (new(None, float("inf")), flop, False),
-                    "new_overflow": (new(cpu_cost(wq), bound), flop, False)}
+                    "new_overflow": (new(cpu_cost(wq), bound), flop, False),
+                    "next": (with_shared(lambda st: next_routed(x, experts, weights, wq, st), x, wq), flop, False)}
         res = run_rounds(out, label, settings, max(3, args.iters // 2), 1)
         ms = {}
         for name in settings:
