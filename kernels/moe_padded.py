@@ -41,8 +41,10 @@ _index_switch = Switch(INDEX_ENV_VAR)
 
 VECTOR_BYTES = 16
 THREADS = 256
-# col_reduce_small, whose order the combine kernel repeats, serves reductions of at most 32 rows.
-MAX_SLOTS = 32
+# col_reduce_small, whose order the combine kernel repeats, serves reductions of 2 to 32 rows (MLX copies
+# a reduction over one row instead: no add onto 0, so -0.0 would stay; and MLX 0.32's CPU crashed on the
+# shapeless weighted_sum at k = 1, so the reference could not be tested there).
+MIN_SLOTS, MAX_SLOTS = 2, 32
 
 
 def set_combine_kernel_enabled(enabled: bool) -> None:
@@ -80,7 +82,8 @@ def combine_rows_reference(rows: mx.array, slot: mx.array, weights: mx.array) ->
 def combine_is_supported(rows: mx.array, slot: mx.array, weights: mx.array) -> bool:
     return (_combine_switch.enabled() and on_cuda() and rows.ndim == 2 and slot.ndim == 1 and weights.ndim == 2
             and rows.dtype in (mx.bfloat16, mx.float16, mx.float32) and (rows.shape[1] * rows.dtype.size) % VECTOR_BYTES == 0
-            and slot.dtype in (mx.int32, mx.uint32) and 0 < weights.shape[1] <= MAX_SLOTS
+            and slot.dtype in (mx.int32, mx.uint32) and MIN_SLOTS <= weights.shape[1] <= MAX_SLOTS
+            and slot.shape[0] == weights.shape[0] * weights.shape[1]
             and weights.dtype in (mx.float32, mx.bfloat16, mx.float16))
 
 
