@@ -15,7 +15,9 @@ The routed experts run in one of two layouts, chosen by the step's (token, slot)
   Padding rows hold a copy of some token's row and are never read back. The capacities are shapes, so
   the per-expert counts are copied to the host: one sync per MoE layer per step, only in steps this
   large, with the device kept busy around it (`OVERLAP_HOST_WORK`); the index tables follow from the
-  counts on the host (docs/BENCHMARKS.md "Issue 14: MoE in prefill" and "Issue 14, session 6").
+  counts and the sort (`padded_indices`), and the blocks' rows are weighted and summed per token in one
+  step (`combine_rows`) — on CUDA one kernel each (kernels/moe_padded.py; docs/BENCHMARKS.md "Issue 14:
+  MoE in prefill", "Issue 14, session 6" and "Issue 14, session 7: the padded MoE's index and combine kernels").
 """
 
 from __future__ import annotations
