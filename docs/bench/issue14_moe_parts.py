@@ -173,7 +173,7 @@ def session5_routed(x, experts, weights, w: MoEWeights, row_cost: float, st: Sta
 
 
 # ---------------------------------------------------------------------------------------------------
-# The engine's padded layout now (moe.padded_pairs), the same calls with its pieces marked.
+# Session 6's padded layout (engine/moe.py at 430b5ad: host tables, [P, D] gather out, weighted sum), pieces marked.
 
 def new_routed(x, experts, weights, w: MoEWeights, cost, max_rows_per_pair: float, st: Stages) -> mx.array:
     num_tokens, k = experts.shape
