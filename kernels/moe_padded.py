@@ -12,11 +12,11 @@ for MLX's CUDA backend, one kernel each for
   kernel does exactly that, with __fmul_rn / __fadd_rn so that the compiler cannot contract a
   product and an add into one FMA (one rounding fewer: other bits).
 - **the index tables**: for each padded row the token it reads, and for each pair its padded row, from
-  the expert-sorted pair order and the per-expert counts (`PaddedIndexMeta`). The reference builds them
-  on the host from the counts (moe.padded_tables), uploads a [rows] and a [P] table and runs four small
-  device ops (a gather, a division, a fill, a scatter): ~1 ms on the H200 with the host's table work.
-  The kernel is one launch reading `order` and `flat` where they are, with a 4·(4E + 3)-byte upload.
-  Integers: the same values or a bug.
+  the expert-sorted pair order, the per-expert counts and the plan's two capacities. The reference
+  builds them on the host from the counts (moe.padded_tables), uploads a [rows] and a [P] table and runs
+  four small device ops (a gather, a division, a fill, a scatter): ~1 ms on the H200 with the host's
+  table work. The kernel is one launch reading `order`, `flat` and the counts where they are on the
+  device, with the two capacities as its only upload (8 bytes). Integers: the same values or a bug.
 
 Switches: TESSERA_MOE_COMBINE_KERNEL=0 / TESSERA_MOE_INDEX_KERNEL=0 keep the references on CUDA too (1,
 the default, uses each kernel where it is supported).
@@ -24,10 +24,7 @@ the default, uses each kernel where it is supported).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mlx.core as mx
-import numpy as np
 
 from tessera.engine.model.compiled import shapeless
 from tessera.kernels.cuda import compiled_kernel, on_cuda
@@ -142,80 +139,104 @@ def combine_rows_kernel(rows: mx.array, slot: mx.array, weights: mx.array) -> mx
 # ---------------------------------------------------------------------------------------------------
 # The index tables.
 
-@dataclass(frozen=True)
-class PaddedIndexMeta:
-    """What the index kernel needs of a padded plan, as one int32 array (`values`): capacity C, overflow
-    capacity C_o, rows in all, then per expert its first sorted position, its count, its first overflow
-    row (E·C + i·C_o for the i-th overflow expert; unused for the others), then the overflow experts."""
-    values: np.ndarray  # [3 + 4E] int32
-    num_rows: int
+def index_is_supported(order: mx.array, flat: mx.array, counts: mx.array) -> bool:
+    return (_index_switch.enabled() and on_cuda() and order.ndim == 1 and flat.ndim == 1 and counts.ndim == 1
+            and order.dtype in (mx.int32, mx.uint32) and flat.dtype in (mx.int32, mx.uint32)
+            and 0 < counts.shape[0] <= MAX_EXPERTS)
 
 
-def padded_index_meta(counts: np.ndarray, capacity: int, overflow: tuple[int, ...], overflow_capacity: int) -> PaddedIndexMeta:
-    """counts: [E] pairs per expert, the plan's capacities and overflow experts (moe.PaddedPlan)."""
-    num_experts = len(counts)
-    counts = counts.astype(np.int64)
-    starts = np.cumsum(counts) - counts
-    over_row = np.zeros(num_experts, dtype=np.int64)
-    over_row[list(overflow)] = num_experts * capacity + np.arange(len(overflow)) * overflow_capacity
-    over_experts = np.zeros(num_experts, dtype=np.int64)
-    over_experts[: len(overflow)] = overflow
-    num_rows = num_experts * capacity + len(overflow) * overflow_capacity
-    values = np.concatenate([[capacity, overflow_capacity, num_rows], starts, counts, over_row, over_experts])
-    return PaddedIndexMeta(values.astype(np.int32), num_rows)
+# The per-expert table lives in shared memory, one thread per expert: E <= one block.
+MAX_EXPERTS = 1024
 
-
-def index_is_supported(order: mx.array, flat: mx.array) -> bool:
-    return (_index_switch.enabled() and on_cuda() and order.ndim == 1 and flat.ndim == 1
-            and order.dtype in (mx.int32, mx.uint32) and flat.dtype in (mx.int32, mx.uint32))
-
-
-# Threads [0, rows): padded row r reads the token of sorted position starts[e] + rank (its expert e and
-# rank from r), or of sorted position 0 if r is padding (any real token: never read back). Threads
+# Every block first rebuilds the plan's per-expert table in shared memory from the device's counts (a
+# Hillis-Steele scan, log2 E steps): each expert's first sorted position, its rank among the overflow
+# experts (those with more than C pairs: moe.plan_padded's definition) and the overflow experts in order.
+# Then threads [0, rows): padded row r finds its expert e and rank and reads the token at sorted position
+# starts[e] + rank, or sorted position 0's if r is padding (any real token: never read back); threads
 # [rows, rows + P): sorted position i writes its pair's row (one write per pair: order is a permutation).
 _INDEX_SOURCE = r"""
-  const int t = blockIdx.x * blockDim.x + threadIdx.x;
-  const int cap = meta[0], over_cap = meta[1], num_rows = meta[2];
-  const int* starts = meta + 3;
-  const int* counts = starts + E;
-  const int* over_row = counts + E;
-  const int* over_experts = over_row + E;
+  __shared__ int s_count[E];
+  __shared__ int s_start[E];
+  __shared__ int s_over[E];
+  __shared__ int s_over_expert[E];
+  const int cap = params[0], over_cap = params[1];
+  const int tid = threadIdx.x;
+  int own_count = 0, own_over = 0;
+  if (tid < E) {
+    own_count = (int)counts[tid];
+    own_over = own_count > cap ? 1 : 0;
+    s_count[tid] = own_count;
+    s_start[tid] = own_count;
+    s_over[tid] = own_over;
+  }
+  __syncthreads();
+  for (int off = 1; off < E; off <<= 1) {  // inclusive scans of the counts and of the overflow flags
+    int a = 0, b = 0;
+    if (tid < E && tid >= off) {
+      a = s_start[tid - off];
+      b = s_over[tid - off];
+    }
+    __syncthreads();
+    if (tid < E && tid >= off) {
+      s_start[tid] += a;
+      s_over[tid] += b;
+    }
+    __syncthreads();
+  }
+  const int num_over = s_over[E - 1];
+  __syncthreads();
+  if (tid < E) {  // exclusive: each thread rewrites only its own expert's entries
+    s_start[tid] -= own_count;
+    s_over[tid] -= own_over;
+    if (own_over) s_over_expert[s_over[tid]] = tid;
+  }
+  __syncthreads();
+  const int main_rows = E * cap;
+  const int num_rows = main_rows + num_over * over_cap;
   const int num_pairs = order_shape[0];
+  const int t = blockIdx.x * blockDim.x + tid;
   if (t < num_rows) {
     int e, rank;
-    if (t < E * cap) {
+    if (t < main_rows) {
       e = t / cap;
       rank = t % cap;
     } else {
-      const int r = t - E * cap;
-      e = over_experts[r / over_cap];
+      const int r = t - main_rows;
+      e = s_over_expert[r / over_cap];
       rank = cap + r % over_cap;
     }
-    const int pos = rank < counts[e] ? starts[e] + rank : 0;
+    const int pos = rank < s_count[e] ? s_start[e] + rank : 0;
     tokens[t] = (int)(order[pos] / K);
   } else if (t < num_rows + num_pairs) {
     const int i = t - num_rows;
     const int pair = (int)order[i];
     const int e = (int)flat[pair];
-    const int rank = i - starts[e];
-    slot[pair] = rank < cap ? e * cap + rank : over_row[e] + rank - cap;
+    const int rank = i - s_start[e];
+    slot[pair] = rank < cap ? e * cap + rank : main_rows + s_over[e] * over_cap + rank - cap;
   }
 """
 
 
-def padded_indices_kernel(order: mx.array, flat: mx.array, meta: PaddedIndexMeta, k: int) -> tuple[mx.array, mx.array]:
-    """order: [P] the expert-sorted pair order (argsort(flat)), flat: [P] expert per pair (pair = t·k + j)
-    -> (tokens [rows] int32: the token each padded row reads, slot [P] int32: each pair's padded row)."""
-    num_pairs = order.shape[0]
-    num_experts = (len(meta.values) - 3) // 4
-    total = meta.num_rows + num_pairs
-    kernel = compiled_kernel("tessera_moe_padded_indices", ("order", "flat", "meta"), ("tokens", "slot"), _INDEX_SOURCE, "")
+def padded_indices_kernel(order: mx.array, flat: mx.array, counts: mx.array, capacity: int, overflow_capacity: int,
+                          num_rows: int, k: int) -> tuple[mx.array, mx.array]:
+    """order: [P] the expert-sorted pair order (argsort(flat)), flat: [P] expert per pair (pair = t·k + j),
+    counts: [E] pairs per expert on the device (the counts the plan came from), the plan's capacities and
+    rows (moe.PaddedPlan; its overflow experts are those with more than `capacity` pairs) -> (tokens
+    [rows] int32: the token each padded row reads, slot [P] int32: each pair's padded row)."""
+    num_pairs, num_experts = order.shape[0], counts.shape[0]
+    # 8 bytes: MLX's CUDA allocator puts arrays this small in its pool of managed memory that the device
+    # reads in place (no page migration, as a larger array made on the host would need).
+    params = mx.array([capacity, overflow_capacity], dtype=mx.int32)
+    threads = max(THREADS, -(-num_experts // 32) * 32)  # the table's scan needs a thread per expert
+    total = num_rows + num_pairs
+    kernel = compiled_kernel("tessera_moe_padded_indices", ("order", "flat", "counts", "params"), ("tokens", "slot"),
+                             _INDEX_SOURCE, "")
     tokens, slot = kernel(
-        inputs=[order, flat, mx.array(meta.values)],
+        inputs=[order, flat, counts, params],
         template=[("E", num_experts), ("K", k)],
-        grid=((total + THREADS - 1) // THREADS * THREADS, 1, 1),
-        threadgroup=(THREADS, 1, 1),
-        output_shapes=[(meta.num_rows,), (num_pairs,)],
+        grid=((total + threads - 1) // threads * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(num_rows,), (num_pairs,)],
         output_dtypes=[mx.int32, mx.int32],
     )
     return tokens, slot

@@ -129,12 +129,12 @@ def test_moe_index_kernel_equals_the_reference_tables(skewed, overflow):
     """The padded layout's index tables from one kernel: the same integers as the host tables + gather,
     division and scatter (padding rows included: they read sorted position 0's token in both)."""
     from tessera.engine.model import moe as moe_mod
-    from tessera.kernels.moe_padded import index_is_supported, padded_index_meta, padded_indices_kernel
+    from tessera.kernels.moe_padded import index_is_supported, padded_indices_kernel
 
     order, flat, counts, plan, k = _index_case(skewed, overflow)
-    assert index_is_supported(order, flat)
-    meta = padded_index_meta(counts, plan.capacity, plan.overflow, plan.overflow_capacity)
-    tokens, slot = padded_indices_kernel(order, flat, meta, k)
+    device_counts = mx.array(counts.astype(np.int32))
+    assert index_is_supported(order, flat, device_counts)
+    tokens, slot = padded_indices_kernel(order, flat, device_counts, plan.capacity, plan.overflow_capacity, plan.rows(len(counts)), k)
     want_tokens, want_slot = moe_mod.padded_indices_reference(order, counts, plan, k)
     assert np.array_equal(np.array(tokens), np.array(want_tokens).astype(np.int32))
     assert np.array_equal(np.array(slot), np.array(want_slot))

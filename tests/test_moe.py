@@ -286,13 +286,15 @@ def test_skewed_v4_flash_step_runs_one_block_on_cuda():
     assert plan is not None and plan.overflow == () and plan.capacity == 288
 
 
-def _indices_as_the_kernel_computes_them(order: np.ndarray, flat: np.ndarray, meta, k: int):
-    """kernels/moe_padded.py's _INDEX_SOURCE, thread by thread in numpy: checks what the CPU can check
-    of the kernel, that `padded_index_meta` carries what it reads (the kernel itself: tests/test_kernels_cuda.py)."""
-    v = meta.values.astype(np.int64)
-    cap, over_cap, num_rows = int(v[0]), int(v[1]), int(v[2])
-    num_experts = (len(v) - 3) // 4
-    starts, counts, over_row, over_experts = (v[3 + i * num_experts: 3 + (i + 1) * num_experts] for i in range(4))
+def _indices_as_the_kernel_computes_them(order: np.ndarray, flat: np.ndarray, counts: np.ndarray, cap: int, over_cap: int, k: int):
+    """kernels/moe_padded.py's _INDEX_SOURCE, thread by thread in numpy: what the CPU can check of the
+    kernel's formulation (the kernel itself: tests/test_kernels_cuda.py)."""
+    num_experts = len(counts)
+    starts = np.cumsum(counts) - counts  # the block's exclusive scans
+    is_over = (counts > cap).astype(np.int64)
+    over_rank = np.cumsum(is_over) - is_over
+    over_experts = np.flatnonzero(is_over)
+    num_rows = num_experts * cap + len(over_experts) * over_cap
     tokens = np.empty(num_rows, dtype=np.int64)
     for t in range(num_rows):
         if t < num_experts * cap:
@@ -305,25 +307,23 @@ def _indices_as_the_kernel_computes_them(order: np.ndarray, flat: np.ndarray, me
     for i, pair in enumerate(order):
         e = flat[pair]
         rank = i - starts[e]
-        slot[pair] = e * cap + rank if rank < cap else over_row[e] + rank - cap
+        slot[pair] = e * cap + rank if rank < cap else num_experts * cap + over_rank[e] * over_cap + rank - cap
     return tokens, slot
 
 
 @pytest.mark.parametrize("cost", [OverflowCost(0.0, 1.0), None])
-def test_padded_index_meta_gives_the_kernel_the_reference_tables(cost):
-    """The index kernel's formulation (a row finds its pair; a pair its row) over `padded_index_meta`
-    equals the reference tables (host tables, gather, division, scatter), with and without an overflow block."""
-    from tessera.kernels.moe_padded import padded_index_meta
-
+def test_index_kernels_formulation_gives_the_reference_tables(cost):
+    """The index kernel's formulation (a row finds its pair; a pair its row; the overflow experts are
+    those over the capacity) equals the reference tables (host tables, gather, division, scatter), with
+    and without an overflow block."""
     flat = np.array(_skewed_experts(50)).reshape(-1)
     order = np.array(mx.argsort(mx.array(flat)))
     counts = _counts(flat)
     plan = plan_padded(counts, cost)
     assert (plan.overflow == (3,)) == (cost is not None)
-    meta = padded_index_meta(counts, plan.capacity, plan.overflow, plan.overflow_capacity)
-    assert meta.num_rows == plan.rows(EXPERTS)
     want_tokens, want_slot = moe_mod.padded_indices_reference(mx.array(order), counts, plan, TOP_K)
-    tokens, slot = _indices_as_the_kernel_computes_them(order, flat, meta, TOP_K)
+    tokens, slot = _indices_as_the_kernel_computes_them(order, flat, counts, plan.capacity, plan.overflow_capacity, TOP_K)
+    assert len(tokens) == plan.rows(EXPERTS)
     assert np.array_equal(tokens, np.array(want_tokens)) and np.array_equal(slot, np.array(want_slot))
 
 

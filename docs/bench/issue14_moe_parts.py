@@ -223,7 +223,7 @@ def next_routed(x, experts, weights, w: MoEWeights, st: Stages, counts_order=Non
     plan = moe_mod.plan_padded(counts_np, moe_mod.overflow_cost(w), moe_mod.PADDED_MAX_ROWS_PER_PAIR * flat.shape[0])
     assert plan is not None, "no padded plan within the row bound: the engine would run the gathered layout"
     st.mark("sync_plan")
-    tokens, slot = moe_mod.padded_indices(order, flat, counts_np, plan, k)
+    tokens, slot = moe_mod.padded_indices(order, flat, counts, counts_np, plan, k)
     st.mark("indices", tokens, slot)
     rows = take_rows(x, tokens)
     st.mark("gather_in", rows)

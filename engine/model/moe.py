@@ -31,7 +31,7 @@ from tessera.engine.model.compiled import shapeless
 from tessera.engine.model.expert_slices import sorted_gather_mm
 from tessera.engine.model.quantized import QuantizedWeight, Weight, linear
 from tessera.kernels.cuda import on_cuda
-from tessera.kernels.moe_padded import combine_rows, index_is_supported, padded_index_meta, padded_indices_kernel
+from tessera.kernels.moe_padded import combine_rows, index_is_supported, padded_indices_kernel
 from tessera.kernels.moe_padded import weighted_sum as _weighted_sum  # [T, k, D] -> [T, D]: the combine's definition
 from tessera.kernels.row_gather import take_rows
 
@@ -283,11 +283,12 @@ def _padded_blocks(x: mx.array, flat: mx.array, order: mx.array, k: int, w: MoEW
     host sync of the layout; the index tables follow from the counts and the sort (`padded_indices`)."""
     num_pairs, dim = flat.shape[0], x.shape[-1]
     num_experts = w.num_experts
-    counts_np = np.array(expert_counts(flat, num_experts) if counts is None else counts)  # host sync
+    counts = expert_counts(flat, num_experts) if counts is None else counts
+    counts_np = np.array(counts)  # host sync
     plan = plan_padded(counts_np, overflow_cost(w), PADDED_MAX_ROWS_PER_PAIR * num_pairs)
     if plan is None:
         return None
-    tokens, slot = padded_indices(order, flat, counts_np, plan, k)
+    tokens, slot = padded_indices(order, flat, counts, counts_np, plan, k)
     rows = take_rows(x, tokens)  # [rows, D]: each padded row's token
     main_rows = num_experts * plan.capacity
     out = _main_block(rows[:main_rows].reshape(num_experts, plan.capacity, dim), w, limit).reshape(main_rows, dim)
@@ -298,13 +299,14 @@ def _padded_blocks(x: mx.array, flat: mx.array, order: mx.array, k: int, w: MoEW
     return out, slot
 
 
-def padded_indices(order: mx.array, flat: mx.array, counts: np.ndarray, plan: PaddedPlan, k: int) -> tuple[mx.array, mx.array]:
-    """-> (tokens [rows]: the token each padded row reads, slot [P]: pair p's padded row) for this plan:
-    one CUDA kernel where supported (kernels/moe_padded.py), else `padded_indices_reference`."""
-    if index_is_supported(order, flat):
-        meta = padded_index_meta(counts, plan.capacity, plan.overflow, plan.overflow_capacity)
-        return padded_indices_kernel(order, flat, meta, k)
-    return padded_indices_reference(order, counts, plan, k)
+def padded_indices(order: mx.array, flat: mx.array, counts: mx.array, counts_np: np.ndarray, plan: PaddedPlan,
+                   k: int) -> tuple[mx.array, mx.array]:
+    """-> (tokens [rows]: the token each padded row reads, slot [P]: pair p's padded row) for this plan
+    (counts: [E] on the device, counts_np: the same on the host): one CUDA kernel where supported
+    (kernels/moe_padded.py), else `padded_indices_reference`."""
+    if index_is_supported(order, flat, counts):
+        return padded_indices_kernel(order, flat, counts, plan.capacity, plan.overflow_capacity, plan.rows(len(counts_np)), k)
+    return padded_indices_reference(order, counts_np, plan, k)
 
 
 def padded_indices_reference(order: mx.array, counts: np.ndarray, plan: PaddedPlan, k: int) -> tuple[mx.array, mx.array]:
