@@ -104,8 +104,24 @@ def test_moe_combine_kernel_equals_the_gather_and_weighted_sum_bit_for_bit(dtype
 
 
 def _same_bits(a: mx.array, b: mx.array) -> bool:
-    """float32 arrays equal bit for bit (array_equal takes -0.0 == 0.0)."""
-    return mx.array_equal(a.view(mx.uint32), b.view(mx.uint32)).item()
+    """Arrays of one float dtype equal bit for bit (array_equal takes -0.0 == 0.0)."""
+    assert a.dtype == b.dtype
+    as_int = {mx.float32: mx.uint32, mx.bfloat16: mx.uint16, mx.float16: mx.uint16}[a.dtype]
+    return mx.array_equal(a.view(as_int), b.view(as_int)).item()
+
+
+@pytest.mark.parametrize("dtype, width", [(mx.bfloat16, 4096), (mx.float16, 64), (mx.float32, 128)])
+def test_moe_combine_kernel_with_the_shared_expert_is_moes_sum_bit_for_bit(dtype, width):
+    """The combine with the shared expert added in the kernel: MLX's cast of the float32 sum to the
+    shared expert's dtype, then that dtype's add (moe._sum_in), bit for bit."""
+    from tessera.kernels.moe_padded import combine_is_supported, combine_rows_kernel, combine_rows_reference
+
+    rows, slot, weights = _combine_inputs(dtype, width, 6)
+    rng = np.random.default_rng(width)
+    shared = mx.array((rng.standard_normal((weights.shape[0], width)) * 10.0 ** rng.integers(-3, 4, (weights.shape[0], 1))).astype(np.float32)).astype(dtype)
+    assert combine_is_supported(rows, slot, weights, shared)
+    got = combine_rows_kernel(rows, slot, weights, shared)
+    assert got.dtype == dtype and _same_bits(got, combine_rows_reference(rows, slot, weights, shared))
 
 
 def _index_case(skewed: bool, overflow: bool):
@@ -160,14 +176,23 @@ def test_padded_layout_gives_the_same_bits_with_and_without_its_kernels(skewed):
     chosen = np.stack([rng.choice(experts, k, replace=False, p=p / p.sum()) for _ in range(tokens)]).astype(np.int32)
     weights = mx.array(rng.uniform(0.1, 1.0, (tokens, k)).astype(np.float32))
     chosen = mx.array(chosen)
-    with_kernels = moe_mod.routed_experts(x, chosen, weights, w, 10.0, layout="padded")
+    flat = chosen.reshape(-1)
+    order = mx.argsort(flat)
+    shared = mx.array(rng.standard_normal((tokens, dim)).astype(np.float32)).astype(mx.bfloat16)
+
+    def outputs():  # routed alone (float32), and the MoE block's sum with the shared expert (bf16)
+        return (moe_mod.routed_experts(x, chosen, weights, w, 10.0, layout="padded"),
+                moe_mod._routed(x, flat, order, weights, w, 10.0, "padded", None, shared))
+
+    with_kernels = outputs()
     saved = moe_padded.combine_kernel_enabled(), moe_padded.index_kernel_enabled()
     try:
         moe_padded.set_combine_kernel_enabled(False)
         moe_padded.set_index_kernel_enabled(False)
-        without = moe_mod.routed_experts(x, chosen, weights, w, 10.0, layout="padded")
+        without = outputs()
     finally:
         moe_padded.set_combine_kernel_enabled(saved[0])
         moe_padded.set_index_kernel_enabled(saved[1])
-    assert float(mx.abs(without).max()) > 0.01
-    assert _same_bits(with_kernels, without)
+    assert float(mx.abs(without[0]).max()) > 0.01
+    assert _same_bits(with_kernels[0], without[0]) and _same_bits(with_kernels[1], without[1])
+    assert _same_bits(without[1], moe_mod._sum_in(without[0], shared, x))
