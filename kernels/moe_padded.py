@@ -6,11 +6,13 @@ for MLX's CUDA backend, one kernel each for
   (268 MB at 4,096 V4 Flash tokens in bf16), then multiplies into a [T, k, D] float32 transient (400 MB)
   and sums it: on the H200 0.32 + 0.55 ms (docs/BENCHMARKS.md "Session 6 on the H200 … final lease").
   The kernel reads each row once and writes only [T, D]. Same bits: MLX 0.32's CUDA sum over axis 1
-  of a contiguous [T, k ≤ 32, D] array is `col_reduce_small` (mlx/backend/cuda/reduce/col_reduce.cu),
-  one thread per output element adding the k products in slot order onto 0; the products come from a
-  separate elementwise kernel, one rounding each (MLX compiles no reduction into a fused kernel). The
-  kernel does exactly that, with __fmul_rn / __fadd_rn so that the compiler cannot contract a
-  product and an add into one FMA (one rounding fewer: other bits).
+  of a contiguous [T, k, D] array (2 ≤ k ≤ 32) is `col_reduce_small` (mlx/backend/cuda/reduce/
+  col_reduce.cu), one thread per output element adding the k products in slot order onto 0; the
+  products come from a separate elementwise kernel, one rounding each (MLX compiles no reduction into a
+  fused kernel). The kernel does exactly that, with __fmul_rn / __fadd_rn so that the compiler cannot
+  contract a product and an add into one FMA (one rounding fewer: other bits). Given the shared
+  expert's output, it also adds that as moe's `_sum_in` does (a static_cast to its dtype, then that
+  dtype's +, which is what MLX's cast and Add compile to), instead of writing the float32 sum.
 - **the index tables**: for each padded row the token it reads, and for each pair its padded row, from
   the expert-sorted pair order, the per-expert counts and the plan's two capacities. The reference
   builds them on the host from the counts (moe.padded_tables), uploads a [rows] and a [P] table and runs
@@ -161,7 +163,7 @@ def combine_rows_kernel(rows: mx.array, slot: mx.array, weights: mx.array, share
 def index_is_supported(order: mx.array, flat: mx.array, counts: mx.array) -> bool:
     return (_index_switch.enabled() and on_cuda() and order.ndim == 1 and flat.ndim == 1 and counts.ndim == 1
             and order.dtype in (mx.int32, mx.uint32) and flat.dtype in (mx.int32, mx.uint32)
-            and 0 < counts.shape[0] <= MAX_EXPERTS)
+            and counts.dtype in (mx.int32, mx.uint32) and 0 < counts.shape[0] <= MAX_EXPERTS)
 
 
 # The per-expert table lives in shared memory, one thread per expert: E <= one block.
