@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from tessera.engine.model.cache import RowBuffer
 from tessera.kernels import indexer, indexer_cuda
 from tessera.kernels.indexer import indexer_scores_reference, mask_invisible, select_topk_reference, select_topk_threshold
 from tessera.kernels.sparse_attention import mixed_attention_reference, shared_rows
@@ -61,6 +62,11 @@ def test_indexer_all_heads_at_once_is_bit_identical_to_the_head_loop(monkeypatch
     assert np.array_equal(at_once, looped)
 
 
+def _buffers(keys: list[mx.array], spare: int = 100) -> list[RowBuffer]:
+    """The keys as cache buffers with spare capacity (rows past num_rows must never be read)."""
+    return [RowBuffer.holding(k, k.shape[0] + spare) for k in keys]
+
+
 @pytest.mark.parametrize("num_keys", [1, 333, 4096])
 @row_invariant_blas
 def test_batched_decode_scores_equal_each_sequence_scored_alone(monkeypatch, num_keys):
@@ -79,30 +85,53 @@ def test_batched_decode_scores_equal_each_sequence_scored_alone(monkeypatch, num
     assert batched.shape == (num_seqs, num_keys)
     for b in range(num_seqs):
         assert np.array_equal(batched[b : b + 1], alone[b]), b
-    dispatched = np.array(indexer.indexer_scores_batched(q, w, keys, visible, 0.3))
+    dispatched = np.array(indexer.indexer_scores_batched(q, w, _buffers(keys), visible, 0.3))
     monkeypatch.setattr(indexer, "BATCHED_SCRATCH_ELEMENTS", 0)  # one sequence at a time
-    per_sequence = np.array(indexer.indexer_scores_batched(q, w, keys, visible, 0.3))
+    per_sequence = np.array(indexer.indexer_scores_batched(q, w, _buffers(keys), visible, 0.3))
     assert np.array_equal(dispatched, batched) and np.array_equal(per_sequence, batched)
 
 
-def test_batched_scores_reach_the_kernel_per_sequence_where_it_is_supported(monkeypatch):
-    """Where the CUDA kernel runs, a decode batch goes through `indexer_scores`' one dispatch, one sequence at
-    a time against its own keys (never stacked). The kernel is stood in for by the reference here."""
+@row_invariant_blas
+def test_batched_scores_of_different_key_counts_are_each_sequence_alone_then_masked():
+    """Sequences with different N in one batch: row b's first N_b scores are that sequence alone, the
+    rest -inf, so the top-k picks the rows single-sequence decode picks (none of them past N_b)."""
+    rng = np.random.default_rng(7)
+    counts = [40, 3, 0, 40, 17]
+    q = mx.array(rng.standard_normal((5, 16, 64)).astype(np.float32))
+    w = mx.array(rng.standard_normal((5, 16)).astype(np.float32))
+    keys = [mx.array(rng.standard_normal((n, 64)).astype(np.float32)) for n in counts]
+    visible = mx.array(counts)
+    got = indexer.indexer_scores_batched(q, w, _buffers(keys), visible, 0.3)
+    assert got.shape == (5, 40)
+    for b, n in enumerate(counts):
+        alone = indexer_scores_reference(q[b : b + 1], w[b : b + 1], keys[b], visible[b : b + 1], 0.3)
+        assert np.array_equal(np.array(got[b : b + 1, :n]), np.array(alone)), b
+        assert np.all(np.isneginf(np.array(got[b, n:]))), b
+        rows, valid = select_topk_reference(got[b : b + 1], visible[b : b + 1], 8)
+        want_rows, want_valid = select_topk_reference(alone, visible[b : b + 1], 8)
+        assert _valid_rows((rows, valid)) == _valid_rows((want_rows, want_valid)), b
+
+
+def test_batched_scores_reach_the_batched_kernel_with_the_buffers_where_they_lie(monkeypatch):
+    """Where the CUDA kernel runs, a decode batch is one call of the batched kernel, given every
+    sequence's whole buffer (no slice, no stack) and its key count. The kernel is stood in for by the
+    reference here (tests/test_kernels_cuda.py compares the real one with the single kernel)."""
     rng = np.random.default_rng(1)
     q = mx.array(rng.standard_normal((3, 16, 64)).astype(np.float32))
     w = mx.array(rng.standard_normal((3, 16)).astype(np.float32))
     keys = [mx.array(rng.standard_normal((40, 64)).astype(np.float32)) for _ in range(3)]
-    visible = mx.array([40, 7, 0])
+    buffers, visible = _buffers(keys), mx.array([40, 7, 0])
     calls = []
 
-    def kernel(q, w, k, visible, scale):
-        calls.append(k)
-        return indexer_scores_reference(q, w, k, visible, scale)
+    def kernel(q, w, data, num_keys, visible, scale):
+        calls.append((data, num_keys))
+        return indexer.indexer_scores_batched_reference(q, w, mx.stack([d[:n] for d, n in zip(data, num_keys)]), visible, scale)
 
-    monkeypatch.setattr(indexer_cuda, "is_supported", lambda q, k: True)
-    monkeypatch.setattr(indexer_cuda, "indexer_scores_kernel", kernel)
-    got = np.array(indexer.indexer_scores_batched(q, w, keys, visible, 0.3))
-    assert len(calls) == 3 and all(c is k for c, k in zip(calls, keys))
+    monkeypatch.setattr(indexer_cuda, "batch_is_supported", lambda q: True)
+    monkeypatch.setattr(indexer_cuda, "indexer_scores_batched_kernel", kernel)
+    got = np.array(indexer.indexer_scores_batched(q, w, buffers, visible, 0.3))
+    assert len(calls) == 1 and calls[0][1] == [40, 40, 40]
+    assert all(d is b.data() and d.shape[0] > 40 for d, b in zip(calls[0][0], buffers))
     assert np.array_equal(got, np.array(indexer.indexer_scores_batched_reference(q, w, mx.stack(keys), visible, 0.3)))
 
 

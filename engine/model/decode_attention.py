@@ -163,7 +163,7 @@ def _selected_rows(
         valid = selected.astype(mx.bool_)
         rows = mx.zeros((len(segs), 0, cfg.head_dim), dtype=segs[0].cache.compressed.dtype)
     else:
-        keys = [s.cache.index_keys.view() for s in segs]  # b × [N, ID]
+        keys = [s.cache.index_keys for s in segs]  # b buffers of N rows [·, ID], read where they lie
         scores = indexer_scores_batched(index_q, index_w, keys, visible, cfg.index_head_dim**-0.5)  # [b, N]
         scores = timer.stage("indexer_score", scores)
         selected, valid = select_topk(scores, visible, cfg.index_topk)  # [b, k'], every index < N
