@@ -77,3 +77,63 @@ def take_rows_kernel(x: mx.array, idx: mx.array) -> mx.array:
         output_dtypes=[x.dtype],
     )
     return out
+
+
+# A decode batch's selected rows, each sequence's from its own buffer where it lies (no stacked copy of
+# every buffer, no gather per sequence): the kernel is generated per batch size B ≤ MAX_BATCH with
+# inputs x0 … x{B-1} (`mx.fast.cuda_kernel` takes a fixed list of inputs); larger batches run in chunks.
+MAX_BATCH = 16
+
+_BATCHED_SOURCE = r"""
+  const int seq = blockIdx.z;
+  const size_t num_picks = idx_shape[1];
+  const size_t t = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= num_picks * VECTORS_PER_ROW) return;
+  const auto* x = x0;
+  switch (seq) {
+{cases}
+  }
+  const size_t row = t / VECTORS_PER_ROW;
+  const size_t source = (size_t)idx[seq * num_picks + row] * VECTORS_PER_ROW + t % VECTORS_PER_ROW;
+  reinterpret_cast<uint4*>(out)[seq * num_picks * VECTORS_PER_ROW + t] = reinterpret_cast<const uint4*>(x)[source];
+"""
+
+
+def take_rows_batched_reference(xs: list[mx.array], idx: mx.array) -> mx.array:
+    """xs: B × [N_b, D], idx: [B, K] (row b's entries < N_b) -> [B, K, D]: xs[b][idx[b]] at [b]."""
+    return mx.stack([x[i] for x, i in zip(xs, idx)])
+
+
+def batch_is_supported(xs: list[mx.array], idx: mx.array) -> bool:
+    first = xs[0]
+    return (_switch.enabled() and on_cuda() and idx.ndim == 2 and idx.shape[0] == len(xs) and idx.shape[1] > 0
+            and idx.dtype in (mx.int32, mx.uint32) and (first.shape[1] * first.dtype.size) % VECTOR_BYTES == 0
+            and all(x.ndim == 2 and x.shape[1] == first.shape[1] and x.dtype == first.dtype for x in xs))
+
+
+def _batched_kernel(num_seqs: int):
+    cases = "\n".join(f"    case {b}: x = x{b}; break;" for b in range(1, num_seqs))
+    inputs = ("idx", *(f"x{b}" for b in range(num_seqs)))
+    return compiled_kernel(f"tessera_take_rows_batched_{num_seqs}", inputs, ("out",),
+                           _BATCHED_SOURCE.replace("{cases}", cases), "")
+
+
+def take_rows_batched_kernel(xs: list[mx.array], idx: mx.array) -> mx.array:
+    """`take_rows_batched_reference` on a CUDA device (rows a whole number of 16-byte vectors), each
+    buffer read in place (rows past the largest index are never read)."""
+    num_picks, width = idx.shape[1], xs[0].shape[1]
+    vectors_per_row = width * xs[0].dtype.size // VECTOR_BYTES
+    total = num_picks * vectors_per_row
+    parts = []
+    for lo in range(0, len(xs), MAX_BATCH):
+        hi = min(lo + MAX_BATCH, len(xs))
+        (out,) = _batched_kernel(hi - lo)(
+            inputs=[idx if (lo, hi) == (0, len(xs)) else idx[lo:hi], *xs[lo:hi]],
+            template=[("VECTORS_PER_ROW", vectors_per_row)],
+            grid=((total + THREADS - 1) // THREADS * THREADS, 1, hi - lo),
+            threadgroup=(THREADS, 1, 1),
+            output_shapes=[(hi - lo, num_picks, width)],
+            output_dtypes=[xs[0].dtype],
+        )
+        parts.append(out)
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)

@@ -135,6 +135,31 @@ def test_batched_scores_reach_the_batched_kernel_with_the_buffers_where_they_lie
     assert np.array_equal(got, np.array(indexer.indexer_scores_batched_reference(q, w, mx.stack(keys), visible, 0.3)))
 
 
+@pytest.mark.parametrize("num_seqs", [1, 5])
+def test_selected_rows_are_the_same_bits_through_each_gather_path(monkeypatch, num_seqs):
+    """Decode attention's selected rows: the batched CUDA gather (stood in by its reference, given every
+    buffer whole), the stacked gather and the per-sequence gathers copy the same rows."""
+    from tessera.engine.model import decode_attention
+    from tessera.kernels import row_gather
+
+    rng = np.random.default_rng(num_seqs)
+    buffers = _buffers([mx.array(rng.standard_normal((50, 32)).astype(np.float32)) for _ in range(num_seqs)])
+    selected = mx.array(np.sort(rng.integers(0, 50, (num_seqs, 12)), axis=-1).astype(np.int32))
+    want = np.stack([np.array(b.view())[np.array(s)] for b, s in zip(buffers, selected)])
+    got = {}
+    for path, stacked_bytes in (("stacked", 2**40), ("per_sequence", 0)):
+        monkeypatch.setattr(decode_attention, "STACKED_GATHER_BYTES", stacked_bytes)
+        got[path] = np.array(decode_attention._gather_selected(buffers, selected))
+    calls = []
+    monkeypatch.setattr(row_gather, "batch_is_supported", lambda xs, idx: True)
+    monkeypatch.setattr(row_gather, "take_rows_batched_kernel",
+                        lambda xs, idx: calls.append(xs) or row_gather.take_rows_batched_reference(xs, idx))
+    got["kernel"] = np.array(decode_attention._gather_selected(buffers, selected))
+    assert len(calls) == 1 and all(x is b.data() for x, b in zip(calls[0], buffers))
+    for path, rows in got.items():
+        assert np.array_equal(rows, want), path
+
+
 def test_mixed_attention_equals_dense_softmax_with_sink():
     rng = np.random.default_rng(3)
     t, h, d, r, s = 5, 3, 8, 7, 4

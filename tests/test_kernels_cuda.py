@@ -98,3 +98,15 @@ def test_row_gather_kernel_is_mlx_gather_bit_for_bit(dtype, width):
     assert mx.array_equal(take_rows_kernel(x, idx), take_rows_reference(x, idx)).item()
     view = x[100:]  # a view starting at a row boundary
     assert mx.array_equal(take_rows_kernel(view, idx % 200), take_rows_reference(view, idx % 200)).item()
+
+
+@pytest.mark.parametrize("num_seqs, width", [(1, 512), (16, 512), (19, 64)])
+def test_batched_row_gather_kernel_is_each_buffers_gather(num_seqs, width):
+    """Decode's selected rows: one launch (per 16 sequences) over every sequence's own buffer gives
+    exactly MLX's per-buffer x[idx] (a copy), whatever the buffers' capacities."""
+    from tessera.kernels.row_gather import batch_is_supported, take_rows_batched_kernel, take_rows_batched_reference
+
+    xs = [mx.random.normal((300 + 7 * b, width), key=mx.random.key(b)).astype(mx.bfloat16) for b in range(num_seqs)]
+    idx = mx.sort(mx.random.randint(0, 300, (num_seqs, 512), key=mx.random.key(99)), axis=-1).astype(mx.int32)
+    assert batch_is_supported(xs, idx)
+    assert mx.array_equal(take_rows_batched_kernel(xs, idx), take_rows_batched_reference(xs, idx)).item()

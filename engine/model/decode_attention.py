@@ -30,6 +30,7 @@ from tessera.engine.model.cache import LayerCache, RowBuffer, Stacked, owned, st
 from tessera.engine.model.compressor import compress_decode
 from tessera.engine.model.config import CSA, HCA, WINDOW, ModelConfig
 from tessera.engine.model.trace import ForwardTrace
+from tessera.kernels import row_gather
 from tessera.kernels.indexer import indexer_scores_batched, select_topk
 from tessera.kernels.sparse_attention import mixed_attention
 
@@ -175,8 +176,8 @@ def _selected_rows(
     return rows, valid
 
 
-# Up to this many bytes of compressed rows (all sequences of a batch together), the selected rows are
-# gathered in one op from the buffers stacked into one [b, N, hd] copy (two graph ops for the batch);
+# Without the CUDA kernel: up to this many bytes of compressed rows (all sequences of a batch together),
+# the selected rows are gathered in one op from the buffers stacked into one [b, N, hd] copy (two graph ops);
 # beyond it, one gather per sequence from its buffer where it lies (no copy, ~3 ops per sequence). A
 # gather copies values, so both give the same bits (tests/equivalence/test_batched_decode.py); the
 # bound only trades a transient copy (64 MiB ≈ 30 µs on an H200) against per-sequence graph ops.
@@ -185,8 +186,12 @@ STACKED_GATHER_BYTES = 64 * 2**20
 
 def _gather_selected(buffers: list[RowBuffer], selected: mx.array) -> mx.array:
     """Each sequence's selected compressed rows, from buffers of equal num_rows N: selected [b, k']
-    (every index < N) -> [b, k', hd]."""
+    (every index < N) -> [b, k', hd]. On a CUDA device one kernel reads every buffer where it lies
+    (kernels/row_gather.take_rows_batched_kernel: one op per step, no stacked copy)."""
     first = buffers[0]
+    data = [buf.data() for buf in buffers]
+    if row_gather.batch_is_supported(data, selected):
+        return row_gather.take_rows_batched_kernel(data, selected)
     if len(buffers) == 1:
         return first.data()[selected]
     if len(buffers) * first.nbytes <= STACKED_GATHER_BYTES:
