@@ -6,6 +6,14 @@ from functools import cache
 
 import mlx.core as mx
 
+from tessera.kernels.switch import Switch
+
+# TESSERA_DECODE_BATCH_KERNELS=0 keeps a decode batch on the per-sequence CUDA path (the single indexer
+# kernel once per sequence; the selected rows gathered from stacked buffers, or one gather per
+# sequence): the same bits, to compare against the batched kernels (kernels/indexer_cuda.py,
+# kernels/row_gather.py). 1, the default, uses them.
+decode_batch_kernels = Switch("TESSERA_DECODE_BATCH_KERNELS")
+
 
 def on_cuda() -> bool:
     return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()

@@ -139,8 +139,9 @@ def indexer_scores_batched(
     bits `indexer_scores` gives it), the rest -inf.
 
     On a CUDA device, one batched kernel launch (per MAX_BATCH sequences) reads every sequence's keys
-    where they lie. Elsewhere, equal N: one batched product of the memoized [1, N, d] views while the
-    stacked scratch fits, else one sequence at a time; different N: one sequence at a time, padded."""
+    where they lie (TESSERA_DECODE_BATCH_KERNELS=0: the single kernel once per sequence). Elsewhere,
+    equal N: one batched product of the memoized [1, N, d] views while the stacked scratch fits, else
+    one sequence at a time; different N: one sequence at a time, padded."""
     num_seqs, num_heads, _ = q.shape
     num_keys = [k.num_rows for k in keys]
     width = max(num_keys)
@@ -148,7 +149,8 @@ def indexer_scores_batched(
         return indexer_cuda.indexer_scores_batched_kernel(q, head_weights, [k.data() for k in keys], num_keys,
                                                           visible, scale)
     same_n = min(num_keys) == width
-    if same_n and num_seqs * num_heads * width <= BATCHED_SCRATCH_ELEMENTS:
+    stacked_fits = num_seqs * num_heads * width <= BATCHED_SCRATCH_ELEMENTS
+    if same_n and stacked_fits and not indexer_cuda.shapes_supported(q):  # CUDA without the batched kernel: one launch per sequence
         views = [k.stackable_view() for k in keys]  # b × [1, N, d]
         stacked = views[0] if num_seqs == 1 else mx.concatenate(views)
         return indexer_scores_batched_reference(q, head_weights, stacked, visible, scale)

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from tessera.kernels.cuda import compiled_kernel, on_cuda
+from tessera.kernels.cuda import compiled_kernel, decode_batch_kernels, on_cuda
 
 QUERIES_PER_BLOCK = 32  # two m16 tiles
 KEYS_PER_WARP = 32  # four n8 tiles
@@ -225,12 +225,18 @@ def shapes_fit(heads: int, d: int) -> bool:
 
 
 def is_supported(q: mx.array, keys: mx.array) -> bool:
+    return shapes_supported(q)
+
+
+def shapes_supported(q: mx.array) -> bool:
+    """A CUDA device, and q's [.., heads, d] fit the kernel (`shapes_fit`)."""
     return on_cuda() and shapes_fit(q.shape[1], q.shape[-1])
 
 
 def batch_is_supported(q: mx.array) -> bool:
-    """`indexer_scores_batched_kernel` runs here for q [B, heads, d] (any B; chunks of MAX_BATCH)."""
-    return on_cuda() and shapes_fit(q.shape[1], q.shape[-1])
+    """`indexer_scores_batched_kernel` runs here for q [B, heads, d] (any B; chunks of MAX_BATCH), unless
+    TESSERA_DECODE_BATCH_KERNELS=0 (kernels/cuda.py)."""
+    return decode_batch_kernels.enabled() and shapes_supported(q)
 
 
 def launch_shape(num_q: int, num_k: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:

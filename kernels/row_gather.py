@@ -10,14 +10,15 @@ vectors of a row. A gather is a copy, so kernel and reference give the same bits
 (tests/test_kernels_cuda.py, and `check kernels`).
 
 Switch: TESSERA_ROW_GATHER_KERNEL=0 keeps MLX's gather on CUDA too (1, the default, uses the kernel
-where it is supported: CUDA, rows a whole number of 16-byte vectors).
+where it is supported: CUDA, rows a whole number of 16-byte vectors). The decode batch's gather
+(`take_rows_batched_kernel`) also needs TESSERA_DECODE_BATCH_KERNELS (kernels/cuda.py) on.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from tessera.kernels.cuda import compiled_kernel, on_cuda
+from tessera.kernels.cuda import compiled_kernel, decode_batch_kernels, on_cuda
 from tessera.kernels.switch import Switch
 
 ENV_VAR = "TESSERA_ROW_GATHER_KERNEL"
@@ -106,8 +107,8 @@ def take_rows_batched_reference(xs: list[mx.array], idx: mx.array) -> mx.array:
 
 def batch_is_supported(xs: list[mx.array], idx: mx.array) -> bool:
     first = xs[0]
-    return (_switch.enabled() and on_cuda() and idx.ndim == 2 and idx.shape[0] == len(xs) and idx.shape[1] > 0
-            and idx.dtype in (mx.int32, mx.uint32) and (first.shape[1] * first.dtype.size) % VECTOR_BYTES == 0
+    return (_switch.enabled() and decode_batch_kernels.enabled() and on_cuda()
+            and idx.ndim == 2 and idx.shape[0] == len(xs) and idx.shape[1] > 0 and idx.dtype in (mx.int32, mx.uint32) and (first.shape[1] * first.dtype.size) % VECTOR_BYTES == 0
             and all(x.ndim == 2 and x.shape[1] == first.shape[1] and x.dtype == first.dtype for x in xs))
 
 

@@ -160,6 +160,20 @@ def test_selected_rows_are_the_same_bits_through_each_gather_path(monkeypatch, n
         assert np.array_equal(rows, want), path
 
 
+def test_decode_batch_kernels_switch_turns_both_batched_kernels_off(monkeypatch):
+    """TESSERA_DECODE_BATCH_KERNELS=0 (kernels/cuda.py) leaves the decode batch on the per-sequence path."""
+    from tessera.kernels import cuda, row_gather
+
+    monkeypatch.setattr(indexer_cuda, "on_cuda", lambda: True)
+    monkeypatch.setattr(row_gather, "on_cuda", lambda: True)
+    q, xs, idx = mx.zeros((2, 16, 64)), [mx.zeros((8, 32))] * 2, mx.zeros((2, 4), dtype=mx.int32)
+    monkeypatch.setattr(cuda.decode_batch_kernels, "_enabled", True)
+    assert indexer_cuda.batch_is_supported(q) and row_gather.batch_is_supported(xs, idx)
+    monkeypatch.setattr(cuda.decode_batch_kernels, "_enabled", False)
+    assert not indexer_cuda.batch_is_supported(q) and not row_gather.batch_is_supported(xs, idx)
+    assert indexer_cuda.is_supported(q, xs[0])  # the single kernel still runs, once per sequence
+
+
 def test_mixed_attention_equals_dense_softmax_with_sink():
     rng = np.random.default_rng(3)
     t, h, d, r, s = 5, 3, 8, 7, 4

@@ -54,6 +54,23 @@ def test_batched_indexer_kernel_equals_the_single_kernel_bit_for_bit(counts):
         assert bool(mx.all(got[b, n:] == -mx.inf).item()), b
 
 
+def test_decode_batch_scores_are_the_same_bits_with_the_batched_kernel_switched_off(monkeypatch):
+    """The dispatch with TESSERA_DECODE_BATCH_KERNELS on (one launch) and off (one single-kernel launch
+    per sequence) on cache buffers with spare capacity."""
+    from tessera.engine.model.cache import RowBuffer
+    from tessera.kernels import cuda
+    from tessera.kernels.indexer import indexer_scores_batched
+
+    counts = [700] * 16
+    q, w, buffers, visible = _decode_batch(np.random.default_rng(3), counts)
+    rows = [RowBuffer.holding(b[:n], n + 100) for b, n in zip(buffers, counts)]
+    monkeypatch.setattr(cuda.decode_batch_kernels, "_enabled", True)
+    on = indexer_scores_batched(q, w, rows, visible, 0.0883883)
+    monkeypatch.setattr(cuda.decode_batch_kernels, "_enabled", False)
+    off = indexer_scores_batched(q, w, rows, visible, 0.0883883)
+    assert mx.array_equal(on, off).item()
+
+
 def test_batched_indexer_kernel_equals_the_reference_on_exact_inputs():
     """Integer-valued inputs: the batched kernel equals `indexer_scores_batched_reference` exactly."""
     rng = np.random.default_rng(5)
