@@ -150,7 +150,7 @@ def indexer_scores_batched(
                                                           visible, scale)
     same_n = min(num_keys) == width
     stacked_fits = num_seqs * num_heads * width <= BATCHED_SCRATCH_ELEMENTS
-    if same_n and stacked_fits and not indexer_cuda.shapes_supported(q):  # CUDA without the batched kernel: one launch per sequence
+    if same_n and stacked_fits and not indexer_cuda.shapes_supported(q):  # (CUDA: the single kernel per sequence)
         views = [k.stackable_view() for k in keys]  # b × [1, N, d]
         stacked = views[0] if num_seqs == 1 else mx.concatenate(views)
         return indexer_scores_batched_reference(q, head_weights, stacked, visible, scale)

@@ -106,9 +106,12 @@ def take_rows_batched_reference(xs: list[mx.array], idx: mx.array) -> mx.array:
 
 
 def batch_is_supported(xs: list[mx.array], idx: mx.array) -> bool:
+    """`take_rows_batched_kernel` runs here: CUDA, both switches on, idx [B, K > 0] int32/uint32, and
+    buffers of one width and dtype whose rows are whole 16-byte vectors."""
     first = xs[0]
     return (_switch.enabled() and decode_batch_kernels.enabled() and on_cuda()
-            and idx.ndim == 2 and idx.shape[0] == len(xs) and idx.shape[1] > 0 and idx.dtype in (mx.int32, mx.uint32) and (first.shape[1] * first.dtype.size) % VECTOR_BYTES == 0
+            and idx.ndim == 2 and idx.shape[0] == len(xs) and idx.shape[1] > 0 and idx.dtype in (mx.int32, mx.uint32)
+            and (first.shape[1] * first.dtype.size) % VECTOR_BYTES == 0
             and all(x.ndim == 2 and x.shape[1] == first.shape[1] and x.dtype == first.dtype for x in xs))
 
 
