@@ -23,3 +23,9 @@ def on_cuda() -> bool:
 def compiled_kernel(name: str, inputs: tuple[str, ...], outputs: tuple[str, ...], source: str, header: str):
     """`mx.fast.cuda_kernel` for this source, built on first use (compilation happens at first call)."""
     return mx.fast.cuda_kernel(name=name, input_names=list(inputs), output_names=list(outputs), source=source, header=header)
+
+
+def input_slots(num: int) -> int:
+    """Buffer inputs a per-batch kernel is generated with for `num` buffers: the next power of two, so
+    batch sizes 1 … 16 compile 5 variants, not 16 (the unused slots repeat the last buffer, never read)."""
+    return 1 << (num - 1).bit_length()

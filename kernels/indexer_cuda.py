@@ -18,7 +18,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from tessera.kernels.cuda import compiled_kernel, decode_batch_kernels, on_cuda
+from tessera.kernels.cuda import compiled_kernel, decode_batch_kernels, input_slots, on_cuda
 
 QUERIES_PER_BLOCK = 32  # two m16 tiles
 KEYS_PER_WARP = 32  # four n8 tiles
@@ -149,8 +149,8 @@ def _kernel():
 
 # A decode batch: one query row per sequence, each scored against its own key buffer where it lies
 # (stacking the buffers would copy every key each step). `mx.fast.cuda_kernel` takes a fixed list of
-# inputs, so the kernel is generated per batch size B ≤ MAX_BATCH with inputs keys0 … keys{B-1}; larger
-# batches run in chunks. Grid: x over key blocks of the widest sequence, z over sequences. `sizes` holds
+# inputs, so the kernel is generated per NB = cuda.input_slots(B) ≤ MAX_BATCH with inputs keys0 …
+# keys{NB-1} (slots past B repeat the last buffer and get no blocks); larger batches run in chunks. Grid: x over key blocks of the widest sequence, z over sequences. `sizes` holds
 # each sequence's key count and, last, the output width; columns from a sequence's key count to the
 # width are -inf, and blocks wholly past its keys only write those.
 MAX_BATCH = 16
@@ -199,10 +199,13 @@ def indexer_scores_batched_kernel(
         whole = lo == 0 and hi == num_seqs
         pick = (lambda a: a) if whole else (lambda a: a[lo:hi])  # noqa: E731
         grid, threadgroup = launch_shape(1, width)
-        (scores,) = _batched_kernel(hi - lo)(
-            inputs=[pick(q), pick(w), pick(visible), mx.array([*num_keys[lo:hi], width], dtype=mx.int32),
-                    *(k.astype(mx.bfloat16) for k in keys[lo:hi])],
-            template=[("H", heads), ("D", d), ("KS", d // 16), ("NB", hi - lo)],
+        slots = input_slots(hi - lo)
+        buffers = [k.astype(mx.bfloat16) for k in keys[lo:hi]]
+        sizes = [*num_keys[lo:hi], *[0] * (slots - (hi - lo)), width]  # [slots + 1]: each N, then the width
+        (scores,) = _batched_kernel(slots)(
+            inputs=[pick(q), pick(w), pick(visible), mx.array(sizes, dtype=mx.int32),
+                    *buffers, *buffers[-1:] * (slots - len(buffers))],
+            template=[("H", heads), ("D", d), ("KS", d // 16), ("NB", slots)],
             grid=(grid[0], 1, hi - lo),
             threadgroup=threadgroup,
             output_shapes=[(hi - lo, width)],

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from tessera.kernels.cuda import compiled_kernel, decode_batch_kernels, on_cuda
+from tessera.kernels.cuda import compiled_kernel, decode_batch_kernels, input_slots, on_cuda
 from tessera.kernels.switch import Switch
 
 ENV_VAR = "TESSERA_ROW_GATHER_KERNEL"
@@ -81,8 +81,9 @@ def take_rows_kernel(x: mx.array, idx: mx.array) -> mx.array:
 
 
 # A decode batch's selected rows, each sequence's from its own buffer where it lies (no stacked copy of
-# every buffer, no gather per sequence): the kernel is generated per batch size B ≤ MAX_BATCH with
-# inputs x0 … x{B-1} (`mx.fast.cuda_kernel` takes a fixed list of inputs); larger batches run in chunks.
+# every buffer, no gather per sequence): the kernel is generated per NB = cuda.input_slots(B) ≤ MAX_BATCH
+# with inputs x0 … x{NB-1} (`mx.fast.cuda_kernel` takes a fixed list of inputs; slots past B repeat the
+# last buffer and get no blocks); larger batches run in chunks.
 MAX_BATCH = 16
 
 _BATCHED_SOURCE = r"""
@@ -131,8 +132,9 @@ def take_rows_batched_kernel(xs: list[mx.array], idx: mx.array) -> mx.array:
     parts = []
     for lo in range(0, len(xs), MAX_BATCH):
         hi = min(lo + MAX_BATCH, len(xs))
-        (out,) = _batched_kernel(hi - lo)(
-            inputs=[idx if (lo, hi) == (0, len(xs)) else idx[lo:hi], *xs[lo:hi]],
+        slots = input_slots(hi - lo)
+        (out,) = _batched_kernel(slots)(
+            inputs=[idx if (lo, hi) == (0, len(xs)) else idx[lo:hi], *xs[lo:hi], *xs[hi - 1 : hi] * (slots - (hi - lo))],
             template=[("VECTORS_PER_ROW", vectors_per_row)],
             grid=((total + THREADS - 1) // THREADS * THREADS, 1, hi - lo),
             threadgroup=(THREADS, 1, 1),

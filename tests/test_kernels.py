@@ -174,6 +174,40 @@ def test_decode_batch_kernels_switch_turns_both_batched_kernels_off(monkeypatch)
     assert indexer_cuda.is_supported(q, xs[0])  # the single kernel still runs, once per sequence
 
 
+def test_batched_kernels_launch_with_power_of_two_inputs_and_one_block_row_per_sequence(monkeypatch):
+    """The Python side of the batched CUDA launches, with the kernel faked: 19 sequences run as 16 + 3,
+    the 3 in a 4-slot kernel (the spare slot repeats the last buffer), grid z = the sequences, and
+    `sizes` is each N, zeros for spare slots, then the output width."""
+    from tessera.kernels import row_gather
+
+    launches = []
+
+    def fake(name, input_names, outputs, source, header):
+        def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            launches.append((name, len(inputs) - len(input_names), inputs, dict(template), grid, output_shapes))
+            return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+        return launch
+
+    monkeypatch.setattr(indexer_cuda, "compiled_kernel", fake)
+    monkeypatch.setattr(row_gather, "compiled_kernel", fake)
+    counts = [300 + b for b in range(19)]
+    keys = [mx.zeros((n + 5, 64), dtype=mx.bfloat16) for n in counts]
+    q, w = mx.zeros((19, 16, 64), dtype=mx.bfloat16), mx.zeros((19, 16))
+    scores = indexer_cuda.indexer_scores_batched_kernel(q, w, keys, counts, mx.array(counts), 1.0)
+    assert scores.shape == (19, 318)
+    (n16, extra16, in16, t16, g16, o16), (n4, extra4, in4, t4, g4, o4) = launches
+    assert (n16, t16["NB"], g16[2], o16) == ("tessera_indexer_scores_batched_16", 16, 16, [(16, 318)])
+    assert (n4, t4["NB"], g4[2], o4) == ("tessera_indexer_scores_batched_4", 4, 3, [(3, 318)])
+    assert extra16 == extra4 == 0 and len(in4) == 4 + 4 and in4[-1] is in4[-2]
+    assert in4[3].tolist() == [316, 317, 318, 0, 318] and in16[3].tolist() == counts[:16] + [318]
+    launches.clear()
+    idx = mx.zeros((19, 7), dtype=mx.int32)
+    rows = row_gather.take_rows_batched_kernel(keys, idx)
+    assert rows.shape == (19, 7, 64)
+    assert [(n, len(i), g[2]) for n, _, i, _, g, _ in launches] == [
+        ("tessera_take_rows_batched_16", 17, 16), ("tessera_take_rows_batched_4", 5, 3)]
+
+
 def test_mixed_attention_equals_dense_softmax_with_sink():
     rng = np.random.default_rng(3)
     t, h, d, r, s = 5, 3, 8, 7, 4
