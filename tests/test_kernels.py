@@ -208,6 +208,29 @@ def test_batched_kernels_launch_with_power_of_two_inputs_and_one_block_row_per_s
         ("tessera_take_rows_batched_16", 17, 16), ("tessera_take_rows_batched_4", 5, 3)]
 
 
+@pytest.mark.parametrize("counts", [[1], [300, 1, 4099, 256, 257], [512] * 3])
+def test_batched_indexer_kernel_writes_every_score_exactly_once(counts):
+    """The batched kernel's index arithmetic, emulated (kernels/indexer_cuda._BATCHED_PREAMBLE, then the
+    single kernel's body with one query row): block (x, seq) fills -inf at [max(N, x0), min(width, x0 + 256))
+    and, unless x0 ≥ N, its 8 warps' scores at [x0, x0 + 256) below N. Every [seq, s < width] once."""
+    width = max(counts)
+    (grid_x, _, _), (threads, _, _) = indexer_cuda.launch_shape(1, width)
+    written = np.zeros((len(counts), width), dtype=int)
+    for seq, n in enumerate(counts):
+        for bx in range(grid_x // threads):
+            x0 = bx * indexer_cuda.KEYS_PER_BLOCK
+            for s in range(max(n, x0), min(width, x0 + indexer_cuda.KEYS_PER_BLOCK)):
+                written[seq, s] += 1  # -inf
+            if x0 >= n:
+                continue
+            for warp in range(indexer_cuda.WARPS):
+                for n8, tig, e in np.ndindex(4, 4, 2):  # lanes of group 0 hold query row 0
+                    col = x0 + warp * indexer_cuda.KEYS_PER_WARP + n8 * 8 + tig * 2 + e
+                    if col < n:
+                        written[seq, col] += 1
+    assert (written == 1).all()
+
+
 def test_mixed_attention_equals_dense_softmax_with_sink():
     rng = np.random.default_rng(3)
     t, h, d, r, s = 5, 3, 8, 7, 4
