@@ -205,7 +205,7 @@ def _gather_selected(buffers: list[RowBuffer], selected: mx.array) -> mx.array:
     if sum(buf.nbytes for buf in buffers) <= STACKED_GATHER_BYTES:
         rows = mx.concatenate([buf.view() for buf in buffers])  # [Σ N_i, hd]: sequence i's rows from Σ_{j<i} N_j
         starts = np.cumsum([0] + [buf.num_rows for buf in buffers[:-1]])
-        offsets = mx.array(starts.astype(np.int32))[:, None].astype(selected.dtype)
+        offsets = mx.array(starts[:, None], dtype=selected.dtype)  # [b, 1]: a leaf, no graph op
         return rows[selected + offsets]  # [b, k', hd] (a row gather: take_along_axis gathers per element, ~3x slower on the CPU)
     picks = mx.split(selected, len(buffers))  # b × [1, k']
     return mx.concatenate([buf.data()[p] for buf, p in zip(buffers, picks)])
