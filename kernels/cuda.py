@@ -6,6 +6,14 @@ from functools import cache
 
 import mlx.core as mx
 
+from tessera.kernels.switch import Switch
+
+# TESSERA_DECODE_BATCH_KERNELS=0 keeps a decode batch on the per-sequence CUDA path (the single indexer
+# kernel once per sequence; the selected rows gathered from stacked buffers, or one gather per
+# sequence): the same bits, to compare against the batched kernels (kernels/indexer_cuda.py,
+# kernels/row_gather.py). 1, the default, uses them.
+decode_batch_kernels = Switch("TESSERA_DECODE_BATCH_KERNELS")
+
 
 def on_cuda() -> bool:
     return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
@@ -15,3 +23,9 @@ def on_cuda() -> bool:
 def compiled_kernel(name: str, inputs: tuple[str, ...], outputs: tuple[str, ...], source: str, header: str):
     """`mx.fast.cuda_kernel` for this source, built on first use (compilation happens at first call)."""
     return mx.fast.cuda_kernel(name=name, input_names=list(inputs), output_names=list(outputs), source=source, header=header)
+
+
+def input_slots(num: int) -> int:
+    """Buffer inputs a per-batch kernel is generated with for `num` buffers: the next power of two, so
+    batch sizes 1 … 16 compile 5 variants, not 16 (the unused slots repeat the last buffer, never read)."""
+    return 1 << (num - 1).bit_length()

@@ -56,6 +56,8 @@ def kernel_failures(report: dict, max_rel_diff: float = KERNEL_MAX_REL_DIFF,
                        f"(--max-differing-rows {max_differing_rows})")
     if not report["tile_invariant"]:
         out.append("a row's kernel scores depend on the tile it is computed in")
+    if report.get("batched_equals_single") is False:  # reports from before this check lack the key
+        out.append("the batched (decode) kernel's scores differ from the single kernel's")
     topk = report["topk_kernel"]  # {"kernel": UNAVAILABLE} or one result per case
     for case in ("random", "ties"):
         if case in topk and topk[case]["differing_rows"] > max_differing_rows:
@@ -98,8 +100,25 @@ def check_indexer_kernel(t: int = 512, n: int = 65536, heads: int = 64, dim: int
     lo, hi = 37, 37 + 45
     part = indexer_cuda.indexer_scores_kernel(q[lo:hi], w[lo:hi], keys, visible[lo:hi], 1.0)
     report["tile_invariant"] = bool(mx.array_equal(part, whole[lo:hi]).item())
+    report["batched_equals_single"] = check_batched_indexer_kernel(rng, heads, dim, n // 16)
     report["topk_kernel"] = check_topk_kernel(rng, t, n, k)
     return report
+
+
+def check_batched_indexer_kernel(rng: np.random.Generator, heads: int, dim: int, n: int, batch: int = 17) -> bool:
+    """The decode batch kernel (one launch over every sequence's own key buffer) against the single
+    kernel on each sequence alone, bit for bit: equal and different key counts, more sequences than
+    one launch takes (indexer_cuda.MAX_BATCH), -inf past each sequence's keys."""
+    counts = [n if b % 4 else max(1, n - 97 * b) for b in range(batch)]
+    q, w, _, _ = _inputs(rng, batch, 1, heads, dim, False)
+    buffers = [_inputs(rng, 1, c + 29, 1, dim, False)[2] for c in counts]  # 29 spare rows past each sequence's keys
+    visible = mx.array([c if b % 2 else int(rng.integers(0, c + 1)) for b, c in enumerate(counts)], dtype=mx.int32)
+    got = indexer_cuda.indexer_scores_batched_kernel(q, w, buffers, counts, visible, 1.0)
+    same = []
+    for b, c in enumerate(counts):
+        alone = indexer_cuda.indexer_scores_kernel(q[b : b + 1], w[b : b + 1], buffers[b][:c], visible[b : b + 1], 1.0)
+        same.append(mx.array_equal(got[b : b + 1, :c], alone) & mx.all(got[b, c:] == -mx.inf))
+    return bool(mx.all(mx.stack(same)).item())
 
 
 def _tie_scores(rng: np.random.Generator, t: int, n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -10,6 +10,8 @@ order, never materializing [T, heads, N] (arrays past 2³¹ elements also fail i
 
 from __future__ import annotations
 
+from typing import Protocol, Sequence
+
 import mlx.core as mx
 
 from tessera.kernels import indexer_cuda, topk_cuda
@@ -116,21 +118,50 @@ def indexer_scores(q: mx.array, head_weights: mx.array, keys: mx.array, visible:
     return indexer_scores_reference(q, head_weights, keys, visible, scale)
 
 
+class KeyRows(Protocol):
+    """One sequence's index keys where they lie (engine/model/cache.RowBuffer): its first `num_rows`
+    rows, as a view (memoized between appends) or as the whole buffer (the kernel reads it in place)."""
+
+    num_rows: int
+
+    def view(self) -> mx.array: ...  # [num_rows, d]
+
+    def stackable_view(self) -> mx.array: ...  # [1, num_rows, d]
+
+    def data(self) -> mx.array | None: ...  # [≥ num_rows, d] (None when empty)
+
+
 def indexer_scores_batched(
-    q: mx.array, head_weights: mx.array, keys: list[mx.array], visible: mx.array, scale: float
+    q: mx.array, head_weights: mx.array, keys: Sequence[KeyRows], visible: mx.array, scale: float
 ) -> mx.array:
-    """A decode batch (q: [B, heads, d], head_weights: [B, heads], keys: B × [N, d], visible: [B]) ->
-    scores [B, N] fp32: one batched product where the stacked scratch fits and there is no kernel, else
-    each sequence through `indexer_scores` (on a CUDA device the fused kernel scores each sequence against
-    its keys where they lie: stacking them would copy every key)."""
+    """A decode batch (q: [B, heads, d], head_weights: [B, heads], keys: B sequences' index keys,
+    visible: [B]) -> scores [B, max N] fp32; sequence b's first N_b columns are its scores alone (the
+    bits `indexer_scores` gives it), the rest -inf.
+
+    On a CUDA device, one batched kernel launch (per MAX_BATCH sequences) reads every sequence's keys
+    where they lie (TESSERA_DECODE_BATCH_KERNELS=0: the single kernel once per sequence). Elsewhere,
+    equal N: one batched product of the memoized [1, N, d] views while the stacked scratch fits, else
+    one sequence at a time; different N: one sequence at a time, padded."""
     num_seqs, num_heads, _ = q.shape
-    stacked_fits = num_seqs * num_heads * keys[0].shape[0] <= BATCHED_SCRATCH_ELEMENTS
-    if stacked_fits and not indexer_cuda.is_supported(q, keys[0]):
-        return indexer_scores_batched_reference(q, head_weights, mx.stack(keys), visible, scale)
-    return mx.concatenate([
-        indexer_scores(q[b : b + 1], head_weights[b : b + 1], k, visible[b : b + 1], scale)
-        for b, k in enumerate(keys)
-    ])
+    num_keys = [k.num_rows for k in keys]
+    width = max(num_keys)
+    if indexer_cuda.batch_is_supported(q) and min(num_keys) > 0:
+        return indexer_cuda.indexer_scores_batched_kernel(q, head_weights, [k.data() for k in keys], num_keys,
+                                                          visible, scale)
+    same_n = min(num_keys) == width
+    stacked_fits = num_seqs * num_heads * width <= BATCHED_SCRATCH_ELEMENTS
+    if same_n and stacked_fits and not indexer_cuda.shapes_supported(q):  # (CUDA: the single kernel per sequence)
+        views = [k.stackable_view() for k in keys]  # b × [1, N, d]
+        stacked = views[0] if num_seqs == 1 else mx.concatenate(views)
+        return indexer_scores_batched_reference(q, head_weights, stacked, visible, scale)
+    rows = []
+    for b, k in enumerate(keys):
+        if k.num_rows == 0:  # nothing to score (the kernel is never launched on no keys)
+            rows.append(mx.full((1, width), -mx.inf, dtype=mx.float32))
+            continue
+        row = indexer_scores(q[b : b + 1], head_weights[b : b + 1], k.view(), visible[b : b + 1], scale)  # [1, N_b]
+        rows.append(row if k.num_rows == width else mx.pad(row, [(0, 0), (0, width - k.num_rows)], constant_values=-mx.inf))
+    return mx.concatenate(rows)
 
 
 def select_topk(scores: mx.array, visible: mx.array, k: int) -> tuple[mx.array, mx.array]:

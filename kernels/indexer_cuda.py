@@ -14,9 +14,11 @@ and ≤ 256, and the block's query tile plus every head weight within 48 KiB of 
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import mlx.core as mx
 
-from tessera.kernels.cuda import compiled_kernel, on_cuda
+from tessera.kernels.cuda import compiled_kernel, decode_batch_kernels, input_slots, on_cuda
 
 QUERIES_PER_BLOCK = 32  # two m16 tiles
 KEYS_PER_WARP = 32  # four n8 tiles
@@ -36,15 +38,22 @@ __device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned int* a, 
 }
 """
 
-# Template constants: H (heads), D (head dim), KS = D / 16 (k-steps).
-_SOURCE = r"""
+# Template constants: H (heads), D (head dim), KS = D / 16 (k-steps). The source is a preamble that
+# names the tile's operands (q, w, k, visible, scores, num_q, num_k) and `_BODY`, the one scoring code
+# both kernels run: the batched kernel's preamble points them at one sequence, so each of its scores is
+# the single kernel's arithmetic, in the same order (batched == single bit for bit).
+_DECLARATIONS = r"""
   constexpr int TQ = 32, KPW = 32, NW = 8, PADDED = D + 8;
   constexpr int LOADS = (TQ * D / 8 + NW * 32 - 1) / (NW * 32);  // 16-byte loads per thread per head
   __shared__ __align__(16) __nv_bfloat16 q_tile[TQ * PADDED];
   __shared__ float w_tile[TQ * H];
+"""
 
+_SINGLE_PREAMBLE = r"""
   const int num_q = q_shape[0];
-  const int num_k = k_shape[0];
+  const int num_k = k_shape[0];"""
+
+_BODY = r"""
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = lane / 4, tig = lane % 4;
   const int q0 = blockIdx.y * TQ;
@@ -131,8 +140,79 @@ _SOURCE = r"""
   }
 """
 
+_SOURCE = _DECLARATIONS + _SINGLE_PREAMBLE + _BODY
+
+
 def _kernel():
     return compiled_kernel("tessera_indexer_scores", ("q", "w", "k", "visible"), ("scores",), _SOURCE, _HEADER)
+
+
+# A decode batch: one query row per sequence, each scored against its own key buffer where it lies
+# (stacking the buffers would copy every key each step). `mx.fast.cuda_kernel` takes a fixed list of
+# inputs, so the kernel is generated per NB = cuda.input_slots(B) ≤ MAX_BATCH with inputs keys0 …
+# keys{NB-1} (slots past B repeat the last buffer and get no blocks); larger batches run in chunks. Grid: x over key blocks of the widest sequence, z over sequences. `sizes` holds
+# each sequence's key count and, last, the output width; columns from a sequence's key count to the
+# width are -inf, and blocks wholly past its keys only write those.
+MAX_BATCH = 16
+
+_BATCHED_PREAMBLE = r"""
+  const int seq = blockIdx.z;
+  const int num_q = 1;
+  const int num_k = sizes[seq];
+  const int width = sizes[NB];
+  const auto* q = qs + (size_t)seq * H * D;
+  const float* w = ws + (size_t)seq * H;
+  const int* visible = visibles + seq;
+  float* scores = scores_all + (size_t)seq * width;
+  const auto* k = keys0;
+  switch (seq) {
+{cases}
+  }
+  const int block_keys0 = blockIdx.x * (KPW * NW);
+  for (int s = max(num_k, block_keys0) + (int)threadIdx.x; s < min(width, block_keys0 + KPW * NW); s += blockDim.x)
+    scores[s] = -__int_as_float(0x7f800000);
+  if (block_keys0 >= num_k) return;  // the whole block (num_k is uniform in it): no __syncthreads left behind"""
+
+
+def _batched_kernel(num_seqs: int):
+    cases = "\n".join(f"    case {b}: k = keys{b}; break;" for b in range(1, num_seqs))
+    source = _DECLARATIONS + _BATCHED_PREAMBLE.replace("{cases}", cases) + _BODY
+    inputs = ("qs", "ws", "visibles", "sizes", *(f"keys{b}" for b in range(num_seqs)))
+    return compiled_kernel(f"tessera_indexer_scores_batched_{num_seqs}", inputs, ("scores_all",), source, _HEADER)
+
+
+def indexer_scores_batched_kernel(
+    q: mx.array, head_weights: mx.array, keys: Sequence[mx.array], num_keys: Sequence[int], visible: mx.array,
+    scale: float,
+) -> mx.array:
+    """q: [B, heads, d], head_weights: [B, heads], keys: B × [≥ num_keys[b], d] (each sequence's buffer;
+    rows past num_keys[b] unread), visible: [B] -> scores [B, max(num_keys)] fp32. Row b's first
+    num_keys[b] columns are `indexer_scores_kernel(q[b:b+1], head_weights[b:b+1], keys[b][:num_keys[b]],
+    visible[b:b+1], scale)` bit for bit; the rest are -inf."""
+    num_seqs, heads, d = q.shape
+    width = max(num_keys)
+    w = head_weights.astype(mx.float32) * scale  # folded as the single kernel folds it
+    q, visible = q.astype(mx.bfloat16), visible.astype(mx.int32)
+    parts = []
+    for lo in range(0, num_seqs, MAX_BATCH):
+        hi = min(lo + MAX_BATCH, num_seqs)
+        whole = lo == 0 and hi == num_seqs
+        pick = (lambda a: a) if whole else (lambda a: a[lo:hi])  # noqa: E731
+        grid, threadgroup = launch_shape(1, width)
+        slots = input_slots(hi - lo)
+        buffers = [k.astype(mx.bfloat16) for k in keys[lo:hi]]
+        sizes = [*num_keys[lo:hi], *[0] * (slots - (hi - lo)), width]  # [slots + 1]: each N, then the width
+        (scores,) = _batched_kernel(slots)(
+            inputs=[pick(q), pick(w), pick(visible), mx.array(sizes, dtype=mx.int32),
+                    *buffers, *buffers[-1:] * (slots - len(buffers))],
+            template=[("H", heads), ("D", d), ("KS", d // 16), ("NB", slots)],
+            grid=(grid[0], 1, hi - lo),
+            threadgroup=threadgroup,
+            output_shapes=[(hi - lo, width)],
+            output_dtypes=[mx.float32],
+        )
+        parts.append(scores)
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
 
 SHARED_MEMORY_LIMIT = 48 * 1024  # static __shared__ arrays beyond this do not compile
@@ -148,7 +228,18 @@ def shapes_fit(heads: int, d: int) -> bool:
 
 
 def is_supported(q: mx.array, keys: mx.array) -> bool:
+    return shapes_supported(q)
+
+
+def shapes_supported(q: mx.array) -> bool:
+    """A CUDA device, and q's [.., heads, d] fit the kernel (`shapes_fit`)."""
     return on_cuda() and shapes_fit(q.shape[1], q.shape[-1])
+
+
+def batch_is_supported(q: mx.array) -> bool:
+    """`indexer_scores_batched_kernel` runs here for q [B, heads, d] (any B; chunks of MAX_BATCH), unless
+    TESSERA_DECODE_BATCH_KERNELS=0 (kernels/cuda.py)."""
+    return decode_batch_kernels.enabled() and shapes_supported(q)
 
 
 def launch_shape(num_q: int, num_k: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:

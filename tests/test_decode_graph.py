@@ -1,8 +1,8 @@
 """The decode rows of a step add a handful of graph nodes per sequence, not a copy of the per-layer
 work: the window and compressor updates, the HCA rows and the selected-row gather of all sequences are
 a few ops per layer whatever the batch (engine/model/decode_attention.py, compressor.compress_decode,
-cache.Stacked). What remains per sequence is reading its own cache buffers for the indexer and
-appending the rows its token completed (docs/BENCHMARKS.md "Issue 14, session 6")."""
+cache.Stacked). What remains per sequence is appending the rows its token completed and, without the
+CUDA kernels, reading its own buffers' views (docs/BENCHMARKS.md "Issue 14, session 6" and "session 7")."""
 
 from __future__ import annotations
 
@@ -17,11 +17,16 @@ from tessera.engine.model.deepseek_v4 import Segment
 from tessera.engine.model.loader import load_model
 from tessera.engine.tools.make_model import make_model
 from tessera.engine.tools.replay import random_tokens
+from tessera.kernels import indexer_cuda, row_gather
 
 OVERRIDES = dict(layer_types=[WINDOW, CSA, HCA, CSA], num_hidden_layers=4, compress_rates={CSA: 4, HCA: 32})
 # Nodes per extra sequence and step, the four layers' decode attention together (the mean over four
-# steps, one of which closes every CSA window). Measured: 5.5 with this change, 70 before it.
-MAX_NODES_PER_SEQUENCE = 8
+# steps, one of which closes every CSA window). Measured on the CPU's path: 3.5 since the indexer
+# concatenates the memoized [1, N, d] views (5.5 when it stacked the [N, d] views, 70 before session 6).
+MAX_NODES_PER_SEQUENCE = 4
+# The same on the CUDA path (the kernels as one node each): 2.0, the appends of the closing step (a
+# row cut out of the pooled batch and written into the sequence's buffer, for 4 buffers, every 4 steps).
+MAX_NODES_PER_SEQUENCE_ON_CUDA = 2
 
 
 def _nodes(arrays, path) -> int:
@@ -29,7 +34,8 @@ def _nodes(arrays, path) -> int:
     return sum(collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle', path.read_text())).values())
 
 
-def test_decode_attention_adds_few_graph_nodes_per_sequence(tmp_path, monkeypatch):
+def _nodes_per_extra_sequence(tmp_path, monkeypatch) -> float:
+    """Graph nodes decode attention adds per extra sequence and step (batch 12 against batch 4)."""
     model = load_model(make_model(tmp_path / "m", "tiny", seed=2, with_tokenizer=False, **OVERRIDES), dtype="float32")
     real = attention.decode_attention
     counted = []
@@ -55,5 +61,30 @@ def test_decode_attention_adds_few_graph_nodes_per_sequence(tmp_path, monkeypatc
         return sum(counted) / 4
 
     monkeypatch.setattr(attention, "decode_attention", counting)
-    per_sequence = (step_nodes(12) - step_nodes(4)) / 8
+    return (step_nodes(12) - step_nodes(4)) / 8
+
+
+def test_decode_attention_adds_few_graph_nodes_per_sequence(tmp_path, monkeypatch):
+    per_sequence = _nodes_per_extra_sequence(tmp_path, monkeypatch)
     assert per_sequence <= MAX_NODES_PER_SEQUENCE, per_sequence
+
+
+def _one_node_kernel(name, inputs, outputs, source, header):
+    """A CUDA kernel as the graph sees it: one node (its values are zeros: only counts matter here)."""
+    def launch(inputs, output_shapes, output_dtypes, **_):
+        zeros = [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+        mx.eval(zeros)
+        return [mx.stop_gradient(z) for z in zeros]
+    return launch
+
+
+def test_on_cuda_the_indexer_and_the_selected_rows_are_one_node_per_batch(tmp_path, monkeypatch):
+    """The CUDA path (kernels stood in by one node each): the batched indexer kernel and the batched row
+    gather read every sequence's buffers where they lie, so what decode attention still does per
+    sequence is appending the rows its token completed (kernels/indexer_cuda, kernels/row_gather)."""
+    monkeypatch.setattr(indexer_cuda, "compiled_kernel", _one_node_kernel)
+    monkeypatch.setattr(indexer_cuda, "batch_is_supported", lambda q: True)
+    monkeypatch.setattr(row_gather, "compiled_kernel", _one_node_kernel)
+    monkeypatch.setattr(row_gather, "batch_is_supported", lambda xs, idx: True)
+    per_sequence = _nodes_per_extra_sequence(tmp_path, monkeypatch)
+    assert per_sequence <= MAX_NODES_PER_SEQUENCE_ON_CUDA, per_sequence

@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from tessera.engine.model.cache import RowBuffer
 from tessera.kernels import indexer, indexer_cuda
 from tessera.kernels.indexer import indexer_scores_reference, mask_invisible, select_topk_reference, select_topk_threshold
 from tessera.kernels.sparse_attention import mixed_attention_reference, shared_rows
@@ -61,6 +62,11 @@ def test_indexer_all_heads_at_once_is_bit_identical_to_the_head_loop(monkeypatch
     assert np.array_equal(at_once, looped)
 
 
+def _buffers(keys: list[mx.array], spare: int = 100) -> list[RowBuffer]:
+    """The keys as cache buffers with spare capacity (rows past num_rows must never be read)."""
+    return [RowBuffer.holding(k, k.shape[0] + spare) for k in keys]
+
+
 @pytest.mark.parametrize("num_keys", [1, 333, 4096])
 @row_invariant_blas
 def test_batched_decode_scores_equal_each_sequence_scored_alone(monkeypatch, num_keys):
@@ -79,31 +85,150 @@ def test_batched_decode_scores_equal_each_sequence_scored_alone(monkeypatch, num
     assert batched.shape == (num_seqs, num_keys)
     for b in range(num_seqs):
         assert np.array_equal(batched[b : b + 1], alone[b]), b
-    dispatched = np.array(indexer.indexer_scores_batched(q, w, keys, visible, 0.3))
+    dispatched = np.array(indexer.indexer_scores_batched(q, w, _buffers(keys), visible, 0.3))
     monkeypatch.setattr(indexer, "BATCHED_SCRATCH_ELEMENTS", 0)  # one sequence at a time
-    per_sequence = np.array(indexer.indexer_scores_batched(q, w, keys, visible, 0.3))
+    per_sequence = np.array(indexer.indexer_scores_batched(q, w, _buffers(keys), visible, 0.3))
     assert np.array_equal(dispatched, batched) and np.array_equal(per_sequence, batched)
 
 
-def test_batched_scores_reach_the_kernel_per_sequence_where_it_is_supported(monkeypatch):
-    """Where the CUDA kernel runs, a decode batch goes through `indexer_scores`' one dispatch, one sequence at
-    a time against its own keys (never stacked). The kernel is stood in for by the reference here."""
+@row_invariant_blas
+def test_batched_scores_of_different_key_counts_are_each_sequence_alone_then_masked():
+    """Sequences with different N in one batch: row b's first N_b scores are that sequence alone, the
+    rest -inf, so the top-k picks the rows single-sequence decode picks (none of them past N_b)."""
+    rng = np.random.default_rng(7)
+    counts = [40, 3, 0, 40, 17]
+    q = mx.array(rng.standard_normal((5, 16, 64)).astype(np.float32))
+    w = mx.array(rng.standard_normal((5, 16)).astype(np.float32))
+    keys = [mx.array(rng.standard_normal((n, 64)).astype(np.float32)) for n in counts]
+    visible = mx.array(counts)
+    got = indexer.indexer_scores_batched(q, w, _buffers(keys), visible, 0.3)
+    assert got.shape == (5, 40)
+    for b, n in enumerate(counts):
+        alone = indexer_scores_reference(q[b : b + 1], w[b : b + 1], keys[b], visible[b : b + 1], 0.3)
+        assert np.array_equal(np.array(got[b : b + 1, :n]), np.array(alone)), b
+        assert np.all(np.isneginf(np.array(got[b, n:]))), b
+        rows, valid = select_topk_reference(got[b : b + 1], visible[b : b + 1], 8)
+        want_rows, want_valid = select_topk_reference(alone, visible[b : b + 1], 8)
+        assert _valid_rows((rows, valid)) == _valid_rows((want_rows, want_valid)), b
+
+
+def test_batched_scores_reach_the_batched_kernel_with_the_buffers_where_they_lie(monkeypatch):
+    """Where the CUDA kernel runs, a decode batch is one call of the batched kernel, given every
+    sequence's whole buffer (no slice, no stack) and its key count. The kernel is stood in for by the
+    reference here (tests/test_kernels_cuda.py compares the real one with the single kernel)."""
     rng = np.random.default_rng(1)
     q = mx.array(rng.standard_normal((3, 16, 64)).astype(np.float32))
     w = mx.array(rng.standard_normal((3, 16)).astype(np.float32))
     keys = [mx.array(rng.standard_normal((40, 64)).astype(np.float32)) for _ in range(3)]
-    visible = mx.array([40, 7, 0])
+    buffers, visible = _buffers(keys), mx.array([40, 7, 0])
     calls = []
 
-    def kernel(q, w, k, visible, scale):
-        calls.append(k)
-        return indexer_scores_reference(q, w, k, visible, scale)
+    def kernel(q, w, data, num_keys, visible, scale):
+        calls.append((data, num_keys))
+        return indexer.indexer_scores_batched_reference(q, w, mx.stack([d[:n] for d, n in zip(data, num_keys)]), visible, scale)
 
-    monkeypatch.setattr(indexer_cuda, "is_supported", lambda q, k: True)
-    monkeypatch.setattr(indexer_cuda, "indexer_scores_kernel", kernel)
-    got = np.array(indexer.indexer_scores_batched(q, w, keys, visible, 0.3))
-    assert len(calls) == 3 and all(c is k for c, k in zip(calls, keys))
+    monkeypatch.setattr(indexer_cuda, "batch_is_supported", lambda q: True)
+    monkeypatch.setattr(indexer_cuda, "indexer_scores_batched_kernel", kernel)
+    got = np.array(indexer.indexer_scores_batched(q, w, buffers, visible, 0.3))
+    assert len(calls) == 1 and calls[0][1] == [40, 40, 40]
+    assert all(d is b.data() and d.shape[0] > 40 for d, b in zip(calls[0][0], buffers))
     assert np.array_equal(got, np.array(indexer.indexer_scores_batched_reference(q, w, mx.stack(keys), visible, 0.3)))
+
+
+@pytest.mark.parametrize("num_seqs", [1, 5])
+def test_selected_rows_are_the_same_bits_through_each_gather_path(monkeypatch, num_seqs):
+    """Decode attention's selected rows: the batched CUDA gather (stood in by its reference, given every
+    buffer whole), the stacked gather and the per-sequence gathers copy the same rows."""
+    from tessera.engine.model import decode_attention
+    from tessera.kernels import row_gather
+
+    rng = np.random.default_rng(num_seqs)
+    buffers = _buffers([mx.array(rng.standard_normal((50, 32)).astype(np.float32)) for _ in range(num_seqs)])
+    selected = mx.array(np.sort(rng.integers(0, 50, (num_seqs, 12)), axis=-1).astype(np.int32))
+    want = np.stack([np.array(b.view())[np.array(s)] for b, s in zip(buffers, selected)])
+    got = {}
+    for path, stacked_bytes in (("stacked", 2**40), ("per_sequence", 0)):
+        monkeypatch.setattr(decode_attention, "STACKED_GATHER_BYTES", stacked_bytes)
+        got[path] = np.array(decode_attention._gather_selected(buffers, selected))
+    calls = []
+    monkeypatch.setattr(row_gather, "batch_is_supported", lambda xs, idx: True)
+    monkeypatch.setattr(row_gather, "take_rows_batched_kernel",
+                        lambda xs, idx: calls.append(xs) or row_gather.take_rows_batched_reference(xs, idx))
+    got["kernel"] = np.array(decode_attention._gather_selected(buffers, selected))
+    assert len(calls) == 1 and all(x is b.data() for x, b in zip(calls[0], buffers))
+    for path, rows in got.items():
+        assert np.array_equal(rows, want), path
+
+
+def test_decode_batch_kernels_switch_turns_both_batched_kernels_off(monkeypatch):
+    """TESSERA_DECODE_BATCH_KERNELS=0 (kernels/cuda.py) leaves the decode batch on the per-sequence path."""
+    from tessera.kernels import cuda, row_gather
+
+    monkeypatch.setattr(indexer_cuda, "on_cuda", lambda: True)
+    monkeypatch.setattr(row_gather, "on_cuda", lambda: True)
+    q, xs, idx = mx.zeros((2, 16, 64)), [mx.zeros((8, 32))] * 2, mx.zeros((2, 4), dtype=mx.int32)
+    monkeypatch.setattr(cuda.decode_batch_kernels, "_enabled", True)
+    assert indexer_cuda.batch_is_supported(q) and row_gather.batch_is_supported(xs, idx)
+    monkeypatch.setattr(cuda.decode_batch_kernels, "_enabled", False)
+    assert not indexer_cuda.batch_is_supported(q) and not row_gather.batch_is_supported(xs, idx)
+    assert indexer_cuda.is_supported(q, xs[0])  # the single kernel still runs, once per sequence
+
+
+def test_batched_kernels_launch_with_power_of_two_inputs_and_one_block_row_per_sequence(monkeypatch):
+    """The Python side of the batched CUDA launches, with the kernel faked: 19 sequences run as 16 + 3,
+    the 3 in a 4-slot kernel (the spare slot repeats the last buffer), grid z = the sequences, and
+    `sizes` is each N, zeros for spare slots, then the output width."""
+    from tessera.kernels import row_gather
+
+    launches = []
+
+    def fake(name, input_names, outputs, source, header):
+        def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            launches.append((name, len(inputs) - len(input_names), inputs, dict(template), grid, output_shapes))
+            return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+        return launch
+
+    monkeypatch.setattr(indexer_cuda, "compiled_kernel", fake)
+    monkeypatch.setattr(row_gather, "compiled_kernel", fake)
+    counts = [300 + b for b in range(19)]
+    keys = [mx.zeros((n + 5, 64), dtype=mx.bfloat16) for n in counts]
+    q, w = mx.zeros((19, 16, 64), dtype=mx.bfloat16), mx.zeros((19, 16))
+    scores = indexer_cuda.indexer_scores_batched_kernel(q, w, keys, counts, mx.array(counts), 1.0)
+    assert scores.shape == (19, 318)
+    (n16, extra16, in16, t16, g16, o16), (n4, extra4, in4, t4, g4, o4) = launches
+    assert (n16, t16["NB"], g16[2], o16) == ("tessera_indexer_scores_batched_16", 16, 16, [(16, 318)])
+    assert (n4, t4["NB"], g4[2], o4) == ("tessera_indexer_scores_batched_4", 4, 3, [(3, 318)])
+    assert extra16 == extra4 == 0 and len(in4) == 4 + 4 and in4[-1] is in4[-2]
+    assert in4[3].tolist() == [316, 317, 318, 0, 318] and in16[3].tolist() == counts[:16] + [318]
+    launches.clear()
+    idx = mx.zeros((19, 7), dtype=mx.int32)
+    rows = row_gather.take_rows_batched_kernel(keys, idx)
+    assert rows.shape == (19, 7, 64)
+    assert [(n, len(i), g[2]) for n, _, i, _, g, _ in launches] == [
+        ("tessera_take_rows_batched_16", 17, 16), ("tessera_take_rows_batched_4", 5, 3)]
+
+
+@pytest.mark.parametrize("counts", [[1], [300, 1, 4099, 256, 257], [512] * 3])
+def test_batched_indexer_kernel_writes_every_score_exactly_once(counts):
+    """The batched kernel's index arithmetic, emulated (kernels/indexer_cuda._BATCHED_PREAMBLE, then the
+    single kernel's body with one query row): block (x, seq) fills -inf at [max(N, x0), min(width, x0 + 256))
+    and, unless x0 ≥ N, its 8 warps' scores at [x0, x0 + 256) below N. Every [seq, s < width] once."""
+    width = max(counts)
+    (grid_x, _, _), (threads, _, _) = indexer_cuda.launch_shape(1, width)
+    written = np.zeros((len(counts), width), dtype=int)
+    for seq, n in enumerate(counts):
+        for bx in range(grid_x // threads):
+            x0 = bx * indexer_cuda.KEYS_PER_BLOCK
+            for s in range(max(n, x0), min(width, x0 + indexer_cuda.KEYS_PER_BLOCK)):
+                written[seq, s] += 1  # -inf
+            if x0 >= n:
+                continue
+            for warp in range(indexer_cuda.WARPS):
+                for n8, tig, e in np.ndindex(4, 4, 2):  # lanes of group 0 hold query row 0
+                    col = x0 + warp * indexer_cuda.KEYS_PER_WARP + n8 * 8 + tig * 2 + e
+                    if col < n:
+                        written[seq, col] += 1
+    assert (written == 1).all()
 
 
 def test_mixed_attention_equals_dense_softmax_with_sink():

@@ -5,18 +5,22 @@ batched decode across sequences").
 
 A decode row keeps exactly the per-row shapes a one-row tile of the tiled path gives it: W window
 rows, min(top_k, N) selected compressed rows (CSA) or all N compressed rows (HCA), N index keys,
-where N is the layer's compressed-row count of that sequence. Rows with the same N share every
-shape and run as one batch of per-row products (batched gemms compute each batch element on its
-own); rows with different N run as separate batches. Nothing is padded, so a row's result cannot
-depend on the other sequences of the step: batched == single bit for bit, and a decode row equals
-the same row of a fresh whole-sequence prefill (tests/equivalence/test_batched_decode.py,
+where N is the layer's compressed-row count of that sequence. Rows whose attended rows have one
+shape — the same N (HCA), the same min(top_k, N) (CSA) — run as one batch of per-row products
+(batched gemms compute each batch element on its own); other rows run as separate batches. What a
+row attends is never padded, so its result cannot depend on the other sequences of the step; the
+indexer's scores of a CSA batch are padded with -inf past each sequence's N, which the top-k never
+picks while N ≥ top_k. So batched == single bit for bit, and a decode row equals the same row of a
+fresh whole-sequence prefill (tests/equivalence/test_batched_decode.py,
 tests/equivalence/test_tiled_chunked_decode.py).
 
 The per-layer work is a fixed number of graph ops whatever B (docs/BENCHMARKS.md "Issue 14, session
 6"): the state a step leaves in each sequence's cache — its window and compressor frontiers — is a row
 of one step-wide array (cache.Stacked, cache.FrontierSlots), which the next step of the same sequences
-takes back whole; the selected rows of a batch are one gather. What stays per sequence: reading its own
-index keys for the indexer, and appending a compressed row when its token closes a window.
+takes back whole. On a CUDA device the indexer and the selected-row gather are one kernel launch per
+batch each, reading every sequence's buffers where they lie (kernels/indexer_cuda, kernels/row_gather);
+elsewhere they concatenate the buffers' memoized views. What stays per sequence: appending a
+compressed row when its token closes a window.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from tessera.engine.model.cache import LayerCache, RowBuffer, Stacked, owned, st
 from tessera.engine.model.compressor import compress_decode
 from tessera.engine.model.config import CSA, HCA, WINDOW, ModelConfig
 from tessera.engine.model.trace import ForwardTrace
+from tessera.kernels import row_gather
 from tessera.kernels.indexer import indexer_scores_batched, select_topk
 from tessera.kernels.sparse_attention import mixed_attention
 
@@ -58,7 +63,7 @@ def decode_attention(rows: DecodeRows, w: AttentionWeights, cfg: ModelConfig, la
     if kind == WINDOW:
         return mixed_attention(rows.q, [(window, window_valid)], w.sinks, scale)
     outs, order = [], []
-    for members in same_shape_batches(rows.segments):
+    for members in same_shape_batches(rows.segments, cfg.index_topk if kind == CSA else None):
         pick = _picker(members, len(rows.segments))
         segs = [rows.segments[i] for i in members]
         visible = mx.array([(s.start + 1) // cfg.compress_ratio(layer) for s in segs])  # [b]
@@ -71,12 +76,16 @@ def decode_attention(rows: DecodeRows, w: AttentionWeights, cfg: ModelConfig, la
     return _in_order(outs, order)
 
 
-def same_shape_batches(segments: list[SegmentSlice]) -> list[list[int]]:
-    """Indices of `segments` grouped by the layer's compressed-row count (every per-row shape of a
-    decode row follows from it), each group in the segments' order."""
+def same_shape_batches(segments: list[SegmentSlice], top_k: int | None = None) -> list[list[int]]:
+    """Indices of `segments` grouped by the shape of the rows they attend, each group in the segments'
+    order: the layer's compressed-row count N (HCA: every row), or min(top_k, N) when `top_k` is given
+    (CSA: the selected rows). Sequences with different N but at least top_k rows each share one batch:
+    the indexer scores each against its own N keys (-inf past them, kernels/indexer.indexer_scores_batched),
+    so each still selects the k rows it selects alone."""
     groups: dict[int, list[int]] = {}
     for i, s in enumerate(segments):
-        groups.setdefault(s.cache.compressed.num_rows, []).append(i)
+        num_rows = s.cache.compressed.num_rows
+        groups.setdefault(num_rows if top_k is None else min(top_k, num_rows), []).append(i)
     return list(groups.values())
 
 
@@ -156,17 +165,17 @@ def _selected_rows(
     segs: list[SegmentSlice], index_q: mx.array, index_w: mx.array, visible: mx.array, cfg: ModelConfig, layer: int,
     timer: ForwardTrace,
 ) -> tuple[mx.array, mx.array]:
-    """CSA: indexer scores and top-k for a batch of equal N -> (rows [b, k', hd], valid [b, k'])."""
-    num_keys = segs[0].cache.index_keys.num_rows
+    """CSA: indexer scores and top-k for a batch of equal min(top_k, N) -> (rows [b, k', hd], valid [b, k'])."""
+    num_keys = max(s.cache.index_keys.num_rows for s in segs)
     if num_keys == 0:
         selected = mx.zeros((len(segs), 0), dtype=mx.int32)
         valid = selected.astype(mx.bool_)
         rows = mx.zeros((len(segs), 0, cfg.head_dim), dtype=segs[0].cache.compressed.dtype)
     else:
-        keys = [s.cache.index_keys.view() for s in segs]  # b × [N, ID]
-        scores = indexer_scores_batched(index_q, index_w, keys, visible, cfg.index_head_dim**-0.5)  # [b, N]
+        keys = [s.cache.index_keys for s in segs]  # b buffers of N rows [·, ID], read where they lie
+        scores = indexer_scores_batched(index_q, index_w, keys, visible, cfg.index_head_dim**-0.5)  # [b, max N]
         scores = timer.stage("indexer_score", scores)
-        selected, valid = select_topk(scores, visible, cfg.index_topk)  # [b, k'], every index < N
+        selected, valid = select_topk(scores, visible, cfg.index_topk)  # [b, k'], row b's indices < its N
         timer.stage("topk", selected, valid)
         rows = _gather_selected([s.cache.compressed for s in segs], selected)
     if timer.selections is not None:
@@ -175,8 +184,8 @@ def _selected_rows(
     return rows, valid
 
 
-# Up to this many bytes of compressed rows (all sequences of a batch together), the selected rows are
-# gathered in one op from the buffers stacked into one [b, N, hd] copy (two graph ops for the batch);
+# Without the CUDA kernel: up to this many bytes of compressed rows (all sequences of a batch together),
+# the selected rows are gathered in one op from the buffers stacked into one [b, N, hd] copy (two graph ops);
 # beyond it, one gather per sequence from its buffer where it lies (no copy, ~3 ops per sequence). A
 # gather copies values, so both give the same bits (tests/equivalence/test_batched_decode.py); the
 # bound only trades a transient copy (64 MiB ≈ 30 µs on an H200) against per-sequence graph ops.
@@ -184,15 +193,19 @@ STACKED_GATHER_BYTES = 64 * 2**20
 
 
 def _gather_selected(buffers: list[RowBuffer], selected: mx.array) -> mx.array:
-    """Each sequence's selected compressed rows, from buffers of equal num_rows N: selected [b, k']
-    (every index < N) -> [b, k', hd]."""
+    """Each sequence's selected compressed rows: selected [b, k'] (row i's indices < buffers[i].num_rows)
+    -> [b, k', hd]. On a CUDA device one kernel reads every buffer where it lies
+    (kernels/row_gather.take_rows_batched_kernel: one op per step, no stacked copy)."""
     first = buffers[0]
+    data = [buf.data() for buf in buffers]
+    if row_gather.batch_is_supported(data, selected):
+        return row_gather.take_rows_batched_kernel(data, selected)
     if len(buffers) == 1:
         return first.data()[selected]
-    if len(buffers) * first.nbytes <= STACKED_GATHER_BYTES:
-        num_rows = first.num_rows
-        rows = mx.concatenate([buf.view() for buf in buffers])  # [b·N, hd]: sequence i's rows from i·N
-        offsets = mx.arange(0, len(buffers) * num_rows, num_rows, dtype=selected.dtype)[:, None]
+    if sum(buf.nbytes for buf in buffers) <= STACKED_GATHER_BYTES:
+        rows = mx.concatenate([buf.view() for buf in buffers])  # [Σ N_i, hd]: sequence i's rows from Σ_{j<i} N_j
+        starts = np.cumsum([0] + [buf.num_rows for buf in buffers[:-1]])
+        offsets = mx.array(starts[:, None], dtype=selected.dtype)  # [b, 1]: a leaf, no graph op
         return rows[selected + offsets]  # [b, k', hd] (a row gather: take_along_axis gathers per element, ~3x slower on the CPU)
     picks = mx.split(selected, len(buffers))  # b × [1, k']
     return mx.concatenate([buf.data()[p] for buf, p in zip(buffers, picks)])

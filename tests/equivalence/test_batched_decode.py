@@ -82,7 +82,8 @@ def test_batched_decode_rows_equal_the_per_sequence_tile_path(model, monkeypatch
 
 def test_decode_rows_attend_in_one_call_per_layer_and_shape(model, monkeypatch):
     """B sequences with the same compressed-row counts cost one mixed-attention call per layer, not B;
-    sequences whose counts differ split into one call per count."""
+    sequences whose counts differ split into one call per count in HCA layers, and in CSA layers only
+    where fewer than top_k rows (16) exist: there min(top_k, N) is the attended rows' shape."""
     calls = []
     real = decode_attention.mixed_attention
     monkeypatch.setattr(decode_attention, "mixed_attention", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
@@ -92,7 +93,11 @@ def test_decode_rows_attend_in_one_call_per_layer_and_shape(model, monkeypatch):
     calls.clear()
     mixed = [_prefilled(model, n, seed) for seed, n in enumerate((130, 130, 64))]  # 64 + 1 tokens: fewer rows
     model.forward([Segment(c, [3]) for c in mixed])
-    assert sorted(calls) == sorted([3] + [2, 1] * (model.cfg.num_hidden_layers - 1))
+    assert calls == [3, 3, 2, 1, 3]  # window; CSA (N 32, 32, 16 ≥ top_k); HCA (N 4, 4, 2); CSA
+    calls.clear()
+    short = [_prefilled(model, n, seed) for seed, n in enumerate((130, 40))]  # 40 + 1 tokens: 10 < top_k CSA rows
+    model.forward([Segment(c, [3]) for c in short])
+    assert calls == [2, 1, 1, 1, 1, 1, 1]
 
 
 @pytest.mark.parametrize("ratio,overlapping", [(4, True), (8, False)], ids=["CSA", "HCA"])
