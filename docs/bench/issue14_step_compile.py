@@ -10,8 +10,9 @@ CPU (the same code path at small sizes):
   python docs/bench/issue14_step_compile.py /tmp/small OUT.jsonl --ctx 2048 --chunk 1024 --tile 256 --batch 1 8 --steps 20
 
 Per batch size B: B caches filled to --ctx (`random`: random rows of a prefill's shapes, the default; or a
-chunked, tiled prefill); then the first compiled step (`first_step`: the traces are made there, one per
-layer part and batch size) and the graph's primitives with the switch off and on (`primitives`,
+chunked, tiled prefill); then two plain steps and the first compiled step (`first_step`: `trace_ms` = the
+compiled one's excess over the second plain one: the traces, one per layer part and batch size, and on a
+GPU the fused kernels' JIT compilation) and the graph's primitives with the switch off and on (`primitives`,
 `mx.export_to_dot` of the logits and caches); then rounds of --steps timed greedy steps (2 untimed warm-up
 steps each) with the switch in the order off on on off on off off on. Per step: `build_ms` = until
 `model.forward` returns (Python building the graph; with the switch on, the compiled parts replay from
@@ -70,10 +71,13 @@ def main() -> None:
         caches = [_filled(model, args.ctx, b, DecodeOptions(args.chunk, args.tile, cache_fill=args.cache_fill)) for b in range(batch)]
         mx.eval([c.arrays() for c in caches])
         ids = [1] * batch
-        set_step_compile_enabled(True)
-        start = time.perf_counter()
-        ids = _step(model, caches, ids)[0]
-        emit("first_step", batch=batch, ms=round((time.perf_counter() - start) * 1e3, 3))
+        first = {}
+        for enabled in (False, False, True):  # plain twice (its own first-use costs), then the traces
+            set_step_compile_enabled(enabled)
+            ids, row = _step(model, caches, ids)
+            first[enabled] = row["total_ms"]
+        emit("first_step", batch=batch, plain_ms=round(first[False], 3), compiled_ms=round(first[True], 3),
+             trace_ms=round(first[True] - first[False], 3))
         for enabled in (False, True):
             set_step_compile_enabled(enabled)
             emit("primitives", batch=batch, step_compile=enabled, **_primitives(model, caches, ids))
