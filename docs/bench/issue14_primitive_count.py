@@ -1,6 +1,10 @@
 """Primitives (graph nodes) of one decode step, per forward stage, and the step's Python build time.
 
-python docs/bench/issue14_primitive_count.py MODEL_DIR [--batch 1 8] [--ctx 2048] [--steps 40]   # one JSON line per batch
+python docs/bench/issue14_primitive_count.py MODEL_DIR [--batch 1 8] [--ctx 2048] [--steps 40] [--step-compile 0|1]   # one JSON line per batch
+
+--step-compile sets engine/model/compiled.py's fixed-shape step compilation for this run (absent: as
+TESSERA_COMPILE_STEP says; the JSON line's `step_compile` records it). With it on, a layer's attention
+prologue is counted under "other" and its FFN half (with the expand after attention) under "moe".
 
 Counting: a trace evaluates the graph at every stage boundary (engine/model/trace.py) and counts,
 with `mx.export_to_dot`, the primitives built since the previous boundary; the head's are counted
@@ -29,6 +33,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from tessera.engine.model.compiled import set_step_compile_enabled, step_compile_enabled
 from tessera.engine.model.deepseek_v4 import Segment
 from tessera.engine.model.loader import load_model
 from tessera.engine.model.trace import ForwardTrace
@@ -105,7 +110,10 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--label", default="")
+    p.add_argument("--step-compile", type=int, choices=(0, 1), default=None)
     args = p.parse_args()
+    if args.step_compile is not None:
+        set_step_compile_enabled(bool(args.step_compile))
     model = load_model(args.model_dir)
     for batch in args.batch:
         caches = [_filled(model, args.ctx, b, DecodeOptions(1024, 256, cache_fill="random")) for b in range(batch)]
@@ -116,7 +124,7 @@ def main() -> None:
         counts = count_step(model, caches, token_ids)
         timing = time_steps(model, caches, token_ids, args.steps)
         print(json.dumps({"label": args.label, "model": str(args.model_dir), "device": str(mx.default_device()),
-                          "batch": batch, "ctx": args.ctx, **timing, **counts}), flush=True)
+                          "batch": batch, "ctx": args.ctx, "step_compile": step_compile_enabled(), **timing, **counts}), flush=True)
 
 
 if __name__ == "__main__":

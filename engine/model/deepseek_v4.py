@@ -17,11 +17,12 @@ import numpy as np
 
 from tessera.engine.model.attention import AttentionWeights, SegmentSlice, attention
 from tessera.engine.model.cache import SequenceCache
+from tessera.engine.model.compiled import StepCompiled, step_compile_enabled
 from tessera.engine.model.compressor import CompressorWeights
 from tessera.engine.model.config import HASH_MOE, ModelConfig
 from tessera.engine.model.decode_async import decode_async_enabled
 from tessera.engine.model.hyper import HyperWeights, expand, head_collapse, hyper_weights
-from tessera.engine.model.moe import MoEWeights, moe
+from tessera.engine.model.moe import MoEWeights, moe, syncs_host
 from tessera.engine.model.norms import rms_norm
 from tessera.engine.model.rope import StepRope
 from tessera.engine.model.trace import ForwardTrace
@@ -35,6 +36,20 @@ class LayerWeights:
     ffn_hc: HyperWeights
     attn: AttentionWeights
     ffn: MoEWeights
+
+    def prime(self) -> None:
+        """Makes the hyper-connections' lazily cached weight forms (they evaluate when first made:
+        never inside a compiled trace)."""
+        for hc in (self.attn_hc, self.ffn_hc):
+            hc.prime()
+
+
+@dataclass(frozen=True)
+class _CompiledLayer:
+    """A layer's shape-stable decode parts, compiled with fixed shapes (compiled.StepCompiled)."""
+
+    attention_in: StepCompiled  # streams -> (post, comb, normed attention input)
+    ffn_half: StepCompiled  # (attn_out, streams, post, comb, token_ids) -> streams after the layer
 
 
 @dataclass(frozen=True)
@@ -54,6 +69,7 @@ class DeepseekV4:
         self.layer_ids = range(cfg.num_hidden_layers) if layer_ids is None else layer_ids
         self.layers = {i: _layer_weights(weights, cfg, i) for i in self.layer_ids}
         self.dtype = weights["embed.weight"].dtype if "embed.weight" in weights else self.layers[self.layer_ids[0]].attn_norm.dtype
+        self._compiled_layers = {i: _compile_layer(cfg, self.layers[i]) for i in self.layer_ids}
 
     def new_cache(self) -> SequenceCache:
         return SequenceCache.for_model(self.cfg, self.dtype)
@@ -102,9 +118,15 @@ class DeepseekV4:
         rows = _segment_rows(segments)
         longest = max(length for _, length, _, _ in rows)
         tile = tile or longest
+        # A decode step's shapes are its batch size: its shape-stable parts replay one trace per size
+        # (compiled.py). A stage-synced trace evaluates inside them, so it runs them plain.
+        compiled = step_compile_enabled() and longest == 1 and not timer.stage_sync
         for i in layer_ids:
             slices = [SegmentSlice(offset, length, start, cache.layers[i]) for offset, length, start, cache in rows]
-            streams = self._layer(streams, token_ids, rope, slices, self.layers[i], i, tile, timer)
+            if compiled:
+                streams = self._compiled_layer(streams, token_ids, rope, slices, i, tile, timer)
+            else:
+                streams = self._layer(streams, token_ids, rope, slices, self.layers[i], i, tile, timer)
             if longest > 1:  # evaluating layer by layer bounds a prefill chunk's graph
                 timer.boundary("other", streams)
             elif decode_async_enabled() and not timer.stage_sync:
@@ -118,9 +140,9 @@ class DeepseekV4:
         """The last layer's streams -> per segment the logits [L, vocab] (all_logits; streams: all T rows)
         or [1, vocab] of its last token (streams: `last_rows`, one per segment); with one flag per segment,
         streams are `head_rows`."""
-        cfg, w = self.cfg, self.weights
-        hidden = head_collapse(streams, self._head_hc, cfg.hc_eps, cfg.rms_norm_eps)
-        logits = rms_norm(hidden, w["norm.weight"], cfg.rms_norm_eps) @ self._head_t  # [rows, vocab]
+        # One row per segment (no `all_logits`): the rows are a batch size, few shapes to trace.
+        compiled = step_compile_enabled() and all_logits is False
+        logits = (self._compiled_head if compiled else self._head.logits)(streams)  # [rows, vocab]
         wants = [all_logits] * len(segments) if isinstance(all_logits, bool) else list(all_logits)
         sizes = [len(s.token_ids) if want else 1 for s, want in zip(segments, wants)]
         if len(sizes) == 1:
@@ -128,29 +150,92 @@ class DeepseekV4:
         return mx.split(logits, list(itertools.accumulate(sizes[:-1])), axis=0)  # one node for every segment
 
     @cached_property
-    def _head_hc(self) -> HyperWeights:
-        w = self.weights
-        return HyperWeights(w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"])
+    def _head(self) -> _Head:
+        """Made on first use: a pipeline stage holds the head's weights on its last rank only."""
+        w, cfg = self.weights, self.cfg
+        hc = HyperWeights(w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"])
+        return _Head(hc, w["norm.weight"], w["head.weight"], cfg.hc_eps, cfg.rms_norm_eps)
 
     @cached_property
-    def _head_t(self) -> mx.array:
+    def _compiled_head(self) -> StepCompiled:
+        return StepCompiled(self._head.logits, prime=self._head.prime)
+
+    def _layer(self, streams, token_ids, rope: StepRope, slices, layer: LayerWeights, i: int, tile: int, timer: ForwardTrace):
+        post, comb, x = _attention_in(self.cfg, layer, streams)
+        attn_out = attention(x, rope, slices, layer.attn, self.cfg, i, tile, timer)
+        return _ffn_half(self.cfg, layer, attn_out, streams, post, comb, token_ids, timer)
+
+    def _compiled_layer(self, streams, token_ids, rope: StepRope, slices, i: int, tile: int, timer: ForwardTrace):
+        """`_layer` of a decode step (one row per segment), its parts around attention compiled
+        (`_compile_layer`); attention itself (per-sequence caches) is built in Python as before."""
+        layer, parts = self.layers[i], self._compiled_layers[i]
+        post, comb, x = parts.attention_in(streams)
+        timer.stage("other", x)
+        attn_out = attention(x, rope, slices, layer.attn, self.cfg, i, tile, timer)
+        if syncs_host(streams.shape[0], layer.ffn, self.cfg.num_experts_per_tok):  # a padded MoE: plain
+            return _ffn_half(self.cfg, layer, attn_out, streams, post, comb, token_ids, timer)
+        return timer.stage("moe", parts.ffn_half(attn_out, streams, post, comb, token_ids))
+
+
+@dataclass(frozen=True)
+class _Head:
+    """The final collapse, norm and vocabulary projection."""
+
+    hc: HyperWeights  # pre mixes only
+    norm: mx.array  # [D]
+    weight: mx.array  # [vocab, D]
+    hc_eps: float
+    norm_eps: float
+
+    def logits(self, streams: mx.array) -> mx.array:
+        """streams [rows, hc, D] -> logits [rows, vocab]."""
+        hidden = head_collapse(streams, self.hc, self.hc_eps, self.norm_eps)
+        return rms_norm(hidden, self.norm, self.norm_eps) @ self.head_t
+
+    @cached_property
+    def head_t(self) -> mx.array:
         """[D, vocab]: the head's transposed view, made once (the gemm's operand as `head.weight.T`
         gave it, without a transpose node in every step)."""
-        head_t = self.weights["head.weight"].T
+        head_t = self.weight.T
         mx.eval(head_t)
         return head_t
 
-    def _layer(self, streams, token_ids, rope: StepRope, slices, layer: LayerWeights, i: int, tile: int, timer: ForwardTrace):
-        cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        post, comb, collapsed = hyper_weights(streams, layer.attn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
-        attn_out = attention(rms_norm(collapsed, layer.attn_norm, eps), rope, slices, layer.attn, cfg, i, tile, timer)
-        streams = expand(attn_out, streams, post, comb)
-        post, comb, collapsed = hyper_weights(streams, layer.ffn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
-        timer.stage("other", collapsed)
-        ffn_in = rms_norm(collapsed, layer.ffn_norm, eps)
-        ffn_out = moe(ffn_in, token_ids, layer.ffn, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit)
-        timer.stage("moe", ffn_out)
-        return expand(ffn_out, streams, post, comb)
+    def prime(self) -> None:
+        """Makes the lazily cached forms (they evaluate when made: never inside a compiled trace)."""
+        self.hc.prime()
+        _ = self.head_t
+
+
+def _attention_in(cfg: ModelConfig, layer: LayerWeights, streams: mx.array):
+    """streams [T, hc, D] -> (post [T, hc, 1], comb [T, hc, hc], normed attention input [T, D])."""
+    eps = cfg.rms_norm_eps
+    post, comb, collapsed = hyper_weights(streams, layer.attn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+    return post, comb, rms_norm(collapsed, layer.attn_norm, eps)
+
+
+def _ffn_half(cfg: ModelConfig, layer: LayerWeights, attn_out, streams, post, comb, token_ids, timer: ForwardTrace) -> mx.array:
+    """attention's output [T, D] expanded into the streams [T, hc, D], then the FFN (MoE) block between
+    its collapse and expand -> the layer's output streams [T, hc, D]."""
+    eps = cfg.rms_norm_eps
+    streams = expand(attn_out, streams, post, comb)
+    post, comb, collapsed = hyper_weights(streams, layer.ffn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+    timer.stage("other", collapsed)
+    ffn_in = rms_norm(collapsed, layer.ffn_norm, eps)
+    ffn_out = moe(ffn_in, token_ids, layer.ffn, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit)
+    timer.stage("moe", ffn_out)
+    return expand(ffn_out, streams, post, comb)
+
+
+def _compile_layer(cfg: ModelConfig, layer: LayerWeights) -> _CompiledLayer:
+    """The layer's two pure parts as fixed-shape compiled functions closing over its weights (constants
+    of the trace) and the config, not the model (no reference cycle keeps a dropped model's weights);
+    their stage marks are inert inside (nothing may evaluate there)."""
+    inert = ForwardTrace(stage_sync=False)
+    return _CompiledLayer(
+        attention_in=StepCompiled(lambda streams: _attention_in(cfg, layer, streams), prime=layer.prime),
+        ffn_half=StepCompiled(lambda attn_out, streams, post, comb, token_ids: _ffn_half(
+            cfg, layer, attn_out, streams, post, comb, token_ids, inert), prime=layer.prime),
+    )
 
 
 def step_token_ids(segments: Sequence[Segment]) -> mx.array:

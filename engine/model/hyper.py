@@ -57,6 +57,13 @@ class HyperWeights:
     def scale32(self) -> mx.array:
         return _evaluated(self.scale.astype(mx.float32))
 
+    def prime(self) -> None:
+        """Makes every cached form above now: each evaluates when made, which a compiled trace that
+        uses them must not do inside (engine/model/compiled.py, StepCompiled)."""
+        _ = self.fn_t32, self.base32, self.scale32
+        if self.scale.shape[0] == 3:  # a layer's mixes (pre, post, comb); the head's are pre only
+            _ = self.scale_per_mix
+
 
 def _evaluated(a: mx.array) -> mx.array:
     mx.eval(a)

@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from tessera.engine.model.compiled import shapeless
-from tessera.engine.model.expert_slices import sorted_gather_mm
+from tessera.engine.model.expert_slices import CLAMPED_MAX_ROWS, overflowing_expert, sorted_gather_mm
 from tessera.engine.model.quantized import QuantizedWeight, Weight, linear
 from tessera.kernels.cuda import on_cuda
 from tessera.kernels.moe_padded import combine_rows, index_is_supported, padded_indices_kernel
@@ -142,6 +142,19 @@ def _main_block(block: mx.array, w: MoEWeights, limit: float) -> mx.array:
 
 def uses_padded_layout(num_pairs: int, num_experts: int) -> bool:
     return num_pairs >= PADDED_MIN_PAIRS_PER_EXPERT * num_experts
+
+
+def syncs_host(num_tokens: int, w: MoEWeights, top_k: int) -> bool:
+    """Whether `moe` over `num_tokens` rows reads anything back from the device while it builds its
+    graph: the padded layout (its counts), or on CUDA plain experts past the grouped GEMM's offset
+    range with more pairs than `sorted_gather_mm` clamps (its row cuts). Without a read, the MoE is a
+    pure function of its input's shape: a fixed-shape compiled trace can carry it (engine/model/compiled.py)."""
+    num_pairs = num_tokens * top_k
+    if uses_padded_layout(num_pairs, w.num_experts):
+        return True
+    if isinstance(w.w1, QuantizedWeight) or not on_cuda() or num_pairs <= CLAMPED_MAX_ROWS:
+        return False
+    return any(overflowing_expert(m.shape[0], m.shape[-2] * m.shape[-1], m.dtype.size) is not None for m in (w.w1, w.w2, w.w3))
 
 
 def gathered_pairs(x: mx.array, flat: mx.array, order: mx.array, k: int, w: MoEWeights, limit: float) -> mx.array:
