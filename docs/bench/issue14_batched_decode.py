@@ -49,7 +49,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     model = load_model(Path(args.model))
-    if any(isinstance(w, QuantizedWeight) for w in model.weights.values()):
+    if not args.as_loaded and any(isinstance(w, QuantizedWeight) for w in model.weights.values()):
         from tessera.engine.tools.quant_bench import _dequantized_model
 
         model = _dequantized_model(model, mx.bfloat16)
@@ -81,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("out", help="JSON lines, one per measurement")
     p.add_argument("--ctx", type=int, default=16384)
+    p.add_argument("--as-loaded", action="store_true",
+                   help="keep a quantized checkpoint's weights as loaded (mxfp8/mxfp4), not dequantized to bf16")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=12, help="measured steps per round (2 warm-up steps before)")
     p.add_argument("--chunk", type=int, default=4096)
