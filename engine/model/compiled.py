@@ -24,12 +24,13 @@ parts (docs/BENCHMARKS.md, "Issue 14, session 7: the decode step compiled"). Onl
 segment is one token use them (a prefill chunk's length would be a new trace each time), and only
 where nothing in the part reads from the device while its graph is built (the MoE's padded layout
 does; it stays plain). Compiled and plain steps give the same bits on the CPU
-(tests/test_step_compiled.py).
+(tests/equivalence/test_step_compiled.py).
 
 Switch: TESSERA_COMPILE_STEP=0 turns the fixed-shape step compilation off (1, the default, on;
 independent of TESSERA_COMPILE, whose shapeless functions run inside the step's trace either way);
 `set_step_compile_enabled` flips it in a running process. On by default because the CPU gives the
-same bits either way; whether it pays is the GPU's measurement (docs/bench/issue14_decode_split.py).
+same bits either way; whether it pays is the GPU's measurement (docs/bench/issue14_step_compile.py; on this CPU it
+does not: docs/BENCHMARKS.md, "Issue 14, session 7: the decode step compiled").
 """
 
 from __future__ import annotations
