@@ -11,7 +11,10 @@ vectors of a row. A gather is a copy, so kernel and reference give the same bits
 
 Switch: TESSERA_ROW_GATHER_KERNEL=0 keeps MLX's gather on CUDA too (1, the default, uses the kernel
 where it is supported: CUDA, rows a whole number of 16-byte vectors). The decode batch's gather
-(`take_rows_batched_kernel`) also needs TESSERA_DECODE_BATCH_KERNELS (kernels/cuda.py) on.
+(`take_rows_batched_kernel`) also needs TESSERA_DECODE_BATCH_KERNELS (kernels/cuda.py) on, and
+TESSERA_DECODE_BATCH_GATHER=1: off by default, because its CUDA tests have not run on a GPU yet (the
+session that wrote it ran out of device time after the batched indexer's tests; docs/BENCHMARKS.md,
+"Session 7 on the H200 … final lease"). Off, a decode batch's selected rows take the per-sequence path.
 """
 
 from __future__ import annotations
@@ -23,6 +26,16 @@ from tessera.kernels.switch import Switch
 
 ENV_VAR = "TESSERA_ROW_GATHER_KERNEL"
 _switch = Switch(ENV_VAR)
+BATCH_ENV_VAR = "TESSERA_DECODE_BATCH_GATHER"
+_batch_switch = Switch(BATCH_ENV_VAR, default=False)
+
+
+def batch_gather_enabled() -> bool:
+    return _batch_switch.enabled()
+
+
+def set_batch_gather_enabled(enabled: bool) -> None:
+    _batch_switch.set(enabled)
 
 VECTOR_BYTES = 16
 THREADS = 256
@@ -110,7 +123,7 @@ def batch_is_supported(xs: list[mx.array], idx: mx.array) -> bool:
     """`take_rows_batched_kernel` runs here: CUDA, both switches on, idx [B, K > 0] int32/uint32, and
     buffers of one width and dtype whose rows are whole 16-byte vectors."""
     first = xs[0]
-    return (_switch.enabled() and decode_batch_kernels.enabled() and on_cuda()
+    return (_switch.enabled() and decode_batch_kernels.enabled() and _batch_switch.enabled() and on_cuda()
             and idx.ndim == 2 and idx.shape[0] == len(xs) and idx.shape[1] > 0 and idx.dtype in (mx.int32, mx.uint32)
             and (first.shape[1] * first.dtype.size) % VECTOR_BYTES == 0
             and all(x.ndim == 2 and x.shape[1] == first.shape[1] and x.dtype == first.dtype for x in xs))

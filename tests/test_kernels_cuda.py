@@ -234,9 +234,11 @@ def test_padded_layout_gives_the_same_bits_with_and_without_its_kernels(skewed):
         return (moe_mod.routed_experts(x, chosen, weights, w, 10.0, layout="padded"),
                 moe_mod._routed(x, flat, order, weights, w, 10.0, "padded", None, shared))
 
-    with_kernels = outputs()
     saved = moe_padded.combine_kernel_enabled(), moe_padded.index_kernel_enabled()
     try:
+        moe_padded.set_combine_kernel_enabled(True)  # both off by default (kernels/moe_padded.py)
+        moe_padded.set_index_kernel_enabled(True)
+        with_kernels = outputs()
         moe_padded.set_combine_kernel_enabled(False)
         moe_padded.set_index_kernel_enabled(False)
         without = outputs()
@@ -249,10 +251,13 @@ def test_padded_layout_gives_the_same_bits_with_and_without_its_kernels(skewed):
 
 
 @pytest.mark.parametrize("num_seqs, width", [(1, 512), (16, 512), (19, 64)])
-def test_batched_row_gather_kernel_is_each_buffers_gather(num_seqs, width):
+def test_batched_row_gather_kernel_is_each_buffers_gather(num_seqs, width, monkeypatch):
     """Decode's selected rows: one launch (per 16 sequences) over every sequence's own buffer gives
     exactly MLX's per-buffer x[idx] (a copy), whatever the buffers' capacities."""
+    from tessera.kernels import row_gather
     from tessera.kernels.row_gather import batch_is_supported, take_rows_batched_kernel, take_rows_batched_reference
+
+    monkeypatch.setattr(row_gather._batch_switch, "_enabled", True)  # off by default (kernels/row_gather.py)
 
     xs = [mx.random.normal((300 + 7 * b, width), key=mx.random.key(b)).astype(mx.bfloat16) for b in range(num_seqs)]
     idx = mx.sort(mx.random.randint(0, 300, (num_seqs, 512), key=mx.random.key(99)), axis=-1).astype(mx.int32)

@@ -26,11 +26,14 @@ where nothing in the part reads from the device while its graph is built (the Mo
 does; it stays plain). Compiled and plain steps give the same bits on the CPU
 (tests/equivalence/test_step_compiled.py).
 
-Switch: TESSERA_COMPILE_STEP=0 turns the fixed-shape step compilation off (1, the default, on;
+Switch: TESSERA_COMPILE_STEP=1 turns the fixed-shape step compilation on (0, the default, off;
 independent of TESSERA_COMPILE, whose shapeless functions run inside the step's trace either way);
-`set_step_compile_enabled` flips it in a running process. On by default because the CPU gives the
-same bits either way; whether it pays is the GPU's measurement (docs/bench/issue14_step_compile.py; on this CPU it
-does not: docs/BENCHMARKS.md, "Issue 14, session 7: the decode step compiled").
+`set_step_compile_enabled` flips it in a running process. Off by default: on the H200 a compiled
+batch-1 step at 65,536 took 0.74× the plain one (6.48 against 8.80 ms), but the first step took 61 s
+(tracing and compiling every fused kernel), and every new decode batch size traces again; the GPU
+bits of compiled against plain steps were not checked (docs/BENCHMARKS.md, "Session 7 on the H200 …
+final lease"). On the CPU it gives the same bits and no speed (docs/BENCHMARKS.md, "Issue 14,
+session 7: the decode step compiled").
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from tessera.kernels.switch import Switch
 ENV_VAR = "TESSERA_COMPILE"
 _switch = Switch(ENV_VAR)
 STEP_ENV_VAR = "TESSERA_COMPILE_STEP"
-_step_switch = Switch(STEP_ENV_VAR)
+_step_switch = Switch(STEP_ENV_VAR, default=False)
 
 
 def compile_enabled() -> bool:

@@ -128,6 +128,6 @@ def test_flipping_the_shapeless_switch_traces_afresh(model):
     assert all(a == a0 + 1 and f == f0 + 1 for (a, f), (a0, f0) in zip(_traces(model), before))
 
 
-@pytest.mark.parametrize("value,expected", [("0", "False"), ("1", "True"), (None, "True")])
+@pytest.mark.parametrize("value,expected", [("0", "False"), ("1", "True"), (None, "False")])
 def test_environment_switch(value, expected):
     assert switch_in_fresh_process(compiled.STEP_ENV_VAR, value, "tessera.engine.model.compiled", "step_compile_enabled") == expected
