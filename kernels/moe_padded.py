@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from tessera.engine.model.compiled import shapeless
+from tessera.kernels.shapeless import shapeless
 from tessera.kernels.cuda import compiled_kernel, on_cuda
 from tessera.kernels.row_gather import take_rows
 from tessera.kernels.switch import Switch

@@ -9,7 +9,7 @@ one launch per collapse. It sums in index order and uses round-to-nearest adds a
 two give the same bits (tests/test_kernels_cuda.py); a token's result depends only on its own row.
 
 Switch: TESSERA_SINKHORN_KERNEL=0 keeps the reference on CUDA too (1, the default, uses the kernel
-where it is supported: CUDA, float32, compilation on — engine/model/compiled.py).
+where it is supported: CUDA, float32, compilation on — kernels/shapeless.py).
 """
 
 from __future__ import annotations

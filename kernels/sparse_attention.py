@@ -14,7 +14,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from tessera.engine.model.compiled import shapeless
+from tessera.kernels.shapeless import shapeless
 
 RowGroup = tuple[mx.array, mx.array]  # rows [T, R, d] (K = V), valid [T, R] bool
 

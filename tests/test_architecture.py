@@ -105,6 +105,14 @@ def test_engine_and_kernels_never_import_web_code_or_the_server():
             assert not bad, f"{module} imports {sorted(bad)}"
 
 
+def test_kernels_import_nothing_of_the_engine():
+    """kernels/ is the layer below the model: MLX and its own modules only (the engine calls down into it)."""
+    for module in modules():
+        if top(module) == "kernels":
+            bad = {n for n in imports_of(module) if top(n) in ("engine", "server")}
+            assert not bad, f"{module} imports {sorted(bad)}"
+
+
 def test_no_module_mixes_a_web_framework_with_mlx():
     for module in modules():
         names = {top(n) for n in imports_of(module)}

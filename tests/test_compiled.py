@@ -1,5 +1,5 @@
 """The compiled hyper-connection math (engine/model/hyper.py, compiled shapeless by
-engine/model/compiled.py) against the plain per-op formulation it replaced: identical bits, compiled
+kernels/shapeless.py) against the plain per-op formulation it replaced: identical bits, compiled
 and not, float32 and bfloat16, for batches of different sizes run one after another (a shapeless trace
 replayed on a new shape must not keep the old one), and the TESSERA_COMPILE switch."""
 
@@ -12,7 +12,8 @@ import sys
 import mlx.core as mx
 import pytest
 
-from tessera.engine.model import compiled, hyper
+from tessera.engine.model import hyper
+from tessera.kernels import shapeless as compiled
 from tests.support.env_switch import switch_in_fresh_process
 
 HC, WIDTH, ITERS, EPS = 4, 48, 20, 1e-6
@@ -119,12 +120,12 @@ def _node_count(arrays, path) -> int:
 
 @pytest.mark.parametrize("value,expected", [("0", "False"), ("1", "True"), (None, "True")])
 def test_environment_switch(value, expected):
-    assert switch_in_fresh_process(compiled.ENV_VAR, value, "tessera.engine.model.compiled", "compile_enabled") == expected
+    assert switch_in_fresh_process(compiled.ENV_VAR, value, "tessera.kernels.shapeless", "compile_enabled") == expected
 
 
 def test_environment_switch_rejects_other_values():
     env = {**os.environ, compiled.ENV_VAR: "off"}
-    out = subprocess.run([sys.executable, "-c", "import tessera.engine.model.compiled"], env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", "import tessera.kernels.shapeless"], env=env, capture_output=True, text=True)
     assert out.returncode != 0 and "TESSERA_COMPILE must be 0 (off) or 1 (on)" in out.stderr
 
 

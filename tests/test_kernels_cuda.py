@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from tessera.engine.tools.check_limits import KERNEL_MAX_DIFFERING_ROWS, KERNEL_MAX_REL_DIFF
 from tessera.kernels import device_checks, indexer_cuda, topk_cuda
 from tessera.kernels.cuda import on_cuda
 from tessera.kernels.indexer import indexer_scores_batched_reference, indexer_scores_reference, select_topk_reference
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.skipif(not on_cuda(), reason="needs a CUDA device (MLX'
 def test_check_kernels_report_is_within_every_threshold():
     report = device_checks.check_indexer_kernel()
     assert report.get("kernel") != device_checks.UNAVAILABLE, report
-    assert device_checks.kernel_failures(report) == [], report
+    assert device_checks.kernel_failures(report, KERNEL_MAX_REL_DIFF, KERNEL_MAX_DIFFERING_ROWS) == [], report
 
 
 @pytest.mark.parametrize("t,n", [(1, 7), (37, 1000), (256, 4099)])

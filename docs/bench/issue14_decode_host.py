@@ -46,7 +46,7 @@ use_source_tree()  # `tessera.*` = this checkout, unless it already is
 
 import mlx.core as mx  # noqa: E402
 
-from tessera.engine.model.compiled import compile_enabled  # noqa: E402
+from tessera.kernels.shapeless import compile_enabled  # noqa: E402
 from tessera.engine.model.decode_async import decode_async_enabled, set_decode_async_enabled  # noqa: E402
 from tessera.engine.model.deepseek_v4 import DeepseekV4, Segment  # noqa: E402
 from tessera.engine.model.dtypes import dtype_name  # noqa: E402

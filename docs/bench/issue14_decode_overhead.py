@@ -1,5 +1,5 @@
 """Issue 14, decode overhead: batch-1 decode steps with the compiled model functions on and off
-(engine/model/compiled.py, TESSERA_COMPILE) and the CUDA Sinkhorn kernel on and off (kernels/sinkhorn.py,
+(kernels/shapeless.py, TESSERA_COMPILE) and the CUDA Sinkhorn kernel on and off (kernels/sinkhorn.py,
 TESSERA_SINKHORN_KERNEL) in alternating rounds in one process, against the bytes floor bench_decode
 computes (docs/BENCHMARKS.md, "Issue 14: decode overhead (hyper-connections, compile)").
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from tessera.engine.model.compiled import compile_enabled, set_compile_enabled
+from tessera.kernels.shapeless import compile_enabled, set_compile_enabled
 from tessera.engine.model.deepseek_v4 import DeepseekV4, Segment
 from tessera.engine.model.dtypes import dtype_name
 from tessera.engine.model.loader import load_model

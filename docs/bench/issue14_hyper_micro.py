@@ -1,5 +1,5 @@
 """One layer's hyper-connection work at decode size (2 collapses + 2 expands, T rows), compiled vs
-plain (engine/model/compiled.py) in rounds on off off on in one process: the per-op overhead the
+plain (kernels/shapeless.py) in rounds on off off on in one process: the per-op overhead the
 compilation removes, without the matmuls that dominate a CPU decode step.
 
 python docs/bench/issue14_hyper_micro.py OUT.jsonl [--rows 1] [--width 4096] [--reps 200] [--dtype bfloat16]
@@ -14,7 +14,7 @@ import time
 
 import mlx.core as mx
 
-from tessera.engine.model.compiled import set_compile_enabled
+from tessera.kernels.shapeless import set_compile_enabled
 from tessera.engine.model.hyper import HyperWeights, expand, hyper_weights
 
 HC, ITERS, EPS = 4, 20, 1e-6

@@ -38,7 +38,7 @@ def main() -> None:
     p.add_argument("--compile", choices=["on", "off"], default=None)
     args = p.parse_args()
     if args.compile is not None:
-        from tessera.engine.model.compiled import set_compile_enabled
+        from tessera.kernels.shapeless import set_compile_enabled
 
         set_compile_enabled(args.compile == "on")
     model = load_model(args.model_dir)

@@ -41,7 +41,8 @@ use_source_tree()  # `tessera.*` = this checkout, unless it already is
 
 import mlx.core as mx  # noqa: E402
 
-from tessera.engine.model.compiled import compile_enabled, set_step_compile_enabled, step_compile_enabled  # noqa: E402
+from tessera.engine.model.compiled import set_step_compile_enabled, step_compile_enabled  # noqa: E402
+from tessera.kernels.shapeless import compile_enabled  # noqa: E402
 from tessera.engine.model.deepseek_v4 import DeepseekV4, Segment  # noqa: E402
 from tessera.engine.model.loader import load_model  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled  # noqa: E402

@@ -1,19 +1,5 @@
-"""`mx.compile` for the model's small pure functions, behind one switch.
-
-A decode step is a few thousand tiny ops (docs/BENCHMARKS.md, "Issue 14: decode overhead"): on a GPU
-each one is a kernel launch plus host bookkeeping, so the step is bound by the op count, not by bytes.
-Compiling a pure function fuses its elementwise ops into one kernel and replays its graph without
-re-running the Python that built it.
-
-Every function compiled here is compiled `shapeless`, so a prefill chunk of any length and a decode
-batch of any size reuse one trace (no recompiles). Shapeless tracing is only correct for functions
-without `Slice` (MLX refuses them) and without `reshape` (MLX silently keeps the traced shape): such
-ops stay outside, in the caller. Compiled and plain runs give the same bits on the CPU
-(tests/test_compiled.py); every compared path (batched/single, tiled/untiled, chunked/whole) runs the
-same compiled functions either way.
-
-Switch: the environment variable TESSERA_COMPILE=0 turns compilation off (1, the default, on);
-`set_compile_enabled` flips it in a running process (bench A B B A comparisons).
+"""Fixed-shape `mx.compile` of a decode step's shape-stable parts, behind its own switch (the model's
+small pure functions are compiled shapeless by kernels/shapeless.py, behind TESSERA_COMPILE).
 
 The shape-stable parts of a decode step (engine/model/deepseek_v4.py: a layer's attention prologue,
 its FFN half with the expand after attention, the head) are also compiled *with fixed shapes*
@@ -42,37 +28,12 @@ from typing import Callable
 
 import mlx.core as mx
 
+from tessera.kernels import row_gather, sinkhorn
+from tessera.kernels.shapeless import compile_enabled
 from tessera.kernels.switch import Switch
 
-ENV_VAR = "TESSERA_COMPILE"
-_switch = Switch(ENV_VAR)
 STEP_ENV_VAR = "TESSERA_COMPILE_STEP"
 _step_switch = Switch(STEP_ENV_VAR, default=False)
-
-
-def compile_enabled() -> bool:
-    return _switch.enabled()
-
-
-def set_compile_enabled(enabled: bool) -> None:
-    """Turns the compiled paths on or off for every later call (takes effect on the next graph built)."""
-    _switch.set(enabled)
-
-
-class ShapelessCompiled:
-    """`fn` compiled shapeless when compilation is on, `fn` itself when it is off."""
-
-    def __init__(self, fn: Callable) -> None:
-        self.plain = fn
-        self.compiled = mx.compile(fn, shapeless=True)
-
-    def __call__(self, *args):
-        return (self.compiled if _switch.enabled() else self.plain)(*args)
-
-
-def shapeless(fn: Callable) -> ShapelessCompiled:
-    """Decorator: see ShapelessCompiled (fn must be pure, without Slice or reshape)."""
-    return ShapelessCompiled(fn)
 
 
 def step_compile_enabled() -> bool:
@@ -87,9 +48,8 @@ def set_step_compile_enabled(enabled: bool) -> None:
 def _trace_switches() -> tuple[bool, ...]:
     """Every switch a step part reads while it is traced: a trace replays the choices it was traced
     with, so a flip in a running process (benchmarks) must reach a fresh trace, not a stale one."""
-    from tessera.kernels import row_gather, sinkhorn  # here: the kernels' modules import nothing of the model
 
-    return (_switch.enabled(), sinkhorn.kernel_enabled(), row_gather.kernel_enabled())
+    return (compile_enabled(), sinkhorn.kernel_enabled(), row_gather.kernel_enabled())
 
 
 class StepCompiled:

@@ -3,7 +3,7 @@ one block input and expanded back, mixed by a Sinkhorn-projected doubly-stochast
 
 A decode step runs 2 collapses per layer plus the head's, each a few dozen tiny ops (20 Sinkhorn
 iterations of 4×4 sums and divisions): most of a decode step's graph. The math lives in pure
-functions compiled shapeless (engine/model/compiled.py): their elementwise ops fuse into few
+functions compiled shapeless (kernels/shapeless.py): their elementwise ops fuse into few
 kernels, and the slices and reshapes (which shapeless tracing cannot carry) stay here, outside."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from functools import cached_property
 
 import mlx.core as mx
 
-from tessera.engine.model.compiled import compile_enabled, shapeless
+from tessera.kernels.shapeless import compile_enabled, shapeless
 from tessera.engine.model.norms import unweighted_rms_norm
 from tessera.kernels import sinkhorn as sinkhorn_kernels
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from tessera.engine.model.compiled import shapeless
+from tessera.kernels.shapeless import shapeless
 from tessera.engine.model.expert_slices import CLAMPED_MAX_ROWS, overflowing_expert, sorted_gather_mm
 from tessera.engine.model.quantized import QuantizedWeight, Weight, linear
 from tessera.kernels.cuda import on_cuda
@@ -403,7 +403,7 @@ def route(x: mx.array, token_ids: mx.array, w: MoEWeights, top_k: int, scaling: 
     return experts, _normalized(mx.take_along_axis(scores, experts, axis=-1), scaling)
 
 
-# The router's elementwise steps, compiled shapeless (engine/model/compiled.py); the slice of the top-k
+# The router's elementwise steps, compiled shapeless (kernels/shapeless.py); the slice of the top-k
 # stays outside (a shapeless trace cannot carry a Slice).
 @shapeless
 def _router_scores(x: mx.array, router: mx.array) -> mx.array:

@@ -1,11 +1,11 @@
 """RMS norms as V4 uses them: weighted (norm layers) and unweighted (per-head q norm, hyper-connections).
-Both compiled shapeless (engine/model/compiled.py): the dtype casts around the statistics fuse."""
+Both compiled shapeless (kernels/shapeless.py): the dtype casts around the statistics fuse."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from tessera.engine.model.compiled import shapeless
+from tessera.kernels.shapeless import shapeless
 
 
 @shapeless

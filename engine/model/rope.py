@@ -13,7 +13,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from tessera.engine.model.compiled import shapeless
+from tessera.kernels.shapeless import shapeless
 from tessera.engine.model.config import RopeSpec
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from tessera.engine.model.compiled import compile_enabled
+from tessera.kernels.shapeless import compile_enabled
 from tessera.engine.model.config import CSA, HCA, WINDOW, ModelConfig
 from tessera.engine.model.deepseek_v4 import DeepseekV4, Segment
 from tessera.engine.model.dtypes import dtype_name

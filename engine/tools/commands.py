@@ -386,7 +386,7 @@ def _register_bench(subparsers) -> None:
     dec.add_argument("--stage-sync", action="store_true",
                      help="evaluate every stage on its own for a per-stage split (attention, indexer, MoE, other)")
     dec.add_argument("--compile", choices=["on", "off"], default=None,
-                     help="compiled model functions (engine/model/compiled.py); default: TESSERA_COMPILE (on unless 0)")
+                     help="compiled model functions (kernels/shapeless.py); default: TESSERA_COMPILE (on unless 0)")
     dec.add_argument("--cache-fill", default="prefill", choices=["prefill", "random"],
                      help="prefill: run a random prompt of --ctx tokens first; random: give every layer's cache the "
                           "shapes a prefill in --chunk chunks leaves, filled with random rows, in seconds (decode "
@@ -471,7 +471,7 @@ def _bench_decode(args) -> int:
         print(f"error: --tile ({args.tile}) must be at most --chunk ({args.chunk})", file=sys.stderr)
         return 2
     if args.compile is not None:
-        from tessera.engine.model.compiled import set_compile_enabled
+        from tessera.kernels.shapeless import set_compile_enabled
 
         set_compile_enabled(args.compile == "on")
     options = DecodeOptions(chunk=args.chunk, tile=args.tile, steps=args.steps, stage_sync=args.stage_sync,

@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from tessera.engine.model.loader import load_config, load_model
+from tessera.engine.tools.check_limits import KERNEL_MAX_REL_DIFF
 from tessera.engine.tools.consistency import differing
 from tessera.engine.tools.replay import random_tokens, run_sequence
 
@@ -131,7 +132,7 @@ def run_gpu_check(model_dir: Path, shapes: tuple[Shape, ...] = MATRIX, dtypes: t
     cuda = on_cuda()
     log(f"device: {mx.default_device()} (CUDA kernels {'on' if cuda else 'unavailable'})")
     kernels = check_indexer_kernel() if cuda else {"kernel": UNAVAILABLE}
-    violations = kernel_failures(kernels, max_differing_rows=0)  # the same verdict as `check kernels`, no row may differ
+    violations = kernel_failures(kernels, KERNEL_MAX_REL_DIFF, 0)  # the same verdict as `check kernels`, no row may differ
     cfg = load_config(Path(model_dir))  # the row-invariance checks run at the model's widths
     invariance = check_row_invariance(index_heads=cfg.index_n_heads, index_dim=cfg.index_head_dim, topk=cfg.index_topk,
                                       heads=cfg.num_attention_heads, head_dim=cfg.head_dim, window=cfg.sliding_window,

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tessera.engine.model import compiled, moe
+from tessera.kernels import shapeless
 from tessera.engine.model.config import CSA, HCA, WINDOW
 from tessera.engine.model.deepseek_v4 import Segment
 from tessera.engine.model.loader import load_model
@@ -37,10 +38,10 @@ def model(request, tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _restore_switch():
-    before = compiled.step_compile_enabled(), compiled.compile_enabled()
+    before = compiled.step_compile_enabled(), shapeless.compile_enabled()
     yield
     compiled.set_step_compile_enabled(before[0])
-    compiled.set_compile_enabled(before[1])
+    shapeless.set_compile_enabled(before[1])
 
 
 def _prefilled(model, length: int, seed: int):
@@ -123,7 +124,7 @@ def test_flipping_the_shapeless_switch_traces_afresh(model):
     step = lambda: mx.eval(model.forward([Segment(caches[0], [1])]))  # noqa: E731
     step()
     before = _traces(model)
-    compiled.set_compile_enabled(not compiled.compile_enabled())
+    shapeless.set_compile_enabled(not shapeless.compile_enabled())
     step()
     assert all(a == a0 + 1 and f == f0 + 1 for (a, f), (a0, f0) in zip(_traces(model), before))
 
