@@ -47,8 +47,7 @@ VECTOR_BYTES = 16
 THREADS = 256
 FLOATS = (mx.bfloat16, mx.float16, mx.float32)
 # col_reduce_small, whose order the combine kernel repeats, serves reductions of 2 to 32 rows (MLX copies
-# a reduction over one row instead: no add onto 0, so -0.0 would stay; and MLX 0.32's CPU crashed on the
-# shapeless weighted_sum at k = 1, so the reference could not be tested there).
+# a reduction over one row instead: no add onto 0, so -0.0 would stay).
 MIN_SLOTS, MAX_SLOTS = 2, 32
 
 
@@ -71,9 +70,15 @@ def index_kernel_enabled() -> bool:
 # ---------------------------------------------------------------------------------------------------
 # The combine.
 
-@shapeless
 def weighted_sum(by_pair: mx.array, weights: mx.array) -> mx.array:
-    """by_pair [T, k, D], weights [T, k] -> [T, D] float32: the definition of a token's routed output."""
+    """by_pair [T, k, D], weights [T, k] -> [T, D] float32: the definition of a token's routed output.
+    Compiled shapeless, except at k = 1 (a top-1 MoE): MLX 0.32.4 segfaults running a shapeless-compiled
+    sum over an axis of size 1, so one slot runs the same ops uncompiled (the same bits on the CPU)."""
+    return (_weighted_sum.plain if weights.shape[1] == 1 else _weighted_sum)(by_pair, weights)
+
+
+@shapeless
+def _weighted_sum(by_pair: mx.array, weights: mx.array) -> mx.array:
     return (by_pair.astype(mx.float32) * weights[:, :, None]).sum(axis=1)
 
 

@@ -65,6 +65,22 @@ def test_layout_equals_per_expert_loop_bit_for_bit(layout, routing, monkeypatch)
     assert np.array_equal(np.array(out), np.array(ref))
 
 
+@row_invariant_blas
+@pytest.mark.parametrize("layout", ["gathered", "padded"])
+def test_a_top1_moe_runs_and_equals_the_per_expert_loop(layout, monkeypatch):
+    """One expert per token (a valid config): every sum over the k slots has one term. MLX 0.32.4's
+    shapeless compile segfaulted on exactly that (the routing weights' sum and the weighted sum)."""
+    w = _weights()
+    mx.random.seed(6)
+    x = mx.random.normal((97, DIM))
+    experts, weights = route(x, None, w, 1, 1.5)
+    assert experts.shape == (97, 1) and np.allclose(np.array(weights), 1.5)
+    out = _run(layout, x, experts, weights, w, monkeypatch)
+    assert np.array_equal(np.array(out), np.array(reference_routed_experts(x, experts, weights, w, LIMIT)))
+    block = moe(x, mx.zeros((97,), dtype=mx.int32), w, 1, 1.5, LIMIT)  # the whole block, shared expert included
+    assert block.shape == x.shape and bool(mx.isfinite(block).all())
+
+
 @row_invariant_blas  # bit equality of an M = 1 and an M = C gemm holds for the row-invariant BLAS only
 def test_bf16_layouts_agree(monkeypatch):
     w = _weights(mx.bfloat16)

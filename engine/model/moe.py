@@ -400,7 +400,10 @@ def route(x: mx.array, token_ids: mx.array, w: MoEWeights, top_k: int, scaling: 
         experts = w.tid2eid[token_ids].astype(mx.int32)
     else:
         experts = mx.argpartition(_negated_biased(scores, w.correction_bias), kth=top_k - 1, axis=-1)[:, :top_k].astype(mx.int32)
-    return experts, _normalized(mx.take_along_axis(scores, experts, axis=-1), scaling)
+    picked = mx.take_along_axis(scores, experts, axis=-1)  # [T, k]
+    # Top-1 runs the normalisation uncompiled: MLX 0.32.4 segfaults on a shapeless-compiled sum over an
+    # axis of size 1 (kernels/moe_padded.weighted_sum has the same guard).
+    return experts, (_normalized.plain if top_k == 1 else _normalized)(picked, scaling)
 
 
 # The router's elementwise steps, compiled shapeless (kernels/shapeless.py); the slice of the top-k
