@@ -119,6 +119,11 @@ def test_official_config_spelling_equals_transformers_spelling():
     assert config_from_dict(cfg.to_transformers_dict()) == cfg
 
 
+def test_a_single_hyper_connection_stream_is_refused_by_name():
+    with pytest.raises(ConfigError, match="hc_mult must be ≥ 2"):
+        config_from_dict({"model_type": "deepseek_v4", "num_hidden_layers": 2, "hc_mult": 1})
+
+
 def test_unsupported_ratio_is_named():
     with pytest.raises(ConfigError, match="compress_ratios: unsupported ratio"):
         config_from_dict({"model_type": "deepseek_v4", "num_hidden_layers": 2, "compress_ratios": [0, 16]})

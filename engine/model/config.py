@@ -250,3 +250,7 @@ def _validate(cfg: ModelConfig) -> None:
         raise ConfigError(f"scoring_func {cfg.scoring_func!r} is not supported (V4 uses 'sqrtsoftplus')")
     if cfg.num_experts_per_tok > cfg.n_routed_experts:
         raise ConfigError("num_experts_per_tok must be ≤ n_routed_experts")
+    if cfg.hc_mult < 2:
+        # One stream makes every hyper-connection sum (collapse, Sinkhorn) a sum over an axis of size 1,
+        # which MLX 0.32.4's shapeless compile crashes on (kernels/shapeless.py): a clear error, not a segfault.
+        raise ConfigError(f"hc_mult must be ≥ 2 (got {cfg.hc_mult}): one hyper-connection stream is not supported")
