@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from tessera.kernels.shapeless import shapeless
 from tessera.kernels.cuda import compiled_kernel, on_cuda
 from tessera.kernels.row_gather import take_rows
+from tessera.kernels.shapeless import shapeless
 from tessera.kernels.switch import Switch
 
 COMBINE_ENV_VAR = "TESSERA_MOE_COMBINE_KERNEL"
@@ -70,15 +70,9 @@ def index_kernel_enabled() -> bool:
 # ---------------------------------------------------------------------------------------------------
 # The combine.
 
+@shapeless(sums_over=(1, 1))  # the k slots (top-1: plain, kernels/shapeless.py)
 def weighted_sum(by_pair: mx.array, weights: mx.array) -> mx.array:
-    """by_pair [T, k, D], weights [T, k] -> [T, D] float32: the definition of a token's routed output.
-    Compiled shapeless, except at k = 1 (a top-1 MoE): MLX 0.32.4 segfaults running a shapeless-compiled
-    sum over an axis of size 1, so one slot runs the same ops uncompiled (the same bits on the CPU)."""
-    return (_weighted_sum.plain if weights.shape[1] == 1 else _weighted_sum)(by_pair, weights)
-
-
-@shapeless
-def _weighted_sum(by_pair: mx.array, weights: mx.array) -> mx.array:
+    """by_pair [T, k, D], weights [T, k] -> [T, D] float32: the definition of a token's routed output."""
     return (by_pair.astype(mx.float32) * weights[:, :, None]).sum(axis=1)
 
 

@@ -13,6 +13,10 @@ ops stay outside, in the caller. Compiled and plain runs give the same bits on t
 same compiled functions either way. It lives in kernels/, the lowest layer that uses it (the kernels'
 plain-MLX references are compiled too), so that kernels/ imports nothing of the engine.
 
+A function that sums over an axis names it (`shapeless(sums_over=(argument, axis))`): where that
+axis has size 1 the function runs plain, because MLX 0.32.4's shapeless compile segfaults on a sum
+over an axis of size 1 (a top-1 MoE's slots; the same ops, the same bits on the CPU).
+
 Switch: the environment variable TESSERA_COMPILE=0 turns compilation off (1, the default, on);
 `set_compile_enabled` flips it in a running process (bench A B B A comparisons).
 """
@@ -39,16 +43,26 @@ def set_compile_enabled(enabled: bool) -> None:
 
 
 class ShapelessCompiled:
-    """`fn` compiled shapeless when compilation is on, `fn` itself when it is off."""
+    """`fn` compiled shapeless when compilation is on, `fn` itself when it is off or when the axis it
+    sums over (`sums_over`: argument index, axis) has size 1."""
 
-    def __init__(self, fn: Callable) -> None:
+    def __init__(self, fn: Callable, sums_over: tuple[int, int] | None = None) -> None:
         self.plain = fn
         self.compiled = mx.compile(fn, shapeless=True)
+        self.sums_over = sums_over
 
     def __call__(self, *args):
-        return (self.compiled if _switch.enabled() else self.plain)(*args)
+        return (self.compiled if _switch.enabled() and not self._sums_one_term(args) else self.plain)(*args)
+
+    def _sums_one_term(self, args) -> bool:
+        if self.sums_over is None:
+            return False
+        argument, axis = self.sums_over
+        return args[argument].shape[axis] == 1
 
 
-def shapeless(fn: Callable) -> ShapelessCompiled:
-    """Decorator: see ShapelessCompiled (fn must be pure, without Slice or reshape)."""
+def shapeless(fn: Callable | None = None, *, sums_over: tuple[int, int] | None = None):
+    """Decorator, bare or with `sums_over`: see ShapelessCompiled (fn must be pure, without Slice or reshape)."""
+    if fn is None:
+        return lambda f: ShapelessCompiled(f, sums_over)
     return ShapelessCompiled(fn)

@@ -13,9 +13,9 @@ from functools import cached_property
 
 import mlx.core as mx
 
-from tessera.kernels.shapeless import compile_enabled, shapeless
 from tessera.engine.model.norms import unweighted_rms_norm
 from tessera.kernels import sinkhorn as sinkhorn_kernels
+from tessera.kernels.shapeless import compile_enabled, shapeless
 
 
 @dataclass(frozen=True)

@@ -27,13 +27,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from tessera.kernels.shapeless import shapeless
 from tessera.engine.model.expert_slices import CLAMPED_MAX_ROWS, overflowing_expert, sorted_gather_mm
 from tessera.engine.model.quantized import QuantizedWeight, Weight, linear
 from tessera.kernels.cuda import on_cuda
 from tessera.kernels.moe_padded import combine_rows, index_is_supported, padded_indices_kernel
 from tessera.kernels.moe_padded import weighted_sum as _weighted_sum  # [T, k, D] -> [T, D]: the combine's definition
 from tessera.kernels.row_gather import take_rows
+from tessera.kernels.shapeless import shapeless
 
 # A step with at least this many (token, slot) pairs per routed expert on average runs the padded layout.
 # Below it most of the padded block would be padding and every expert's weights would be read even when
@@ -400,10 +400,7 @@ def route(x: mx.array, token_ids: mx.array, w: MoEWeights, top_k: int, scaling: 
         experts = w.tid2eid[token_ids].astype(mx.int32)
     else:
         experts = mx.argpartition(_negated_biased(scores, w.correction_bias), kth=top_k - 1, axis=-1)[:, :top_k].astype(mx.int32)
-    picked = mx.take_along_axis(scores, experts, axis=-1)  # [T, k]
-    # Top-1 runs the normalisation uncompiled: MLX 0.32.4 segfaults on a shapeless-compiled sum over an
-    # axis of size 1 (kernels/moe_padded.weighted_sum has the same guard).
-    return experts, (_normalized.plain if top_k == 1 else _normalized)(picked, scaling)
+    return experts, _normalized(mx.take_along_axis(scores, experts, axis=-1), scaling)
 
 
 # The router's elementwise steps, compiled shapeless (kernels/shapeless.py); the slice of the top-k
@@ -419,7 +416,7 @@ def _negated_biased(scores: mx.array, bias: mx.array) -> mx.array:
     return -(scores + bias.astype(mx.float32))
 
 
-@shapeless
+@shapeless(sums_over=(0, -1))  # the k slots (top-1: plain, kernels/shapeless.py)
 def _normalized(weights: mx.array, scaling: float) -> mx.array:
     return weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * scaling
 

@@ -13,8 +13,8 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from tessera.kernels.shapeless import shapeless
 from tessera.engine.model.config import RopeSpec
+from tessera.kernels.shapeless import shapeless
 
 
 @lru_cache(maxsize=16)
