@@ -120,6 +120,19 @@ def test_row_gather_kernel_is_mlx_gather_bit_for_bit(dtype, width):
 
 # --- the padded MoE layout's kernels (kernels/moe_padded.py) -----------------------------------------
 
+@pytest.fixture
+def moe_kernels_on():
+    """Both padded-layout kernels switched on (their `*_is_supported` checks read the switches), then back."""
+    from tessera.kernels import moe_padded
+
+    saved = moe_padded.combine_kernel_enabled(), moe_padded.index_kernel_enabled()
+    moe_padded.set_combine_kernel_enabled(True)
+    moe_padded.set_index_kernel_enabled(True)
+    yield
+    moe_padded.set_combine_kernel_enabled(saved[0])
+    moe_padded.set_index_kernel_enabled(saved[1])
+
+
 def _combine_inputs(dtype, width, k, tokens=300, num_rows=700):
     """Rows of mixed sign and magnitudes 1e-3 … 1e3 (so that the summation order shows in the bits),
     slots with repeats in any order, weights in [0.01, 2)."""
@@ -133,7 +146,7 @@ def _combine_inputs(dtype, width, k, tokens=300, num_rows=700):
 
 @pytest.mark.parametrize("dtype, width, k", [(mx.bfloat16, 4096, 6), (mx.float32, 128, 6), (mx.float16, 64, 4),
                                              (mx.bfloat16, 8, 2), (mx.bfloat16, 256, 8)])
-def test_moe_combine_kernel_equals_the_gather_and_weighted_sum_bit_for_bit(dtype, width, k):
+def test_moe_combine_kernel_equals_the_gather_and_weighted_sum_bit_for_bit(dtype, width, k, moe_kernels_on):
     """One kernel for take_rows + reshape + weighted_sum: MLX's sum over the k slots is col_reduce_small
     (products rounded, then added onto 0 in slot order), and the kernel must give exactly its bits."""
     from tessera.kernels.moe_padded import combine_is_supported, combine_rows_kernel, combine_rows_reference, weighted_sum
@@ -162,7 +175,7 @@ def _same_bits(a: mx.array, b: mx.array) -> bool:
 
 
 @pytest.mark.parametrize("dtype, width", [(mx.bfloat16, 4096), (mx.float16, 64), (mx.float32, 128)])
-def test_moe_combine_kernel_with_the_shared_expert_is_moes_sum_bit_for_bit(dtype, width):
+def test_moe_combine_kernel_with_the_shared_expert_is_moes_sum_bit_for_bit(dtype, width, moe_kernels_on):
     """The combine with the shared expert added in the kernel: MLX's cast of the float32 sum to the
     shared expert's dtype, then that dtype's add (moe._sum_in), bit for bit."""
     from tessera.kernels.moe_padded import combine_is_supported, combine_rows_kernel, combine_rows_reference
@@ -192,7 +205,7 @@ def _index_case(skewed: bool, overflow: bool):
 
 
 @pytest.mark.parametrize("skewed, overflow", [(False, False), (True, False), (True, True)])
-def test_moe_index_kernel_equals_the_reference_tables(skewed, overflow):
+def test_moe_index_kernel_equals_the_reference_tables(skewed, overflow, moe_kernels_on):
     """The padded layout's index tables from one kernel: the same integers as the host tables + gather,
     division and scatter (padding rows included: they read sorted position 0's token in both)."""
     from tessera.engine.model import moe as moe_mod
