@@ -26,12 +26,16 @@ def mixed_attention_reference(q: mx.array, groups: Sequence[RowGroup], sinks: mx
     batch, docs/BENCHMARKS.md "Issue 14, session 6"): each group's scaling and mask are one fused
     kernel, and one split hands each group its probabilities (not a slice per group)."""
     num_q, num_heads, _ = q.shape
+    # A group without rows (an HCA or CSA layer before its first compressed row: any context shorter than
+    # the compression ratio) adds nothing to the softmax or the sum, and its products would contract over
+    # a zero-length axis, which MLX 0.32.4's CUDA matmul does not survive (a segfault on the H200).
+    groups = [(rows, valid) for rows, valid in groups if rows.shape[1] > 0]
     # Products in the rows' dtype (bf16 on a GPU), softmax in float32.
     logits = [_masked_logits(q @ rows.transpose(0, 2, 1), valid[:, None, :], scale) for rows, valid in groups]
     sink = mx.broadcast_to(sinks.astype(mx.float32)[None, :, None], (num_q, num_heads, 1))
     probs = mx.softmax(mx.concatenate(logits + [sink], axis=-1), axis=-1, precise=True)  # [T, H, ΣR + 1]
     ends = list(itertools.accumulate(rows.shape[1] for rows, _ in groups))
-    out = None
+    out = mx.zeros_like(q) if not groups else None  # every probability on the sink
     for (rows, _), group_probs in zip(groups, mx.split(probs, ends, axis=-1)):  # the last part is the sink's
         part = group_probs.astype(rows.dtype) @ rows  # [T, H, d]
         out = part if out is None else out + part

@@ -252,6 +252,31 @@ def test_mixed_attention_equals_dense_softmax_with_sink():
     np.testing.assert_allclose(np.array(got), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_group_without_rows_adds_nothing_and_runs_no_product(tmp_path, shared):
+    """An HCA or CSA layer before its first compressed row (a context shorter than the ratio) passes a
+    group of zero rows: the output is the other groups' bits, and the graph holds no product over the
+    empty axis (MLX 0.32.4's CUDA matmul segfaults on one: a short prompt crashed the H200)."""
+    rng = np.random.default_rng(5)
+    f32 = lambda a: mx.array(np.asarray(a, dtype=np.float32))  # noqa: E731
+    t, h, d = 4, 2, 8
+    q, window, sinks = f32(rng.standard_normal((t, h, d))), f32(rng.standard_normal((t, 6, d))), f32(rng.standard_normal(h))
+    window_group = (window, mx.array(rng.random((t, 6)) > 0.3))
+    empty = (shared_rows(mx.zeros((0, d)), t) if shared else mx.zeros((t, 0, d)), mx.zeros((t, 0), dtype=mx.bool_))
+    mx.eval(q, window_group, sinks, empty)
+    alone = mixed_attention_reference(q, [window_group], sinks, 0.5)
+    with_empty = mixed_attention_reference(q, [window_group, empty], sinks, 0.5)
+
+    def products(out: mx.array) -> int:  # matmul nodes in the graph (before it is evaluated)
+        mx.export_to_dot(str(tmp_path / "graph.dot"), out)
+        return (tmp_path / "graph.dot").read_text().count('"Matmul"')
+
+    assert products(with_empty) == products(alone) == 2
+    assert np.array_equal(np.array(with_empty).view(np.uint32), np.array(alone).view(np.uint32))
+    # with nothing but the sink, every probability is the sink's: zeros
+    assert not np.any(np.array(mixed_attention_reference(q, [empty], sinks, 0.5)))
+
+
 def test_cuda_kernel_is_only_dispatched_on_cuda():
     q, k = mx.zeros((2, 4, 128), dtype=mx.bfloat16), mx.zeros((8, 128), dtype=mx.bfloat16)
     assert indexer_cuda.is_supported(q, k) == (mx.default_device() == mx.gpu and mx.cuda.is_available())
