@@ -113,7 +113,7 @@ def select_topk_threshold(scores: mx.array, visible: mx.array, k: int) -> tuple[
 
 def indexer_scores(q: mx.array, head_weights: mx.array, keys: mx.array, visible: mx.array, scale: float) -> mx.array:
     """Dispatch: the fused CUDA kernel on a CUDA device, else the reference."""
-    if indexer_cuda.is_supported(q, keys):
+    if indexer_cuda.is_supported(q):
         return indexer_cuda.indexer_scores_kernel(q, head_weights, keys, visible, scale)
     return indexer_scores_reference(q, head_weights, keys, visible, scale)
 
@@ -150,7 +150,7 @@ def indexer_scores_batched(
                                                           visible, scale)
     same_n = min(num_keys) == width
     stacked_fits = num_seqs * num_heads * width <= BATCHED_SCRATCH_ELEMENTS
-    if same_n and stacked_fits and not indexer_cuda.shapes_supported(q):  # (CUDA: the single kernel per sequence)
+    if same_n and stacked_fits and not indexer_cuda.is_supported(q):  # (CUDA: the single kernel per sequence)
         views = [k.stackable_view() for k in keys]  # b × [1, N, d]
         stacked = views[0] if num_seqs == 1 else mx.concatenate(views)
         return indexer_scores_batched_reference(q, head_weights, stacked, visible, scale)

@@ -227,11 +227,7 @@ def shapes_fit(heads: int, d: int) -> bool:
     return d % 16 == 0 and 16 <= d <= 256 and 1 <= heads and shared_memory_bytes(heads, d) <= SHARED_MEMORY_LIMIT
 
 
-def is_supported(q: mx.array, keys: mx.array) -> bool:
-    return shapes_supported(q)
-
-
-def shapes_supported(q: mx.array) -> bool:
+def is_supported(q: mx.array) -> bool:
     """A CUDA device, and q's [.., heads, d] fit the kernel (`shapes_fit`)."""
     return on_cuda() and shapes_fit(q.shape[1], q.shape[-1])
 
@@ -239,7 +235,7 @@ def shapes_supported(q: mx.array) -> bool:
 def batch_is_supported(q: mx.array) -> bool:
     """`indexer_scores_batched_kernel` runs here for q [B, heads, d] (any B; chunks of MAX_BATCH), unless
     TESSERA_DECODE_BATCH_KERNELS=0 (kernels/cuda.py)."""
-    return decode_batch_kernels.enabled() and shapes_supported(q)
+    return decode_batch_kernels.enabled() and is_supported(q)
 
 
 def launch_shape(num_q: int, num_k: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:

@@ -173,7 +173,7 @@ def test_decode_batch_kernels_switch_turns_both_batched_kernels_off(monkeypatch)
     assert row_gather.batch_is_supported(xs, idx)
     monkeypatch.setattr(cuda.decode_batch_kernels, "_enabled", False)
     assert not indexer_cuda.batch_is_supported(q) and not row_gather.batch_is_supported(xs, idx)
-    assert indexer_cuda.is_supported(q, xs[0])  # the single kernel still runs, once per sequence
+    assert indexer_cuda.is_supported(q)  # the single kernel still runs, once per sequence
 
 
 def test_batched_kernels_launch_with_power_of_two_inputs_and_one_block_row_per_sequence(monkeypatch):
@@ -279,7 +279,7 @@ def test_a_group_without_rows_adds_nothing_and_runs_no_product(tmp_path, shared)
 
 def test_cuda_kernel_is_only_dispatched_on_cuda():
     q, k = mx.zeros((2, 4, 128), dtype=mx.bfloat16), mx.zeros((8, 128), dtype=mx.bfloat16)
-    assert indexer_cuda.is_supported(q, k) == (mx.default_device() == mx.gpu and mx.cuda.is_available())
+    assert indexer_cuda.is_supported(q) == (mx.default_device() == mx.gpu and mx.cuda.is_available())
 
 
 @pytest.mark.parametrize("rows", [1, 9, 130])

@@ -48,7 +48,7 @@ def _standin_factory(name, inputs, outputs, source, header):
 
 def install_standins() -> None:
     indexer_cuda.compiled_kernel = _standin_factory
-    indexer_cuda.is_supported = lambda q, keys: indexer_cuda.shapes_fit(q.shape[1], q.shape[-1])
+    indexer_cuda.is_supported = lambda q: indexer_cuda.shapes_fit(q.shape[1], q.shape[-1])
     if hasattr(indexer_cuda, "batch_is_supported"):
         indexer_cuda.batch_is_supported = lambda q: indexer_cuda.shapes_fit(q.shape[1], q.shape[-1])
     if hasattr(row_gather, "batch_is_supported"):
