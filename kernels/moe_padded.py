@@ -20,8 +20,8 @@ for MLX's CUDA backend, one kernel each for
   table work. The kernel is one launch reading `order`, `flat` and the counts where they are on the
   device, with the two capacities as its only upload (8 bytes). Integers: the same values or a bug.
 
-Switches: TESSERA_MOE_COMBINE_KERNEL=1 / TESSERA_MOE_INDEX_KERNEL=1 use each kernel where it is supported
-(0, the default, keeps the references on CUDA too; see the switches below for why).
+Switches: TESSERA_MOE_COMBINE_KERNEL=0 / TESSERA_MOE_INDEX_KERNEL=0 keep each reference on CUDA too (1, the
+default, uses the kernel where it is supported).
 """
 
 from __future__ import annotations
@@ -35,13 +35,12 @@ from tessera.kernels.switch import Switch
 
 COMBINE_ENV_VAR = "TESSERA_MOE_COMBINE_KERNEL"
 INDEX_ENV_VAR = "TESSERA_MOE_INDEX_KERNEL"
-# Off by default: on the H200 both kernels gave the engine's bits at V4 Flash's shapes and took the
-# padded MoE from 6.32 to 5.29 ms, but the CUDA test of the whole padded layout with and without them
-# (tests/test_kernels_cuda.py) ended the process with a fatal error that the session's device time could
-# not trace to either kernel or to the reference path (docs/BENCHMARKS.md, "Session 7 on the H200 … final
-# lease"). A kernel that may crash the server stays off until that test passes on a GPU.
-_combine_switch = Switch(COMBINE_ENV_VAR, default=False)
-_index_switch = Switch(INDEX_ENV_VAR, default=False)
+# On by default: on the H200 both kernels give the engine's bits at V4 Flash's shapes and take the padded
+# MoE from 6.32 to 5.29 ms (docs/BENCHMARKS.md, "Session 7 on the H200 … final lease"), and every CUDA
+# test of them passes, in one process and each alone (session 8; session 7's one fatal error in that
+# file did not come back in either form).
+_combine_switch = Switch(COMBINE_ENV_VAR)
+_index_switch = Switch(INDEX_ENV_VAR)
 
 VECTOR_BYTES = 16
 THREADS = 256

@@ -12,9 +12,9 @@ vectors of a row. A gather is a copy, so kernel and reference give the same bits
 Switch: TESSERA_ROW_GATHER_KERNEL=0 keeps MLX's gather on CUDA too (1, the default, uses the kernel
 where it is supported: CUDA, rows a whole number of 16-byte vectors). The decode batch's gather
 (`take_rows_batched_kernel`) also needs TESSERA_DECODE_BATCH_KERNELS (kernels/cuda.py) on, and
-TESSERA_DECODE_BATCH_GATHER=1: off by default, because its CUDA tests have not run on a GPU yet (the
-session that wrote it ran out of device time after the batched indexer's tests; docs/BENCHMARKS.md,
-"Session 7 on the H200 … final lease"). Off, a decode batch's selected rows take the per-sequence path.
+TESSERA_DECODE_BATCH_GATHER=1: off by default, because on the H200 it gives the same bits but no speed
+(batch 16 at 16k decoded at 7.4× batch 1 with and without it; docs/BENCHMARKS.md, "Session 8 on the
+H200"). Off, a decode batch's selected rows take the per-sequence path.
 """
 
 from __future__ import annotations

@@ -322,15 +322,16 @@ def test_take_rows_is_the_row_gather_and_stays_on_mlx_off_cuda():
     assert not row_gather.is_supported(odd, idx)
 
 
-@pytest.mark.parametrize("module, function, env_var", [
-    ("tessera.kernels.moe_padded", "combine_kernel_enabled", "TESSERA_MOE_COMBINE_KERNEL"),
-    ("tessera.kernels.moe_padded", "index_kernel_enabled", "TESSERA_MOE_INDEX_KERNEL"),
-    ("tessera.kernels.row_gather", "batch_gather_enabled", "TESSERA_DECODE_BATCH_GATHER"),
+@pytest.mark.parametrize("module, function, env_var, default", [
+    ("tessera.kernels.moe_padded", "combine_kernel_enabled", "TESSERA_MOE_COMBINE_KERNEL", "True"),
+    ("tessera.kernels.moe_padded", "index_kernel_enabled", "TESSERA_MOE_INDEX_KERNEL", "True"),
+    ("tessera.kernels.row_gather", "batch_gather_enabled", "TESSERA_DECODE_BATCH_GATHER", "False"),
 ])
-def test_kernels_not_yet_verified_on_a_gpu_are_off_unless_asked_for(module, function, env_var):
-    """These kernels' CUDA tests have not all passed on a GPU (docs/BENCHMARKS.md, "Session 7 on the
-    H200 … final lease"): a server runs the plain-MLX references unless the variable is 1."""
+def test_kernel_switch_defaults_are_what_the_h200_measured(module, function, env_var, default):
+    """On where the kernel passed its CUDA tests and paid on the H200 (the MoE's combine and index
+    kernels); off where it did not pay (the batched decode gather): docs/BENCHMARKS.md, "Session 8 on the H200". Each variable flips its default."""
     from tests.support.env_switch import switch_in_fresh_process
 
-    assert switch_in_fresh_process(env_var, None, module, function) == "False"
-    assert switch_in_fresh_process(env_var, "1", module, function) == "True"
+    assert switch_in_fresh_process(env_var, None, module, function) == default
+    flipped = "0" if default == "True" else "1"
+    assert switch_in_fresh_process(env_var, flipped, module, function) == str(default != "True")

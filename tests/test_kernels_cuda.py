@@ -250,7 +250,7 @@ def test_padded_layout_gives_the_same_bits_with_and_without_its_kernels(skewed):
 
     saved = moe_padded.combine_kernel_enabled(), moe_padded.index_kernel_enabled()
     try:
-        moe_padded.set_combine_kernel_enabled(True)  # both off by default (kernels/moe_padded.py)
+        moe_padded.set_combine_kernel_enabled(True)  # explicit: the environment may have switched them off
         moe_padded.set_index_kernel_enabled(True)
         with_kernels = outputs()
         moe_padded.set_combine_kernel_enabled(False)
