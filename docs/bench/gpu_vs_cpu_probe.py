@@ -2,7 +2,7 @@
 float32 model's 1-token prompt gave logits on the H200 that differ from the CPU's far beyond TF32-level
 noise; docs/BENCHMARKS.md, "Session 8 on the H200").
 
-  python docs/bench/gpu_vs_cpu_probe.py OUT.jsonl [--lengths 1,5,62] [--dtype float32|bfloat16]
+  python docs/bench/gpu_vs_cpu_probe.py OUT.jsonl [--lengths 1,5,62] [--dtype float32|bfloat16] [--no-compile]
 
 Part 1, ops: the MLX ops the model's GPU path runs differently from the CPU's (float32 matmul: TF32
 on CUDA; the expert-sorted `gather_mm` of M = 1 rows that runs CUTLASS's grouped GEMM on CUDA; the
@@ -25,6 +25,7 @@ from tessera.engine.model.deepseek_v4 import Segment
 from tessera.engine.model.loader import load_model
 from tessera.engine.tools.make_model import make_model
 from tessera.engine.tools.replay import random_tokens
+from tessera.kernels import shapeless
 
 
 def rel_diff(gpu: mx.array, cpu: mx.array) -> float:
@@ -93,7 +94,12 @@ def main() -> None:
     p.add_argument("--lengths", default="1,5,62")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--model-dir", type=Path, default=Path("/tmp/gpu-vs-cpu-tiny"))
+    p.add_argument("--no-compile", action="store_true",
+                   help="run the shapeless-compiled functions plain: a trace made on one device's stream might be "
+                        "replayed on the other's (run both ways)")
     args = p.parse_args()
+    if args.no_compile:
+        shapeless.set_compile_enabled(False)
     dtype = getattr(mx, args.dtype)
     path = make_model(args.model_dir, "tiny", seed=8, with_tokenizer=False, layer_types=[WINDOW, CSA, HCA, CSA],
                       num_hidden_layers=4, compress_rates={CSA: 4, HCA: 32})
