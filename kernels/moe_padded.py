@@ -10,9 +10,7 @@ for MLX's CUDA backend, one kernel each for
   col_reduce.cu), one thread per output element adding the k products in slot order onto 0; the
   products come from a separate elementwise kernel, one rounding each (MLX compiles no reduction into a
   fused kernel). The kernel does exactly that, with __fmul_rn / __fadd_rn so that the compiler cannot
-  contract a product and an add into one FMA (one rounding fewer: other bits). Given the shared
-  expert's output, it also adds that as moe's `_sum_in` does (a static_cast to its dtype, then that
-  dtype's +, which is what MLX's cast and Add compile to), instead of writing the float32 sum.
+  contract a product and an add into one FMA (one rounding fewer: other bits).
 - **the index tables**: for each padded row the token it reads, and for each pair its padded row, from
   the expert-sorted pair order, the per-expert counts and the plan's two capacities. The reference
   builds them on the host from the counts (moe.padded_tables), uploads a [rows] and a [P] table and runs
@@ -75,34 +73,31 @@ def weighted_sum(by_pair: mx.array, weights: mx.array) -> mx.array:
     return (by_pair.astype(mx.float32) * weights[:, :, None]).sum(axis=1)
 
 
-def combine_rows_reference(rows: mx.array, slot: mx.array, weights: mx.array, shared: mx.array | None = None) -> mx.array:
+def combine_rows_reference(rows: mx.array, slot: mx.array, weights: mx.array) -> mx.array:
     """rows: [R, D] (every padded row through its expert), slot: [T·k] (pair t·k + j's row), weights:
-    [T, k] -> [T, D] float32: Σ_j weights[t, j] · rows[slot[t·k + j]]. shared: [T, D] (the shared
-    expert's output) -> that sum cast to shared's dtype plus shared, in shared's dtype (moe's `_sum_in`)."""
+    [T, k] -> [T, D] float32: Σ_j weights[t, j] · rows[slot[t·k + j]]."""
     num_tokens, k = weights.shape
-    routed = weighted_sum(take_rows(rows, slot).reshape(num_tokens, k, rows.shape[-1]), weights)
-    return routed if shared is None else routed.astype(shared.dtype) + shared
+    return weighted_sum(take_rows(rows, slot).reshape(num_tokens, k, rows.shape[-1]), weights)
 
 
-def combine_is_supported(rows: mx.array, slot: mx.array, weights: mx.array, shared: mx.array | None = None) -> bool:
+def combine_is_supported(rows: mx.array, slot: mx.array, weights: mx.array) -> bool:
     return (_combine_switch.enabled() and on_cuda() and rows.ndim == 2 and slot.ndim == 1 and weights.ndim == 2
             and rows.dtype in FLOATS and (rows.shape[1] * rows.dtype.size) % VECTOR_BYTES == 0
             and slot.dtype in (mx.int32, mx.uint32) and MIN_SLOTS <= weights.shape[1] <= MAX_SLOTS
-            and slot.shape[0] == weights.shape[0] * weights.shape[1] and weights.dtype in FLOATS
-            and (shared is None or (shared.dtype in FLOATS and shared.shape == (weights.shape[0], rows.shape[1]))))
+            and slot.shape[0] == weights.shape[0] * weights.shape[1] and weights.dtype in FLOATS)
 
 
-def combine_rows(rows: mx.array, slot: mx.array, weights: mx.array, shared: mx.array | None = None) -> mx.array:
+def combine_rows(rows: mx.array, slot: mx.array, weights: mx.array) -> mx.array:
     """`combine_rows_reference`, through the kernel where it is supported."""
-    if not combine_is_supported(rows, slot, weights, shared) or weights.shape[0] == 0 or rows.shape[1] == 0:
-        return combine_rows_reference(rows, slot, weights, shared)
-    return combine_rows_kernel(rows, slot, weights, shared)
+    if not combine_is_supported(rows, slot, weights) or weights.shape[0] == 0 or rows.shape[1] == 0:
+        return combine_rows_reference(rows, slot, weights)
+    return combine_rows_kernel(rows, slot, weights)
 
 
 # One thread per 16-byte vector of a token's row (ELEMS elements): it loads that vector of each of the
-# token's K rows, in slot order, and adds its products onto 0 as col_reduce_small does. Rows start
-# 16-byte aligned (a row is a whole number of vectors, as in kernels/row_gather.py).
-_COMBINE_SUM = r"""
+# token's K rows, in slot order, adds its products onto 0 as col_reduce_small does and writes the float32
+# sums. Rows start 16-byte aligned (a row is a whole number of vectors, as in kernels/row_gather.py).
+_COMBINE_SOURCE = r"""
   constexpr int ELEMS = 16 / sizeof(T);
   const size_t t = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= (size_t)weights_shape[0] * VECTORS_PER_ROW) return;
@@ -121,41 +116,26 @@ _COMBINE_SUM = r"""
     for (int i = 0; i < ELEMS; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(static_cast<float>(vals[i]), w));
   }
   const size_t first = token * (size_t)(VECTORS_PER_ROW * ELEMS) + v * ELEMS;  // this thread's first output element
-"""
-_STORE_FLOAT32 = r"""
   float4* dst = reinterpret_cast<float4*>(out + first);
   #pragma unroll
   for (int q = 0; q < ELEMS / 4; ++q) dst[q] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
 """
-# moe's `_sum_in`, (routed.astype(S) + shared): MLX's cast (a static_cast) and its Add (the type's own +).
-_STORE_PLUS_SHARED = r"""
-  #pragma unroll
-  for (int i = 0; i < ELEMS; ++i) out[first + i] = static_cast<S>(acc[i]) + shared[first + i];
-"""
 
 
-def combine_rows_kernel(rows: mx.array, slot: mx.array, weights: mx.array, shared: mx.array | None = None) -> mx.array:
+def combine_rows_kernel(rows: mx.array, slot: mx.array, weights: mx.array) -> mx.array:
     """rows: [R, D] bf16/fp16/fp32 on a CUDA device (D · itemsize a multiple of 16 bytes), slot: [T·k]
-    int32/uint32, weights: [T, k] -> [T, D] float32; with shared [T, D]: in shared's dtype, plus shared."""
+    int32/uint32, weights: [T, k] -> [T, D] float32."""
     num_tokens, k = weights.shape
     vectors_per_row = rows.shape[1] * rows.dtype.size // VECTOR_BYTES
     total = num_tokens * vectors_per_row
-    inputs = [rows, slot, weights.astype(mx.float32)]  # exact; the reference multiplies in float32 too
-    template = [("T", rows.dtype), ("K", k), ("VECTORS_PER_ROW", vectors_per_row)]
-    if shared is None:
-        kernel = compiled_kernel("tessera_moe_combine_rows", ("rows", "slot", "weights"), ("out",), _COMBINE_SUM + _STORE_FLOAT32, "")
-    else:
-        kernel = compiled_kernel("tessera_moe_combine_rows_plus_shared", ("rows", "slot", "weights", "shared"), ("out",),
-                                 _COMBINE_SUM + _STORE_PLUS_SHARED, "")
-        inputs.append(shared)
-        template.append(("S", shared.dtype))
+    kernel = compiled_kernel("tessera_moe_combine_rows", ("rows", "slot", "weights"), ("out",), _COMBINE_SOURCE, "")
     (out,) = kernel(
-        inputs=inputs,
-        template=template,
+        inputs=[rows, slot, weights.astype(mx.float32)],  # exact; the reference multiplies in float32 too
+        template=[("T", rows.dtype), ("K", k), ("VECTORS_PER_ROW", vectors_per_row)],
         grid=((total + THREADS - 1) // THREADS * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(num_tokens, rows.shape[1])],
-        output_dtypes=[mx.float32 if shared is None else shared.dtype],
+        output_dtypes=[mx.float32],
     )
     return out
 

@@ -365,10 +365,6 @@ def test_combine_rows_off_cuda_is_the_gather_and_weighted_sum():
     bf16 = rows.astype(mx.bfloat16)
     assert np.array_equal(np.array(moe_padded.combine_rows(bf16, slot, weights)),
                           np.array(moe_padded.weighted_sum(bf16[slot].reshape(tokens, k, dim), weights)))
-    shared = mx.array(rng.standard_normal((tokens, dim)).astype(np.float32)).astype(mx.bfloat16)
-    plus = moe_padded.combine_rows(bf16, slot, weights, shared)  # + the shared expert, in its dtype
-    want_plus = moe_padded.weighted_sum(bf16[slot].reshape(tokens, k, dim), weights).astype(mx.bfloat16) + shared
-    assert plus.dtype == mx.bfloat16 and np.array_equal(np.array(plus.astype(mx.float32)), np.array(want_plus.astype(mx.float32)))
 
 
 @row_invariant_blas
@@ -386,25 +382,3 @@ def test_padded_layout_combines_per_token_as_the_pairs_form(monkeypatch):
     out = routed_experts(x, experts, weights, w, LIMIT, layout="padded")
     assert np.array_equal(np.array(out), np.array(pairs_form))
     assert np.array_equal(np.array(out), np.array(reference_routed_experts(x, experts, weights, w, LIMIT)))
-
-
-@row_invariant_blas
-@pytest.mark.parametrize("layout", ["padded", "gathered"])
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_routed_with_the_shared_expert_is_the_moe_blocks_sum(layout, dtype):
-    """_routed(..., shared) (the padded combine adds the shared expert in the same step) equals moe's
-    `_sum_in(routed, shared, x)` bit for bit, and a shared expert of another dtype takes `_sum_in` itself."""
-    w = _weights(dtype)
-    mx.random.seed(14)
-    x = mx.random.normal((64, DIM)).astype(dtype)
-    experts, weights = route(x, None, w, TOP_K, 1.5)
-    flat = experts.reshape(-1)
-    order = mx.argsort(flat)
-    shared = (mx.random.normal((64, DIM)) * 3).astype(dtype)
-    routed = moe_mod._routed(x, flat, order, weights, w, LIMIT, layout, None)
-    want = moe_mod._sum_in(routed, shared, x)
-    got = moe_mod._routed(x, flat, order, weights, w, LIMIT, layout, None, shared)
-    assert got.dtype == dtype and np.array_equal(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)))
-    other = shared.astype(mx.float16)
-    assert np.array_equal(np.array(moe_mod._routed(x, flat, order, weights, w, LIMIT, layout, None, other).astype(mx.float32)),
-                          np.array(moe_mod._sum_in(routed, other, x).astype(mx.float32)))

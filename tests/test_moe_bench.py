@@ -13,9 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ["session5", "session5_one_block", "new", "new_mlx_gather", "new_one_block", "new_overflow",
-           "next", "next_no_combine_kernel", "next_no_index_kernel", "next_shared_in_combine", "next_scheduled_as_moe",
-           "next_scheduled_as_moe_shared_in_combine"]
-WHOLE_ONLY = {"next_scheduled_as_moe", "next_scheduled_as_moe_shared_in_combine"}  # timed as whole calls only (no parts)
+           "next", "next_no_combine_kernel", "next_no_index_kernel", "next_scheduled_as_moe"]
+WHOLE_ONLY = {"next_scheduled_as_moe"}  # timed as whole calls only (no parts)
 REFERENCES = ["matmul_moe_shapes", "weights_read", "batched_gemm_only", "batched_gemm_fused_gate_up"]
 PIECES = {"sort_counts", "sync_plan", "indices", "gather_in", "gemm_gate_up", "swiglu", "gemm_down", "gather_out",
           "weighted_sum", "shared_expert", "sum"}
@@ -44,9 +43,6 @@ def test_parts_script_runs_small_on_the_cpu_and_reports_every_piece(tmp_path):
                 assert s["parts_ms"] is None
                 continue
             pieces = NEXT_PIECES if name.startswith("next") else PIECES
-            if name == "next_shared_in_combine":  # the combine adds the shared expert: no `sum` piece
-                assert "sum" not in s["parts_ms"]
-                pieces = pieces - {"sum"}
             assert pieces <= set(s["parts_ms"]) and s["parts_sum_ms"] == sum(s["parts_ms"].values())
             assert not name.startswith("next") or not {"gather_out", "weighted_sum"} & set(s["parts_ms"])
         plan = next(r for r in rows if r["what"] == "plan" and r["routing"] == routing and "experts" not in r)

@@ -25,11 +25,9 @@ once forward and once backward (A B … B A), each round 2 warm-ups + --iters ti
 - `next` (session 7): engine/model/moe.py now — the index tables from one kernel (`indices`), the
   blocks' rows weighted and summed per token by one kernel (`combine`, replacing `gather_out` +
   `weighted_sum`; kernels/moe_padded.py); `next_no_combine_kernel` / `next_no_index_kernel`: one of the
-  two switched off (its plain-MLX reference); `next_shared_in_combine`: the shared expert first, added
-  inside the combine kernel (moe._routed's `shared`: no separate `sum`); `next_scheduled_as_moe`: `next`
-  + the shared expert scheduled as moe() schedules a padded step (counts and sort started, the shared
-  expert started before the host waits for the counts; whole calls only), and
-  `next_scheduled_as_moe_shared_in_combine` the same with the shared expert added in the combine. The served chain adds `served_overlap_no_padded_kernels`
+  two switched off (its plain-MLX reference); `next_scheduled_as_moe`: `next` + the shared expert
+  scheduled as moe() schedules a padded step (counts and sort started, the shared expert started before
+  the host waits for the counts; whole calls only). The served chain adds `served_overlap_no_padded_kernels`
   (moe() with both kernels off) and a `padded_kernels_vs_not` check.
 
 Each setting runs twice per round: `whole` (graph built and evaluated once, no syncs in between: what a
@@ -213,10 +211,9 @@ def new_routed(x, experts, weights, w: MoEWeights, cost, max_rows_per_pair: floa
 # Session 7 (engine/model/moe.py now): the index tables from one kernel, the blocks' rows combined per
 # token by one kernel (kernels/moe_padded.py; the plain-MLX references off CUDA or when switched off).
 
-def next_routed(x, experts, weights, w: MoEWeights, st: Stages, counts_order=None, shared=None) -> mx.array:
+def next_routed(x, experts, weights, w: MoEWeights, st: Stages, counts_order=None) -> mx.array:
     """moe._routed's padded path with its pieces marked. counts_order: (counts, order) already
-    scheduled by the caller (as moe() schedules them), else built here. shared: the shared expert's
-    output, added inside the combine (-> the MoE block's output, as moe._sum_in adds them)."""
+    scheduled by the caller (as moe() schedules them), else built here."""
     num_tokens, k = experts.shape
     dim, num_experts = x.shape[-1], w.num_experts
     flat = experts.reshape(-1)
@@ -236,33 +233,21 @@ def next_routed(x, experts, weights, w: MoEWeights, st: Stages, counts_order=Non
         over = rows[main_rows:].reshape(len(plan.overflow), plan.overflow_capacity, dim)
         y = mx.concatenate([y, moe_mod._overflow_block(over, w, mx.array(plan.overflow, dtype=mx.uint32), LIMIT).reshape(-1, dim)])
         st.mark("overflow_block", y)
-    routed = combine_rows(y, slot, weights, shared)
+    routed = combine_rows(y, slot, weights)
     st.mark("combine", routed)
     return routed
 
 
-def next_scheduled_as_moe(x, experts, weights, w: MoEWeights, shared_in_combine: bool) -> Callable[[Stages], mx.array]:
+def next_scheduled_as_moe(x, experts, weights, w: MoEWeights) -> Callable[[Stages], mx.array]:
     """`next` + the shared expert, scheduled as moe() schedules a padded step (OVERLAP_HOST_WORK): the
-    counts and the sort started, then the shared expert started before the host waits for the counts.
-    shared_in_combine: the combine adds the shared expert (moe._routed's `shared`), else moe._sum_in."""
+    counts and the sort started, then the shared expert started before the host waits for the counts."""
     def run(st: Stages) -> mx.array:
         flat = experts.reshape(-1)
         counts, order = moe_mod.expert_counts(flat, w.num_experts), mx.argsort(flat)
         mx.async_eval(counts, order)
         shared = swiglu(x, w.shared_w1, w.shared_w2, w.shared_w3, LIMIT)
         mx.async_eval(shared)
-        if shared_in_combine:
-            return next_routed(x, experts, weights, w, st, (counts, order), shared)
         return moe_mod._sum_in(next_routed(x, experts, weights, w, st, (counts, order)), shared, x)
-    return run
-
-
-def next_shared_in_combine(x, experts, weights, w: MoEWeights) -> Callable[[Stages], mx.array]:
-    """`next` with the shared expert first and added inside the combine (no separate `sum`)."""
-    def run(st: Stages) -> mx.array:
-        shared = swiglu(x, w.shared_w1, w.shared_w2, w.shared_w3, LIMIT)
-        st.mark("shared_expert", shared)
-        return next_routed(x, experts, weights, w, st, shared=shared)
     return run
 
 
@@ -487,8 +472,7 @@ def layouts(x, experts, weights, w: MoEWeights, flop: float) -> dict[str, tuple[
     }
 
 
-NEXT_LAYOUTS = ("next", "next_no_combine_kernel", "next_no_index_kernel", "next_shared_in_combine", "next_scheduled_as_moe",
-                "next_scheduled_as_moe_shared_in_combine")
+NEXT_LAYOUTS = ("next", "next_no_combine_kernel", "next_no_index_kernel", "next_scheduled_as_moe")
 
 
 def next_layouts(x, experts, weights, w: MoEWeights, flop: float) -> dict[str, tuple[Callable, float, bool]]:
@@ -498,9 +482,7 @@ def next_layouts(x, experts, weights, w: MoEWeights, flop: float) -> dict[str, t
         "next": (nxt, flop, True),
         "next_no_combine_kernel": (with_kernels(nxt, combine=False, index=True), flop, True),
         "next_no_index_kernel": (with_kernels(nxt, combine=True, index=False), flop, True),
-        "next_shared_in_combine": (next_shared_in_combine(x, experts, weights, w), flop, True),
-        "next_scheduled_as_moe": (next_scheduled_as_moe(x, experts, weights, w, False), flop, False),
-        "next_scheduled_as_moe_shared_in_combine": (next_scheduled_as_moe(x, experts, weights, w, True), flop, False),
+        "next_scheduled_as_moe": (next_scheduled_as_moe(x, experts, weights, w), flop, False),
     }
 
 

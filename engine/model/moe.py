@@ -360,21 +360,15 @@ def routed_experts(x: mx.array, experts: mx.array, weights: mx.array, w: MoEWeig
 
 
 def _routed(x: mx.array, flat: mx.array, order: mx.array, weights: mx.array, w: MoEWeights, limit: float,
-            layout: str, counts: mx.array | None, shared: mx.array | None = None) -> mx.array:
+            layout: str, counts: mx.array | None) -> mx.array:
     """routed_experts with the sort (order: argsort(flat)) and, padded, the counts already built. The
-    padded blocks' rows are weighted and summed per token in one step (`combine_rows`). shared: the
-    shared expert's output [T, D] -> `_sum_in(routed, shared, x)` (the MoE block's output), which the
-    padded layout's combine adds in the same step when shared has x's dtype (the same bits)."""
+    padded blocks' rows are weighted and summed per token in one step (`combine_rows`)."""
     num_tokens, k = weights.shape
     blocks = _padded_blocks(x, flat, order, k, w, limit, counts) if layout == "padded" else None
-    if blocks is not None and shared is not None and shared.dtype == x.dtype:
-        return combine_rows(*blocks, weights, shared)
     if blocks is not None:
-        routed = combine_rows(*blocks, weights)
-    else:
-        by_pair = (gathered_pairs if layout == "padded" else LAYOUTS[layout])(x, flat, order, k, w, limit)
-        routed = _weighted_sum(by_pair.reshape(num_tokens, k, -1), weights)  # (token, slot) order
-    return routed if shared is None else _sum_in(routed, shared, x)
+        return combine_rows(*blocks, weights)
+    by_pair = (gathered_pairs if layout == "padded" else LAYOUTS[layout])(x, flat, order, k, w, limit)
+    return _weighted_sum(by_pair.reshape(num_tokens, k, -1), weights)  # (token, slot) order
 
 
 def reference_routed_experts(x: mx.array, experts: mx.array, weights: mx.array, w: MoEWeights, limit: float) -> mx.array:
