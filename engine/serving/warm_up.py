@@ -25,27 +25,27 @@ _WARM_UP_TOKEN = 0
 
 @dataclass(frozen=True)
 class DecodeWarmUp:
-    seconds_by_batch_size: dict[int, float]
+    seconds: tuple[tuple[int, float], ...]  # (batch size, seconds of its step), in the order run
     total_seconds: float
 
     def describe(self) -> str:
-        sizes = ", ".join(f"B={b}: {s:.2f} s" for b, s in self.seconds_by_batch_size.items())
+        sizes = ", ".join(f"B={b}: {s:.2f} s" for b, s in self.seconds)
         return f"decode warm-up took {self.total_seconds:.2f} s ({sizes})"
 
 
 def warm_up_decode(model: DeepseekV4, batch_sizes: Sequence[int]) -> DecodeWarmUp:
-    """Runs one decode step of B sequences together for every B in `batch_sizes` (each sequence a scratch
-    cache holding one token), so the compiled step parts are traced for those batch sizes now."""
+    """Runs one decode step of B sequences together for every B in `batch_sizes`, so the compiled step
+    parts are traced for those batch sizes now."""
     start = time.perf_counter()
-    seconds = {b: _timed_decode_step(model, b) for b in batch_sizes}
+    seconds = tuple((b, _timed_decode_step(model, b)) for b in batch_sizes)
     return DecodeWarmUp(seconds, time.perf_counter() - start)
 
 
 def _timed_decode_step(model: DeepseekV4, batch_size: int) -> float:
+    """One step of `batch_size` one-token segments on fresh scratch caches: a decode step's shapes (one row
+    per sequence; the compiled parts' shapes depend on nothing else), one step per batch size, so the
+    warm-up costs max_num_seqs steps, not a prefill per sequence on top."""
     start = time.perf_counter()
-    # A decode step reads a cache with something in it: one token prefilled per scratch sequence.
     caches = [model.new_cache() for _ in range(batch_size)]
-    for cache in caches:
-        mx.eval(model.forward([Segment(cache, [_WARM_UP_TOKEN])]))
     mx.eval(model.forward([Segment(cache, [_WARM_UP_TOKEN]) for cache in caches]))
     return time.perf_counter() - start
