@@ -13,12 +13,15 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from tessera.engine.model.compiled import step_compile_enabled
+from tessera.engine.model.deepseek_v4 import DeepseekV4
 from tessera.engine.model.loader import load_config
 from tessera.engine.model.tokenizer import Tokenizer
 from tessera.engine.serving.blas import blas_in_use
 from tessera.engine.serving.engine_loop import AsyncEngine
 from tessera.engine.serving.runner import build_runner
 from tessera.engine.serving.scheduler import SchedulerConfig
+from tessera.engine.serving.warm_up import DecodeWarmUp, warm_up_decode
 from tessera.engine.tools.default_model import ensure_default_model
 
 logger = logging.getLogger(__name__)
@@ -69,6 +72,7 @@ def build_engine(options: EngineOptions) -> BuiltEngine:
         runner = build_pipeline_runner(model_dir, options.world, **shape)
     else:
         runner = build_runner(model_dir, **shape, weights_dtype=options.weights_dtype)
+        warm_up_compiled_decode(runner.model, options.max_num_seqs)
     cache_budget = kv_cache_budget(budget, runner.memory_snapshot())
     # Pipeline ranks would each have to restore the same state: no prefix cache there yet (docs/PARALLEL.md).
     prefix_bytes = prefix_cache_bytes(options, cache_budget) if options.world == 1 else 0
@@ -85,6 +89,16 @@ def build_engine(options: EngineOptions) -> BuiltEngine:
     eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     engine = AsyncEngine(runner, config, eos_token_ids=eos_ids)
     return BuiltEngine(engine, tokenizer, model_dir, max_model_len, budget)
+
+
+def warm_up_compiled_decode(model: DeepseekV4, max_num_seqs: int) -> DecodeWarmUp | None:
+    """With the step compile on, traces every decode batch size the scheduler may run (1..max_num_seqs) now,
+    so the first requests do not wait for it (engine/serving/warm_up.py); None when it is off (nothing to trace)."""
+    if not step_compile_enabled():
+        return None
+    warm_up = warm_up_decode(model, range(1, max_num_seqs + 1))
+    logger.info(warm_up.describe())
+    return warm_up
 
 
 def memory_budget_of(memory_budget: int | None, memory_fraction: float) -> int:
