@@ -16,11 +16,11 @@ Switch: TESSERA_COMPILE_STEP=1 turns the fixed-shape step compilation on (0, the
 independent of TESSERA_COMPILE, whose shapeless functions run inside the step's trace either way);
 `set_step_compile_enabled` flips it in a running process. Off by default: on the H200 a compiled
 batch-1 step at 65,536 took 0.74× the plain one (6.48 against 8.80 ms), but the first step took 61 s
-(tracing and compiling every fused kernel), and every new decode batch size traces again (with it on,
-`tessera serve` pays that at start-up: engine/serving/warm_up.py); the GPU
-bits of compiled against plain steps were not checked (docs/BENCHMARKS.md, "Session 7 on the H200 …
-final lease"). On the CPU it gives the same bits and no speed (docs/BENCHMARKS.md, "Issue 14,
-session 7: the decode step compiled").
+(tracing and compiling every fused kernel, on a machine with an empty MLX PTX cache), and every new
+decode batch size traces again (with it on, `tessera serve` pays that at start-up: engine/serving/
+warm_up.py). Compiled and plain steps give the same bits on the H200 too (docs/BENCHMARKS.md, "Session
+7 on the H200 … final lease", "Session 8 on the H200"). On the CPU it gives the same bits and no speed
+(docs/BENCHMARKS.md, "Issue 14, session 7: the decode step compiled").
 """
 
 from __future__ import annotations
