@@ -54,6 +54,17 @@ def test_bench_decode_compile_switch_is_honoured_and_reported(model_dir, flag, e
     assert json.loads(out.stdout.strip().splitlines()[-1])["compile"] is expected
 
 
+@pytest.mark.parametrize("flag,expected", [("off", False), ("on", True)])
+def test_bench_decode_step_compile_switch_is_honoured_and_reported(model_dir, flag, expected):
+    """--compile-step sets TESSERA_COMPILE_STEP's switch for the run; the report says which ran, and
+    gives the warm-up steps' times (the first one traces the compiled parts when it is on)."""
+    out = _bench(model_dir, "--compile-step", flag, "--steps", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["compile_step"] is expected
+    assert len(r["warmup_step_ms"]) == 3 and all(ms > 0 for ms in r["warmup_step_ms"])
+
+
 @pytest.mark.parametrize("bad,message", [(["--batch", "0"], "positive integer"),
                                          (["--tile", "64"], "--tile (64) must be at most --chunk (32)")])
 def test_bench_decode_rejects_bad_arguments(model_dir, bad, message):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from tessera.kernels.shapeless import compile_enabled
+from tessera.engine.model.compiled import step_compile_enabled
 from tessera.engine.model.config import CSA, HCA, WINDOW, ModelConfig
 from tessera.engine.model.deepseek_v4 import DeepseekV4, Segment
 from tessera.engine.model.dtypes import dtype_name
@@ -42,8 +43,10 @@ def bench_decode(model: DeepseekV4, ctx: int, batch: int, options: DecodeOptions
     """Prefill `batch` sequences of different random tokens to `ctx`, then decode greedily."""
     caches = [_filled(model, ctx, b, options) for b in range(batch)]
     next_ids = [(b + 1) % model.cfg.vocab_size for b in range(batch)]  # any first decode token will do
+    warmup_seconds = []  # the first step pays for first use: kernels compiled, compiled step parts traced
     for _ in range(options.warmup):
-        next_ids, _ = _decode_step(model, caches, next_ids, ForwardTrace(stage_sync=False))
+        next_ids, seconds = _decode_step(model, caches, next_ids, ForwardTrace(stage_sync=False))
+        warmup_seconds.append(seconds)
     step_seconds, stage_totals = [], {name: 0.0 for name in DECODE_STAGES}
     for _ in range(options.steps):
         timer = ForwardTrace(stage_sync=options.stage_sync)
@@ -55,7 +58,8 @@ def bench_decode(model: DeepseekV4, ctx: int, batch: int, options: DecodeOptions
     cache_bytes = sum(cache_bytes_read(model.cfg, ctx + options.warmup + options.steps // 2, model.dtype.size) for _ in caches)
     weights = weights_bytes_touched(model, batch)
     bandwidth = copy_bandwidth(max(weights + cache_bytes, 2**26))
-    return _report(model, ctx, batch, options, step_seconds, stage_totals, weights, cache_bytes, bandwidth)
+    report = _report(model, ctx, batch, options, step_seconds, stage_totals, weights, cache_bytes, bandwidth)
+    return {**report, "warmup_step_ms": [s * 1000 for s in warmup_seconds]}
 
 
 CACHE_FILLS = ("prefill", "random")
@@ -160,6 +164,7 @@ def _report(model, ctx, batch, options, step_seconds, stage_totals, weights, cac
         "device": "gpu" if mx.default_device() == mx.gpu else "cpu",
         "stage_sync": options.stage_sync,
         "compile": compile_enabled(),
+        "compile_step": step_compile_enabled(),
         "cache_fill": options.cache_fill,
         "step_ms_median": median,
         "step_ms_p90": p90,

@@ -387,6 +387,9 @@ def _register_bench(subparsers) -> None:
                      help="evaluate every stage on its own for a per-stage split (attention, indexer, MoE, other)")
     dec.add_argument("--compile", choices=["on", "off"], default=None,
                      help="compiled model functions (kernels/shapeless.py); default: TESSERA_COMPILE (on unless 0)")
+    dec.add_argument("--compile-step", choices=["on", "off"], default=None,
+                     help="the decode step's shape-stable parts compiled with fixed shapes (engine/model/compiled.py; "
+                          "the first warm-up step traces them: see warmup_step_ms); default: TESSERA_COMPILE_STEP (off unless 1)")
     dec.add_argument("--cache-fill", default="prefill", choices=["prefill", "random"],
                      help="prefill: run a random prompt of --ctx tokens first; random: give every layer's cache the "
                           "shapes a prefill in --chunk chunks leaves, filled with random rows, in seconds (decode "
@@ -474,6 +477,10 @@ def _bench_decode(args) -> int:
         from tessera.kernels.shapeless import set_compile_enabled
 
         set_compile_enabled(args.compile == "on")
+    if args.compile_step is not None:
+        from tessera.engine.model.compiled import set_step_compile_enabled
+
+        set_step_compile_enabled(args.compile_step == "on")
     options = DecodeOptions(chunk=args.chunk, tile=args.tile, steps=args.steps, stage_sync=args.stage_sync,
                             cache_fill=args.cache_fill)
     report = bench_decode(load_for_bench(args.model, args.dtype), args.ctx, args.batch, options)
