@@ -7,7 +7,7 @@ and untiled (the same bits, the tiling promise), then decoded together, every lo
 
 Not compared with the CPU here: on the H200 the GPU's logits for a 1-token prompt were not the CPU's,
 by far more than TF32 explains (docs/BENCHMARKS.md, "Session 8 on the H200"); that comparison is
-docs/bench/gpu_vs_cpu_probe.py's, op by op and layer by layer, until it is understood. Skipped without CUDA (tests/skip_allowlist.txt); the CPU form of the contract is
+`check gpu`'s, layer by layer where nothing discrete can flip (engine/tools/device_agreement.py). Skipped without CUDA (tests/skip_allowlist.txt); the CPU form of the contract is
 tests/test_kernels.py::test_a_group_without_rows_adds_nothing_and_runs_no_product."""
 
 from __future__ import annotations

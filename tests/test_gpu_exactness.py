@@ -226,6 +226,20 @@ def test_check_gpu_passes_on_exact_code_and_fails_on_an_injected_fault(model_dir
     assert "**NO**" in out and "VIOLATION: matrix: float32 ctx 403 chunk 320 tile 7" in out
 
 
+def test_check_gpu_fails_when_the_device_disagrees_with_the_cpu(model_dir, monkeypatch, capsys):
+    """The device-against-CPU part's rows reach the verdict (on this CPU it compares the CPU with itself,
+    so the disagreement is injected where its rows come from)."""
+    from tessera.engine.tools import gpu_check
+    from tessera.engine.tools.device_agreement import AgreementRow
+
+    rows = [AgreementRow(1, "layer 1 (compressed_sparse_attention)", 0.9), AgreementRow(1, "logits", 1e-3)]
+    monkeypatch.setattr(gpu_check, "check_device_agreement", lambda *a, **k: rows)
+    assert _check_gpu(model_dir, "--allow-cpu") == 1
+    out = capsys.readouterr().out
+    assert "VIOLATION: device vs CPU: prompt of 1, layer 1 (compressed_sparse_attention): relative difference 0.9" in out
+    assert "VIOLATION: device vs CPU: prompt of 1, logits" not in out  # 1e-3: TF32's size, within the limit
+
+
 def test_check_gpu_refuses_to_pass_without_cuda_or_with_a_bad_shape(model_dir, capsys):
     if mx.default_device() == mx.gpu and mx.cuda.is_available():
         pytest.skip("a CUDA device is present")

@@ -1,15 +1,12 @@
-"""GPU against CPU on the same inputs, op by op and layer by layer (session 8 left this open: a `tiny`
-float32 model's 1-token prompt gave logits on the H200 that differ from the CPU's far beyond TF32-level
-noise; docs/BENCHMARKS.md, "Session 8 on the H200").
+"""GPU against CPU on the same inputs, op by op (session 8 left this open: a `tiny` float32 model's
+1-token prompt gave logits on the H200 that differ from the CPU's far beyond TF32-level noise;
+docs/BENCHMARKS.md, "Session 8 on the H200"). `tessera check gpu` compares the layers and logits
+(engine/tools/device_agreement.py); this narrows a disagreeing layer down to the MLX ops its GPU path
+runs differently from the CPU's: the float32 matmul (TF32 on CUDA) and the expert-sorted `gather_mm` of
+M = 1 rows (CUTLASS's grouped GEMM on CUDA: the gathered MoE of short prompts and decode), at the `tiny`
+model's shapes, as max |GPU − CPU| / max |CPU|. TF32 alone stays near 1e-3.
 
-  python docs/bench/gpu_vs_cpu_probe.py OUT.jsonl [--lengths 1,5,62] [--dtype float32|bfloat16] [--no-compile]
-
-Part 1, ops: the MLX ops the model's GPU path runs differently from the CPU's (float32 matmul: TF32
-on CUDA; the expert-sorted `gather_mm` of M = 1 rows that runs CUTLASS's grouped GEMM on CUDA; the
-Sinkhorn and row-gather kernels), each at the `tiny` model's shapes, as max |GPU − CPU| / max |CPU|.
-Part 2, layers: each layer run on both devices from the same input streams (the CPU's output of the
-layer before), so a wrong layer shows alone instead of through every later one; then the logits.
-Where TF32 is the only difference, every row stays near 1e-3; a wrong op or layer stands out."""
+  python docs/bench/gpu_vs_cpu_probe.py OUT.jsonl [--dtype float32|bfloat16]"""
 
 from __future__ import annotations
 
@@ -20,17 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from tessera.engine.model.config import CSA, HCA, WINDOW
-from tessera.engine.model.deepseek_v4 import Segment
-from tessera.engine.model.loader import load_model
-from tessera.engine.tools.make_model import make_model
-from tessera.engine.tools.replay import random_tokens
-from tessera.kernels import shapeless
-
-
-def rel_diff(gpu: mx.array, cpu: mx.array) -> float:
-    g, c = np.array(gpu.astype(mx.float32)), np.array(cpu.astype(mx.float32))
-    return float(np.abs(g - c).max() / max(np.abs(c).max(), 1e-30))
+from tessera.engine.tools.device_agreement import rel_diff
 
 
 def on_both(fn):
@@ -62,48 +49,12 @@ def op_rows(dtype) -> list[dict]:
     return rows
 
 
-def layer_rows(model, lengths: list[int]) -> list[dict]:
-    rows = []
-    for seed, n in enumerate(lengths):
-        tokens = random_tokens(model.cfg.vocab_size, n, seed)
-        segs = {mx.gpu: [Segment(model.new_cache(), tokens)], mx.cpu: [Segment(model.new_cache(), tokens)]}
-        with mx.stream(mx.cpu):
-            streams = model.embed(segs[mx.cpu])
-            mx.eval(streams)
-        for i in model.layer_ids:
-            out = {}
-            for device in (mx.gpu, mx.cpu):
-                with mx.stream(device):
-                    out[device] = model.run_layers(streams, segs[device], range(i, i + 1), tile=16)
-                    mx.eval(out[device])
-            rows.append({"what": "layer", "prompt": n, "layer": i, "kind": model.cfg.layer_types[i],
-                         "rel_diff": rel_diff(out[mx.gpu], out[mx.cpu])})
-            streams = out[mx.cpu]
-        logits = {}
-        for device in (mx.gpu, mx.cpu):
-            with mx.stream(device):
-                logits[device] = model.logits(streams[-1:], segs[device], False)[0]
-                mx.eval(logits[device])
-        rows.append({"what": "logits", "prompt": n, "rel_diff": rel_diff(logits[mx.gpu], logits[mx.cpu])})
-    return rows
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
-    p.add_argument("--lengths", default="1,5,62")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--model-dir", type=Path, default=Path("/tmp/gpu-vs-cpu-tiny"))
-    p.add_argument("--no-compile", action="store_true",
-                   help="run the shapeless-compiled functions plain (fused GPU kernels out of the picture; run both ways)")
     args = p.parse_args()
-    if args.no_compile:
-        shapeless.set_compile_enabled(False)
-    dtype = getattr(mx, args.dtype)
-    path = make_model(args.model_dir, "tiny", seed=8, with_tokenizer=False, layer_types=[WINDOW, CSA, HCA, CSA],
-                      num_hidden_layers=4, compress_rates={CSA: 4, HCA: 32})
-    model = load_model(path, dtype=args.dtype)
-    rows = op_rows(dtype) + layer_rows(model, [int(n) for n in args.lengths.split(",")])
+    rows = op_rows(getattr(mx, args.dtype))
     with args.out.open("w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")

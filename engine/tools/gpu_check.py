@@ -11,6 +11,9 @@ there, in one go, with one table and a non-zero exit status on any violation (is
    prime / odd chunks, one less and one more than a power of two, tiles that do not divide the chunk,
    a last tile of one row, contexts that end inside a compression block. Every row must show
    max |Δlogit| 0.0 and 0 differing selections.
+4. The device against the CPU (engine/tools/device_agreement.py): a small all-hash-routed model's layers
+   and logits on short prompts, each layer from the same inputs on both, within
+   DEVICE_AGREEMENT_MAX_REL_DIFF — the one part that does not compare the GPU with itself.
 Decode vs a fresh whole-sequence prefill is not part of it: a different chunk shape legitimately
 changes the GPU's gemms (`check consistency` reports it).
 """
@@ -26,8 +29,9 @@ import mlx.core as mx
 import numpy as np
 
 from tessera.engine.model.loader import load_config, load_model
-from tessera.engine.tools.check_limits import KERNEL_MAX_REL_DIFF
+from tessera.engine.tools.check_limits import DEVICE_AGREEMENT_MAX_REL_DIFF, KERNEL_MAX_REL_DIFF
 from tessera.engine.tools.consistency import differing
+from tessera.engine.tools.device_agreement import AgreementRow, check_device_agreement, make_agreement_model
 from tessera.engine.tools.replay import random_tokens, run_sequence
 
 
@@ -110,6 +114,7 @@ class GpuCheckReport:
     kernels: dict
     row_invariance: dict
     matrix: list[MatrixRow]
+    agreement: list[AgreementRow]  # the device against the CPU
     violations: list[str]
 
     def as_dict(self) -> dict:
@@ -141,7 +146,20 @@ def run_gpu_check(model_dir: Path, shapes: tuple[Shape, ...] = MATRIX, dtypes: t
     matrix = consistency_matrix(model_dir, shapes, dtypes, log=log)
     violations += [f"matrix: {r.dtype} ctx {r.ctx} chunk {r.chunk} tile {r.tile}: |Δlogit| {r.max_abs_diff}, "
                    f"{r.differing_selections} selections differ" for r in matrix if not r.ok]
-    return GpuCheckReport(str(mx.default_device()), cuda, kernels, invariance, matrix, violations)
+    agreement = _device_agreement(log)
+    violations += [f"device vs CPU: prompt of {r.prompt}, {r.part}: relative difference {r.rel_diff:.3g} "
+                   f"(limit {DEVICE_AGREEMENT_MAX_REL_DIFF})" for r in agreement if r.rel_diff > DEVICE_AGREEMENT_MAX_REL_DIFF]
+    return GpuCheckReport(str(mx.default_device()), cuda, kernels, invariance, matrix, agreement, violations)
+
+
+def _device_agreement(log) -> list[AgreementRow]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = check_device_agreement(make_agreement_model(Path(tmp) / "agreement"), device=mx.default_device())
+    worst = max(rows, key=lambda r: r.rel_diff)
+    log(f"  device vs CPU: worst relative difference {worst.rel_diff:.3g} (prompt of {worst.prompt}, {worst.part})")
+    return rows
 
 
 def format_report(report: GpuCheckReport) -> str:
@@ -151,6 +169,9 @@ def format_report(report: GpuCheckReport) -> str:
     lines += [f"  {name}: {'exact' if ok else 'DIFFERS'}" for name, ok in inv["exact"].items()]
     lines += [f"  {name}: {value} (information)" for name, value in inv["information"].items()]
     lines += ["", format_matrix(report.matrix), ""]
+    worst = max(report.agreement, key=lambda r: r.rel_diff)
+    lines += [f"device vs CPU ({len(report.agreement)} layers and logits): worst relative difference "
+              f"{worst.rel_diff:.3g} (prompt of {worst.prompt}, {worst.part}; limit {DEVICE_AGREEMENT_MAX_REL_DIFF})", ""]
     lines += [f"VIOLATION: {v}" for v in report.violations] or ["no violations"]
     return "\n".join(lines)
 

@@ -1,0 +1,102 @@
+"""Does the device compute what the CPU computes? Every other GPU check compares the GPU with itself (tiled
+with untiled, decode with prefill, a kernel with its reference); this one compares it with the CPU, on the
+same inputs, where nothing discrete can flip: a `tiny`-width model whose every layer is hash-routed (no
+learned expert choice) and prompts short enough that a CSA layer's indexer selects every compressed row
+(no top-k choice). Each layer runs on both devices from the same input streams (the CPU's output of the
+layer before), so a wrong layer shows alone, then the head. What is left is arithmetic: on CUDA, float32
+matmuls run on TF32 tensor cores (~1e-3 relative), far inside DEVICE_AGREEMENT_MAX_REL_DIFF
+(engine/tools/check_limits.py). Session 8 saw a 1-token prompt's logits differ entirely on the H200
+(docs/BENCHMARKS.md, "Session 8 on the H200"); this is the standing check for it, part of `check gpu`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from tessera.engine.model.config import CSA, HCA, WINDOW
+from tessera.engine.model.deepseek_v4 import DeepseekV4, Segment
+from tessera.engine.model.loader import load_model
+from tessera.engine.tools.replay import random_tokens
+
+# Prompt lengths: below and above the CSA ratio (4) and the HCA ratio (32); at 62 tokens a CSA layer has
+# 15 compressed rows, within top-k (16), so the indexer keeps them all.
+PROMPT_LENGTHS = (1, 5, 31, 62)
+LAYER_TYPES = [WINDOW, CSA, HCA, CSA]
+
+
+@dataclass(frozen=True)
+class AgreementRow:
+    prompt: int  # tokens
+    part: str  # "layer 0 (sliding_attention)" … or "logits"
+    rel_diff: float  # max |device − CPU| / max |CPU|
+
+
+# A step of the comparison, run under one device: (model, streams [T, hc, D], segments) -> the output.
+Step = Callable[[DeepseekV4, mx.array, list[Segment]], mx.array]
+
+
+def make_agreement_model(out_dir: Path) -> Path:
+    from tessera.engine.tools.make_model import make_model
+
+    return make_model(Path(out_dir), "tiny", seed=8, with_tokenizer=False, layer_types=LAYER_TYPES,
+                      num_hidden_layers=len(LAYER_TYPES), num_hash_layers=len(LAYER_TYPES), compress_rates={CSA: 4, HCA: 32})
+
+
+def check_device_agreement(model_dir: Path, device: mx.Device = mx.gpu, reference: mx.Device = mx.cpu,
+                           lengths: tuple[int, ...] = PROMPT_LENGTHS) -> list[AgreementRow]:
+    """Every layer and the logits of each prompt, `device` against `reference` (float32)."""
+    model = load_model(Path(model_dir), dtype="float32")
+    rows = []
+    for seed, length in enumerate(lengths):
+        tokens = random_tokens(model.cfg.vocab_size, length, seed)
+        rows += compare_prompt(model, tokens, lambda step, *a: _on(device, step, *a), lambda step, *a: _on(reference, step, *a))
+    return rows
+
+
+def compare_prompt(model: DeepseekV4, tokens: list[int], on_device, on_reference) -> list[AgreementRow]:
+    """on_device / on_reference: (step, model, streams, segments) -> the step's output evaluated there."""
+    segments = {"device": [Segment(model.new_cache(), tokens)], "reference": [Segment(model.new_cache(), tokens)]}
+    streams = on_reference(_embed, model, None, segments["reference"])
+    rows = []
+    for i in model.layer_ids:
+        step = LayerStep(i)
+        got = on_device(step, model, streams, segments["device"])
+        streams = on_reference(step, model, streams, segments["reference"])
+        rows.append(AgreementRow(len(tokens), f"layer {i} ({model.cfg.layer_types[i]})", rel_diff(got, streams)))
+    got = on_device(_head, model, streams, segments["device"])
+    want = on_reference(_head, model, streams, segments["reference"])
+    return rows + [AgreementRow(len(tokens), "logits", rel_diff(got, want))]
+
+
+def rel_diff(got: mx.array, want: mx.array) -> float:
+    g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    return float(np.abs(g - w).max() / max(float(np.abs(w).max()), 1e-30))
+
+
+def _on(device: mx.Device, step: Step, model: DeepseekV4, streams: mx.array | None, segments: list[Segment]) -> mx.array:
+    with mx.stream(device):
+        out = step(model, streams, segments)
+        mx.eval(out)
+    return out
+
+
+def _embed(model: DeepseekV4, streams: mx.array | None, segments: list[Segment]) -> mx.array:
+    return model.embed(segments)
+
+
+@dataclass(frozen=True)
+class LayerStep:
+    """Layer `layer` alone over the streams (its cache in the segments gets the prompt's rows)."""
+
+    layer: int
+
+    def __call__(self, model: DeepseekV4, streams: mx.array, segments: list[Segment]) -> mx.array:
+        return model.run_layers(streams, segments, range(self.layer, self.layer + 1), tile=16)
+
+
+def _head(model: DeepseekV4, streams: mx.array, segments: list[Segment]) -> mx.array:
+    return model.logits(streams[-1:], segments, False)[0]  # the prompt's last token
