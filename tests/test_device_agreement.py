@@ -5,14 +5,16 @@ CPU too, so every difference is 0.0; on a CUDA machine `check gpu` runs it again
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 import pytest
 
-from tessera.engine.model.config import CSA, HASH_MOE
+from tessera.engine.model.config import CSA, HASH_MOE, HCA
 from tessera.engine.model.loader import load_config, load_model
 from tessera.engine.tools.check_limits import DEVICE_AGREEMENT_MAX_REL_DIFF
 from tessera.engine.tools.device_agreement import (
-    PROMPT_LENGTHS, LayerStep, check_device_agreement, compare_prompt, make_agreement_model, _on,
+    PROMPT_LENGTHS, LayerStep, check_device_agreement, compare_prompt, evaluated_on, make_agreement_model,
 )
 from tessera.engine.tools.replay import random_tokens
 
@@ -25,9 +27,9 @@ def model_dir(tmp_path_factory):
 def test_nothing_discrete_can_flip_in_the_agreement_model(model_dir):
     cfg = load_config(model_dir)
     assert set(cfg.mlp_layer_types) == {HASH_MOE}  # no learned expert choice
-    csa_rows = max(PROMPT_LENGTHS) // cfg.compress_ratio(cfg.layer_types.index(CSA))
-    assert csa_rows <= cfg.index_topk  # the indexer keeps every compressed row
-    assert {1} | {n for n in PROMPT_LENGTHS if n < 32} <= set(PROMPT_LENGTHS)  # prompts before the HCA's first row
+    csa_ratio, hca_ratio = (cfg.compress_ratio(cfg.layer_types.index(kind)) for kind in (CSA, HCA))
+    assert max(PROMPT_LENGTHS) // csa_ratio <= cfg.index_topk  # the indexer keeps every compressed row
+    assert min(PROMPT_LENGTHS) < csa_ratio and max(PROMPT_LENGTHS) > hca_ratio  # before and after the first rows
 
 
 def test_the_cpu_agrees_with_itself_in_every_layer_and_the_logits(model_dir):
@@ -43,11 +45,11 @@ def test_a_layer_that_computes_something_else_shows_alone(model_dir):
     target = model.layer_ids[2]
 
     def wrong_on_device(step, model, streams, segments):
-        out = _on(mx.cpu, step, model, streams, segments)
+        out = evaluated_on(mx.cpu, step, model, streams, segments)
         return out * 1.5 if step == LayerStep(target) else out
 
     rows = compare_prompt(model, random_tokens(model.cfg.vocab_size, 5, 0), wrong_on_device,
-                          lambda step, *a: _on(mx.cpu, step, *a))
+                          partial(evaluated_on, mx.cpu))
     over = [r.part for r in rows if r.rel_diff > DEVICE_AGREEMENT_MAX_REL_DIFF]
     assert over == [f"layer {target} ({model.cfg.layer_types[target]})"]  # the next layers start from the CPU's input
 

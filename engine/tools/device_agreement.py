@@ -11,6 +11,7 @@ matmuls run on TF32 tensor cores (~1e-3 relative), far inside DEVICE_AGREEMENT_M
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -53,7 +54,7 @@ def check_device_agreement(model_dir: Path, device: mx.Device = mx.gpu, referenc
     rows = []
     for seed, length in enumerate(lengths):
         tokens = random_tokens(model.cfg.vocab_size, length, seed)
-        rows += compare_prompt(model, tokens, lambda step, *a: _on(device, step, *a), lambda step, *a: _on(reference, step, *a))
+        rows += compare_prompt(model, tokens, partial(evaluated_on, device), partial(evaluated_on, reference))
     return rows
 
 
@@ -77,7 +78,7 @@ def rel_diff(got: mx.array, want: mx.array) -> float:
     return float(np.abs(g - w).max() / max(float(np.abs(w).max()), 1e-30))
 
 
-def _on(device: mx.Device, step: Step, model: DeepseekV4, streams: mx.array | None, segments: list[Segment]) -> mx.array:
+def evaluated_on(device: mx.Device, step: Step, model: DeepseekV4, streams: mx.array | None, segments: list[Segment]) -> mx.array:
     with mx.stream(device):
         out = step(model, streams, segments)
         mx.eval(out)
