@@ -53,3 +53,15 @@ def test_a_layer_that_computes_something_else_shows_alone(model_dir):
     over = [r.part for r in rows if r.rel_diff > DEVICE_AGREEMENT_MAX_REL_DIFF]
     assert over == [f"layer {target} ({model.cfg.layer_types[target]})"]  # the next layers start from the CPU's input
 
+
+
+def test_the_official_format_runs_its_quantized_experts_and_agrees_on_the_cpu(tmp_path):
+    """The official checkpoint's routed experts run gather_qmm (another device kernel than the plain
+    checkpoint's gather_mm): `check gpu` compares both formats."""
+    from tessera.engine.model.quantized import QuantizedWeight
+
+    model_dir = make_agreement_model(tmp_path / "official", "official")
+    model = load_model(model_dir, dtype="float32")
+    assert isinstance(model.layers[0].ffn.w1, QuantizedWeight)
+    rows = check_device_agreement(model_dir, device=mx.cpu, reference=mx.cpu, lengths=(5,), checkpoint="official")
+    assert {r.checkpoint for r in rows} == {"official"} and all(r.rel_diff == 0.0 for r in rows)

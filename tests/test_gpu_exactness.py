@@ -232,12 +232,13 @@ def test_check_gpu_fails_when_the_device_disagrees_with_the_cpu(model_dir, monke
     from tessera.engine.tools import gpu_check
     from tessera.engine.tools.device_agreement import AgreementRow
 
-    rows = [AgreementRow(1, "layer 1 (compressed_sparse_attention)", 0.9), AgreementRow(1, "logits", 1e-3)]
+    rows = [AgreementRow("official", 5, "layer 1 (compressed_sparse_attention)", 0.9), AgreementRow("official", 5, "logits", 1e-3)]
     monkeypatch.setattr(gpu_check, "check_device_agreement", lambda *a, **k: rows)
     assert _check_gpu(model_dir, "--allow-cpu") == 1
     out = capsys.readouterr().out
-    assert "VIOLATION: device vs CPU: prompt of 1, layer 1 (compressed_sparse_attention): relative difference 0.9" in out
-    assert "VIOLATION: device vs CPU: prompt of 1, logits" not in out  # 1e-3: TF32's size, within the limit
+    assert ("VIOLATION: device vs CPU: official checkpoint, prompt of 5, layer 1 (compressed_sparse_attention): "
+            "relative difference 0.9") in out
+    assert "VIOLATION: device vs CPU: official checkpoint, prompt of 5, logits" not in out  # 1e-3: TF32's size, within the limit
 
 
 def test_check_gpu_refuses_to_pass_without_cuda_or_with_a_bad_shape(model_dir, capsys):

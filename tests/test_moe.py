@@ -66,6 +66,24 @@ def test_layout_equals_per_expert_loop_bit_for_bit(layout, routing, monkeypatch)
 
 
 @row_invariant_blas
+def test_gathered_layout_on_cuda_passes_unsorted_rows_and_computes_the_same(monkeypatch):
+    """On CUDA the gathered layout must not hand MLX sorted M = 1 rows (its grouped GEMM gave wrong rows
+    inside the model on the H200; the comment at moe._gather_linear). The unsorted form computes the
+    same pairs: here both run on the CPU."""
+    w = _weights()
+    mx.random.seed(7)
+    x = mx.random.normal((9, DIM))
+    experts, weights = route(x, None, w, TOP_K, 1.5)
+    on_cpu = routed_experts(x, experts, weights, w, LIMIT, layout="gathered")
+    real, sorted_flags = mx.gather_mm, []
+    monkeypatch.setattr(moe_mod, "on_cuda", lambda: True)
+    monkeypatch.setattr(moe_mod.mx, "gather_mm", lambda *a, **k: (sorted_flags.append(k["sorted_indices"]), real(*a, **k))[1])
+    as_on_cuda = routed_experts(x, experts, weights, w, LIMIT, layout="gathered")
+    assert sorted_flags == [False, False, False]  # gate, up, down
+    assert np.array_equal(np.array(as_on_cuda), np.array(on_cpu))
+
+
+@row_invariant_blas
 @pytest.mark.parametrize("layout", ["gathered", "padded"])
 def test_a_top1_moe_runs_and_equals_the_per_expert_loop(layout, monkeypatch):
     """One expert per token (a valid config): every sum over the k slots has one term. MLX 0.32.4's

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from tessera.engine.model.expert_slices import CLAMPED_MAX_ROWS, overflowing_expert, sorted_gather_mm
 from tessera.engine.model.quantized import QuantizedWeight, Weight, linear
 from tessera.kernels.cuda import on_cuda
 from tessera.kernels.moe_padded import combine_rows, index_is_supported, padded_indices_kernel
@@ -94,18 +93,23 @@ def _cpu_float(x: mx.array) -> mx.array:
     return x.astype(mx.float32) if x.dtype != mx.float32 and mx.default_device() == mx.cpu else x
 
 
+# On CUDA the gathered layout's rows are passed *unsorted*: MLX then runs one gemv per row (`gather_mv`:
+# float32 accumulation, 64-bit expert offsets). Sorted M = 1 rows would run CUTLASS's grouped GEMM, which
+# inside the model gave wrong rows on the H200 (layer 0 of a 5-token prompt, 78 % relative; the same op
+# alone was right), computes expert offsets in 32 bits (wrong past 2 GiB of experts) and was 3.5–5× slower
+# at a decode step's pair counts (docs/BENCHMARKS.md, "Session 9 on the H200"). The CPU keeps the sorted
+# form: there it is the same product, and the CPU's exactness tests were written against it.
 def _gather_linear(x: mx.array, w: Weight, experts: mx.array) -> mx.array:
     """x: [..., M, in], experts: [...] -> [..., M, out]: batch entry n through expert experts[n]
-    (`sorted_indices` when experts ascend and M = 1, the gathered layout)."""
+    (experts ascend when M = 1: the gathered layout)."""
     if isinstance(w, QuantizedWeight) and x.shape[0] > GATHER_QMM_MAX_BATCH:
         pieces = range(0, x.shape[0], GATHER_QMM_MAX_BATCH)
         return mx.concatenate([_gather_linear(x[s : s + GATHER_QMM_MAX_BATCH], w, experts[s : s + GATHER_QMM_MAX_BATCH]) for s in pieces])
     if isinstance(w, QuantizedWeight):
         return mx.gather_qmm(x, w.values, w.scales, w.biases, rhs_indices=experts, transpose=True,
                              group_size=w.group_size, bits=w.bits, mode=w.mode, sorted_indices=x.shape[-2] == 1)
-    if on_cuda() and x.shape[-2] == 1:  # keeps expert offsets inside MLX CUDA's 32-bit grouped-GEMM range (expert_slices.py)
-        return sorted_gather_mm(x, w.swapaxes(-1, -2), experts)
-    out = mx.gather_mm(_cpu_float(x), _cpu_float(w.swapaxes(-1, -2)), rhs_indices=experts, sorted_indices=x.shape[-2] == 1)
+    out = mx.gather_mm(_cpu_float(x), _cpu_float(w.swapaxes(-1, -2)), rhs_indices=experts,
+                       sorted_indices=x.shape[-2] == 1 and not on_cuda())
     return out.astype(x.dtype)
 
 
@@ -146,15 +150,9 @@ def uses_padded_layout(num_pairs: int, num_experts: int) -> bool:
 
 def syncs_host(num_tokens: int, w: MoEWeights, top_k: int) -> bool:
     """Whether `moe` over `num_tokens` rows reads anything back from the device while it builds its
-    graph: the padded layout (its counts), or on CUDA plain experts past the grouped GEMM's offset
-    range with more pairs than `sorted_gather_mm` clamps (its row cuts). Without a read, the MoE is a
-    pure function of its input's shape: a fixed-shape compiled trace can carry it (engine/model/compiled.py)."""
-    num_pairs = num_tokens * top_k
-    if uses_padded_layout(num_pairs, w.num_experts):
-        return True
-    if isinstance(w.w1, QuantizedWeight) or not on_cuda() or num_pairs <= CLAMPED_MAX_ROWS:
-        return False
-    return any(overflowing_expert(m.shape[0], m.shape[-2] * m.shape[-1], m.dtype.size) is not None for m in (w.w1, w.w2, w.w3))
+    graph: only the padded layout does (its counts). Without a read, the MoE is a pure function of its
+    input's shape: a fixed-shape compiled trace can carry it (engine/model/compiled.py)."""
+    return uses_padded_layout(num_tokens * top_k, w.num_experts)
 
 
 def gathered_pairs(x: mx.array, flat: mx.array, order: mx.array, k: int, w: MoEWeights, limit: float) -> mx.array:

@@ -29,8 +29,14 @@ PROMPT_LENGTHS = (1, 5, 31, 62)
 LAYER_TYPES = [WINDOW, CSA, HCA, CSA]
 
 
+# The checkpoint formats compared: every tensor in float32, and DeepSeek's own (FP8 attention, FP4 experts:
+# the routed experts run `gather_qmm` instead of `gather_mm`, a different device kernel).
+FORMATS = ("plain", "official")
+
+
 @dataclass(frozen=True)
 class AgreementRow:
+    checkpoint: str  # a FORMATS entry
     prompt: int  # tokens
     part: str  # "layer 0 (sliding_attention)" … or "logits"
     rel_diff: float  # max |device − CPU| / max |CPU|
@@ -40,25 +46,26 @@ class AgreementRow:
 Step = Callable[[DeepseekV4, mx.array, list[Segment]], mx.array]
 
 
-def make_agreement_model(out_dir: Path) -> Path:
+def make_agreement_model(out_dir: Path, fmt: str = "plain") -> Path:
     from tessera.engine.tools.make_model import make_model
 
-    return make_model(Path(out_dir), "tiny", seed=8, with_tokenizer=False, layer_types=LAYER_TYPES,
+    return make_model(Path(out_dir), "tiny", seed=8, with_tokenizer=False, fmt=fmt, layer_types=LAYER_TYPES,
                       num_hidden_layers=len(LAYER_TYPES), num_hash_layers=len(LAYER_TYPES), compress_rates={CSA: 4, HCA: 32})
 
 
 def check_device_agreement(model_dir: Path, device: mx.Device = mx.gpu, reference: mx.Device = mx.cpu,
-                           lengths: tuple[int, ...] = PROMPT_LENGTHS) -> list[AgreementRow]:
-    """Every layer and the logits of each prompt, `device` against `reference` (float32)."""
+                           lengths: tuple[int, ...] = PROMPT_LENGTHS, checkpoint: str = "plain") -> list[AgreementRow]:
+    """Every layer and the logits of each prompt, `device` against `reference` (float32 activations;
+    `checkpoint` labels the rows with the model's format)."""
     model = load_model(Path(model_dir), dtype="float32")
     rows = []
     for seed, length in enumerate(lengths):
         tokens = random_tokens(model.cfg.vocab_size, length, seed)
-        rows += compare_prompt(model, tokens, partial(evaluated_on, device), partial(evaluated_on, reference))
+        rows += compare_prompt(model, tokens, partial(evaluated_on, device), partial(evaluated_on, reference), checkpoint)
     return rows
 
 
-def compare_prompt(model: DeepseekV4, tokens: list[int], on_device, on_reference) -> list[AgreementRow]:
+def compare_prompt(model: DeepseekV4, tokens: list[int], on_device, on_reference, checkpoint: str = "plain") -> list[AgreementRow]:
     """on_device / on_reference: (step, model, streams, segments) -> the step's output evaluated there."""
     segments = {"device": [Segment(model.new_cache(), tokens)], "reference": [Segment(model.new_cache(), tokens)]}
     streams = on_reference(_embed, model, None, segments["reference"])
@@ -67,10 +74,10 @@ def compare_prompt(model: DeepseekV4, tokens: list[int], on_device, on_reference
         step = LayerStep(i)
         got = on_device(step, model, streams, segments["device"])
         streams = on_reference(step, model, streams, segments["reference"])
-        rows.append(AgreementRow(len(tokens), f"layer {i} ({model.cfg.layer_types[i]})", rel_diff(got, streams)))
+        rows.append(AgreementRow(checkpoint, len(tokens), f"layer {i} ({model.cfg.layer_types[i]})", rel_diff(got, streams)))
     got = on_device(_head, model, streams, segments["device"])
     want = on_reference(_head, model, streams, segments["reference"])
-    return rows + [AgreementRow(len(tokens), "logits", rel_diff(got, want))]
+    return rows + [AgreementRow(checkpoint, len(tokens), "logits", rel_diff(got, want))]
 
 
 def rel_diff(got: mx.array, want: mx.array) -> float:
