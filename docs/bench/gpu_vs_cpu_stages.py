@@ -22,8 +22,13 @@ import types
 from collections import Counter
 from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run by path from anywhere: the repo root
+from tests.support.source_tree import use_source_tree  # noqa: E402
+
+use_source_tree()
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 
 _PACKAGES = ("tessera.engine.model", "tessera.kernels")
 _SKIP = {"load_model", "on_cuda", "compile_enabled", "kernel_enabled", "step_compile_enabled"}
