@@ -21,6 +21,7 @@ import numpy as np
 from tessera.engine.model.config import CSA, HCA, WINDOW
 from tessera.engine.model.deepseek_v4 import DeepseekV4, Segment
 from tessera.engine.model.loader import load_model
+from tessera.engine.model.quantized import QuantizedWeight
 from tessera.engine.tools.replay import random_tokens
 
 # Prompt lengths: below and above the CSA ratio (4) and the HCA ratio (32); at 62 tokens a CSA layer has
@@ -54,10 +55,10 @@ def make_agreement_model(out_dir: Path, fmt: str = "plain") -> Path:
 
 
 def check_device_agreement(model_dir: Path, device: mx.Device = mx.gpu, reference: mx.Device = mx.cpu,
-                           lengths: tuple[int, ...] = PROMPT_LENGTHS, checkpoint: str = "plain") -> list[AgreementRow]:
-    """Every layer and the logits of each prompt, `device` against `reference` (float32 activations;
-    `checkpoint` labels the rows with the model's format)."""
+                           lengths: tuple[int, ...] = PROMPT_LENGTHS) -> list[AgreementRow]:
+    """Every layer and the logits of each prompt, `device` against `reference` (float32 activations)."""
     model = load_model(Path(model_dir), dtype="float32")
+    checkpoint = "official" if any(isinstance(w, QuantizedWeight) for w in model.weights.values()) else "plain"
     rows = []
     for seed, length in enumerate(lengths):
         tokens = random_tokens(model.cfg.vocab_size, length, seed)

@@ -158,8 +158,7 @@ def _device_agreement(log) -> list[AgreementRow]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for fmt in FORMATS:
-            model_dir = make_agreement_model(Path(tmp) / fmt, fmt)
-            rows += check_device_agreement(model_dir, device=mx.default_device(), checkpoint=fmt)
+            rows += check_device_agreement(make_agreement_model(Path(tmp) / fmt, fmt), device=mx.default_device())
     worst = max(rows, key=lambda r: r.rel_diff)
     log(f"  device vs CPU: worst relative difference {worst.rel_diff:.3g} ({worst.checkpoint} checkpoint, prompt of {worst.prompt}, {worst.part})")
     return rows
