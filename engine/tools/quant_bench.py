@@ -151,8 +151,8 @@ def _expert_times(cfg, rows: int, dtype: mx.Dtype, repeat: int) -> dict:
                                  group_size=w.group_size, bits=w.bits, mode=w.mode, sorted_indices=True)
     out = {"gather_qmm_s": _seconds(gqmm, repeat)}
     if mx.default_device() != mx.cpu:  # MLX's CPU GatherMM is float32 only, and the stack is large
-        gmm = lambda: mx.gather_mm(x, w.dequantize(dtype).swapaxes(-1, -2), rhs_indices=idx,  # noqa: E731
-                                   sorted_indices=True)
+        # unsorted, as moe._gather_linear runs plain experts on CUDA (a gemv per row, not the grouped GEMM)
+        gmm = lambda: mx.gather_mm(x, w.dequantize(dtype).swapaxes(-1, -2), rhs_indices=idx)  # noqa: E731
         out["dequantize_then_gather_mm_s"] = _seconds(gmm, repeat)
     return out
 
