@@ -5,6 +5,7 @@ CPU too, so every difference is 0.0; on a CUDA machine `check gpu` runs it again
 
 from __future__ import annotations
 
+import json
 from functools import partial
 
 import mlx.core as mx
@@ -14,7 +15,8 @@ from tessera.engine.model.config import CSA, HASH_MOE, HCA
 from tessera.engine.model.loader import load_config, load_model
 from tessera.engine.tools.check_limits import DEVICE_AGREEMENT_MAX_REL_DIFF
 from tessera.engine.tools.device_agreement import (
-    PROMPT_LENGTHS, LayerStep, check_device_agreement, compare_prompt, evaluated_on, make_agreement_model,
+    LAYER_TYPES, PROMPT_LENGTHS, AgreementRow, LayerStep, check_device_agreement, compare_prompt, evaluated_on,
+    make_agreement_model,
 )
 from tessera.engine.tools.replay import random_tokens
 
@@ -65,3 +67,30 @@ def test_the_official_format_runs_its_quantized_experts_and_agrees_on_the_cpu(tm
     assert isinstance(model.layers[0].ffn.w1, QuantizedWeight)
     rows = check_device_agreement(model_dir, device=mx.cpu, reference=mx.cpu, lengths=(5,))
     assert {r.checkpoint for r in rows} == {"official"} and all(r.rel_diff == 0.0 for r in rows)
+
+
+def test_check_agreement_compares_both_formats_and_refuses_to_pass_without_a_device(tmp_path, capsys):
+    from tessera.engine.tools import commands
+
+    if mx.default_device() == mx.gpu:
+        pytest.skip("a GPU is the default device")
+    assert commands.main(["check", "agreement"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+    out = tmp_path / "agreement.json"
+    assert commands.main(["check", "agreement", "--allow-cpu", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| official | 62 | logits | 0 | yes |" in printed and printed.rstrip().endswith("no violations")
+    report = json.loads(out.read_text())
+    layers = len(LAYER_TYPES)
+    assert len(report["rows"]) == 2 * len(PROMPT_LENGTHS) * (layers + 1) and report["violations"] == []
+
+
+def test_check_agreement_fails_past_the_limit(monkeypatch, capsys):
+    from tessera.engine.tools import commands, device_agreement
+
+    rows = [AgreementRow("plain", 5, "layer 0 (sliding_attention)", 0.78), AgreementRow("plain", 5, "logits", 3e-7)]
+    monkeypatch.setattr(device_agreement, "check_device_agreement", lambda *a, **k: rows)
+    assert commands.main(["check", "agreement", "--allow-cpu"]) == 1
+    out = capsys.readouterr().out
+    assert "| plain | 5 | layer 0 (sliding_attention) | 0.78 | **NO** |" in out
+    assert "VIOLATION: device vs CPU: plain checkpoint, prompt of 5, layer 0 (sliding_attention): relative difference 0.78" in out

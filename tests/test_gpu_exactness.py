@@ -229,11 +229,11 @@ def test_check_gpu_passes_on_exact_code_and_fails_on_an_injected_fault(model_dir
 def test_check_gpu_fails_when_the_device_disagrees_with_the_cpu(model_dir, monkeypatch, capsys):
     """The device-against-CPU part's rows reach the verdict (on this CPU it compares the CPU with itself,
     so the disagreement is injected where its rows come from)."""
-    from tessera.engine.tools import gpu_check
+    from tessera.engine.tools import device_agreement
     from tessera.engine.tools.device_agreement import AgreementRow
 
     rows = [AgreementRow("official", 5, "layer 1 (compressed_sparse_attention)", 0.9), AgreementRow("official", 5, "logits", 1e-3)]
-    monkeypatch.setattr(gpu_check, "check_device_agreement", lambda *a, **k: rows)
+    monkeypatch.setattr(device_agreement, "check_device_agreement", lambda *a, **k: rows)
     assert _check_gpu(model_dir, "--allow-cpu") == 1
     out = capsys.readouterr().out
     assert ("VIOLATION: device vs CPU: official checkpoint, prompt of 5, layer 1 (compressed_sparse_attention): "

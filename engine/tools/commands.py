@@ -80,6 +80,7 @@ def _register_check(subparsers) -> None:
     _register_check_prefix_cache(sub)
     _register_check_kernels(sub)
     _register_check_gpu(sub)
+    _register_check_agreement(sub)
 
 
 def _register_check_reference(sub) -> None:
@@ -165,8 +166,8 @@ def _register_check_kernels(sub) -> None:
 
 
 def _register_check_gpu(sub) -> None:
-    gpu = sub.add_parser("gpu", help="on a CUDA machine: kernel checks + tiled-vs-untiled matrix over awkward shapes; "
-                                     "exits 1 on any difference")
+    gpu = sub.add_parser("gpu", help="on a CUDA machine: kernel checks + tiled-vs-untiled matrix over awkward shapes "
+                                     "+ the device against the CPU; exits 1 on any difference")
     gpu.add_argument("--model", type=Path, default=None, help="checkpoint (default: a flash-attn, 3-layer one in a temp dir)")
     gpu.add_argument("--shape", action="append", default=None, metavar="CTX:CHUNK:TILE", help="replace the built-in matrix")
     gpu.add_argument("--dtype", action="append", default=None, choices=list(DTYPES), help="default: bfloat16 and float32")
@@ -175,6 +176,21 @@ def _register_check_gpu(sub) -> None:
     gpu.add_argument("--json", action="store_true")
     gpu.add_argument("--out", type=Path, default=None, help="also write the report as JSON to this file")
     gpu.set_defaults(func=_check_gpu)
+
+
+def _register_check_agreement(sub) -> None:
+    ag = sub.add_parser("agreement", help="on a CUDA machine: the device against the CPU, layer by layer, in the plain and "
+                                          "the official checkpoint format (check gpu's last part alone); exits 1 past the limit")
+    ag.add_argument("--allow-cpu", action="store_true", help="run without CUDA (the CPU against itself) instead of failing")
+    ag.add_argument("--json", action="store_true")
+    ag.add_argument("--out", type=Path, default=None, help="also write the report as JSON to this file")
+    ag.set_defaults(func=_check_agreement)
+
+
+def _check_agreement(args) -> int:
+    from tessera.engine.tools.device_agreement import check_agreement_command
+
+    return check_agreement_command(args.allow_cpu, args.json, args.out)
 
 
 def _verdict(report: dict, failures: list[str], as_json: bool) -> int:

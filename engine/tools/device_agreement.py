@@ -6,11 +6,12 @@ learned expert choice) and prompts short enough that a CSA layer's indexer selec
 layer before), so a wrong layer shows alone, then the head. What is left is arithmetic: on CUDA, float32
 matmuls run on TF32 tensor cores (~1e-3 relative), far inside DEVICE_AGREEMENT_MAX_REL_DIFF
 (engine/tools/check_limits.py). Session 8 saw a 1-token prompt's logits differ entirely on the H200
-(docs/BENCHMARKS.md, "Session 8 on the H200"); this is the standing check for it, part of `check gpu`."""
+(docs/BENCHMARKS.md, "Session 8 on the H200"; found and fixed in "Session 9": MLX's grouped GEMM inside the
+MoE); this is the standing check for it, part of `check gpu` and alone as `check agreement`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -22,6 +23,7 @@ from tessera.engine.model.config import CSA, HCA, WINDOW
 from tessera.engine.model.deepseek_v4 import DeepseekV4, Segment
 from tessera.engine.model.loader import load_model
 from tessera.engine.model.quantized import QuantizedWeight
+from tessera.engine.tools.check_limits import DEVICE_AGREEMENT_MAX_REL_DIFF
 from tessera.engine.tools.replay import random_tokens
 
 # Prompt lengths: below and above the CSA ratio (4) and the HCA ratio (32); at 62 tokens a CSA layer has
@@ -52,6 +54,60 @@ def make_agreement_model(out_dir: Path, fmt: str = "plain") -> Path:
 
     return make_model(Path(out_dir), "tiny", seed=8, with_tokenizer=False, fmt=fmt, layer_types=LAYER_TYPES,
                       num_hidden_layers=len(LAYER_TYPES), num_hash_layers=len(LAYER_TYPES), compress_rates={CSA: 4, HCA: 32})
+
+
+def run_device_agreement(device: mx.Device, log=print) -> list[AgreementRow]:
+    """Both checkpoint formats' agreement models, made in a temporary directory, `device` against the CPU."""
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for fmt in FORMATS:
+            rows += check_device_agreement(make_agreement_model(Path(tmp) / fmt, fmt), device=device)
+    log(f"  device vs CPU: {worst_line(rows)}")
+    return rows
+
+
+def agreement_violations(rows: list[AgreementRow]) -> list[str]:
+    return [f"device vs CPU: {r.checkpoint} checkpoint, prompt of {r.prompt}, {r.part}: relative difference {r.rel_diff:.3g} "
+            f"(limit {DEVICE_AGREEMENT_MAX_REL_DIFF})" for r in rows if r.rel_diff > DEVICE_AGREEMENT_MAX_REL_DIFF]
+
+
+def worst_line(rows: list[AgreementRow]) -> str:
+    worst = max(rows, key=lambda r: r.rel_diff)
+    return (f"worst relative difference {worst.rel_diff:.3g} ({worst.checkpoint} checkpoint, prompt of {worst.prompt}, "
+            f"{worst.part}; limit {DEVICE_AGREEMENT_MAX_REL_DIFF})")
+
+
+def format_agreement(rows: list[AgreementRow]) -> str:
+    lines = ["| checkpoint | prompt | part | relative difference | ok |", "|---|---:|---|---:|---|"]
+    lines += [f"| {r.checkpoint} | {r.prompt} | {r.part} | {r.rel_diff:.3g} | "
+              f"{'yes' if r.rel_diff <= DEVICE_AGREEMENT_MAX_REL_DIFF else '**NO**'} |" for r in rows]
+    return "\n".join(lines)
+
+
+def check_agreement_command(allow_cpu: bool, as_json: bool, out: Path | None = None) -> int:
+    """`tessera check agreement`: `check gpu`'s device-vs-CPU part alone (about a minute). 0 when every
+    layer and logit row agrees; 1 on any violation; 2 without CUDA unless --allow-cpu (then the CPU is
+    compared with itself: a pass there proves nothing about a device)."""
+    import json
+    import sys
+
+    from tessera.kernels.cuda import on_cuda
+
+    if not on_cuda() and not allow_cpu:
+        print(f"error: no CUDA device ({mx.default_device()}); `check agreement` compares a CUDA device with the CPU "
+              "(--allow-cpu compares the CPU with itself instead)", file=sys.stderr)
+        return 2
+    log = (lambda *a: print(*a, file=sys.stderr)) if as_json else print  # noqa: E731
+    rows = run_device_agreement(mx.default_device(), log)
+    violations = agreement_violations(rows)
+    report = {"device": str(mx.default_device()), "rows": [asdict(r) for r in rows], "violations": violations}
+    print(json.dumps(report) if as_json else "\n".join(
+        [format_agreement(rows), "", worst_line(rows), ""] + ([f"VIOLATION: {v}" for v in violations] or ["no violations"])))
+    if out is not None:
+        Path(out).write_text(json.dumps(report, indent=1) + "\n")
+    return 1 if violations else 0
 
 
 def check_device_agreement(model_dir: Path, device: mx.Device = mx.gpu, reference: mx.Device = mx.cpu,

@@ -29,9 +29,9 @@ import mlx.core as mx
 import numpy as np
 
 from tessera.engine.model.loader import load_config, load_model
-from tessera.engine.tools.check_limits import DEVICE_AGREEMENT_MAX_REL_DIFF, KERNEL_MAX_REL_DIFF
+from tessera.engine.tools.check_limits import KERNEL_MAX_REL_DIFF
 from tessera.engine.tools.consistency import differing
-from tessera.engine.tools.device_agreement import FORMATS, AgreementRow, check_device_agreement, make_agreement_model
+from tessera.engine.tools.device_agreement import AgreementRow, agreement_violations, run_device_agreement, worst_line
 from tessera.engine.tools.replay import random_tokens, run_sequence
 
 
@@ -146,22 +146,9 @@ def run_gpu_check(model_dir: Path, shapes: tuple[Shape, ...] = MATRIX, dtypes: t
     matrix = consistency_matrix(model_dir, shapes, dtypes, log=log)
     violations += [f"matrix: {r.dtype} ctx {r.ctx} chunk {r.chunk} tile {r.tile}: |Δlogit| {r.max_abs_diff}, "
                    f"{r.differing_selections} selections differ" for r in matrix if not r.ok]
-    agreement = _device_agreement(log)
-    violations += [f"device vs CPU: {r.checkpoint} checkpoint, prompt of {r.prompt}, {r.part}: relative difference {r.rel_diff:.3g} "
-                   f"(limit {DEVICE_AGREEMENT_MAX_REL_DIFF})" for r in agreement if r.rel_diff > DEVICE_AGREEMENT_MAX_REL_DIFF]
+    agreement = run_device_agreement(mx.default_device(), log)
+    violations += agreement_violations(agreement)
     return GpuCheckReport(str(mx.default_device()), cuda, kernels, invariance, matrix, agreement, violations)
-
-
-def _device_agreement(log) -> list[AgreementRow]:
-    import tempfile
-
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for fmt in FORMATS:
-            rows += check_device_agreement(make_agreement_model(Path(tmp) / fmt, fmt), device=mx.default_device())
-    worst = max(rows, key=lambda r: r.rel_diff)
-    log(f"  device vs CPU: worst relative difference {worst.rel_diff:.3g} ({worst.checkpoint} checkpoint, prompt of {worst.prompt}, {worst.part})")
-    return rows
 
 
 def format_report(report: GpuCheckReport) -> str:
@@ -171,9 +158,7 @@ def format_report(report: GpuCheckReport) -> str:
     lines += [f"  {name}: {'exact' if ok else 'DIFFERS'}" for name, ok in inv["exact"].items()]
     lines += [f"  {name}: {value} (information)" for name, value in inv["information"].items()]
     lines += ["", format_matrix(report.matrix), ""]
-    worst = max(report.agreement, key=lambda r: r.rel_diff)
-    lines += [f"device vs CPU ({len(report.agreement)} layers and logits): worst relative difference "
-              f"{worst.rel_diff:.3g} ({worst.checkpoint} checkpoint, prompt of {worst.prompt}, {worst.part}; limit {DEVICE_AGREEMENT_MAX_REL_DIFF})", ""]
+    lines += [f"device vs CPU ({len(report.agreement)} layers and logits): {worst_line(report.agreement)}", ""]
     lines += [f"VIOLATION: {v}" for v in report.violations] or ["no violations"]
     return "\n".join(lines)
 
