@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run by path from anywhere: the repo root
+from tests.support.source_tree import use_source_tree  # noqa: E402
 
+use_source_tree()
 
-def rel(got: mx.array, want: mx.array) -> float:
-    g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
-    return float(np.abs(g - w).max() / max(float(np.abs(w).max()), 1e-30))
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tessera.engine.tools.device_agreement import rel_diff as rel  # noqa: E402  max |GPU − CPU| / max |CPU|
 
 
 def gather(x, w_t, experts, sorted_indices):

@@ -114,16 +114,16 @@ def check_device_agreement(model_dir: Path, device: mx.Device = mx.gpu, referenc
                            lengths: tuple[int, ...] = PROMPT_LENGTHS) -> list[AgreementRow]:
     """Every layer and the logits of each prompt, `device` against `reference` (float32 activations)."""
     model = load_model(Path(model_dir), dtype="float32")
-    checkpoint = "official" if any(isinstance(w, QuantizedWeight) for w in model.weights.values()) else "plain"
     rows = []
     for seed, length in enumerate(lengths):
         tokens = random_tokens(model.cfg.vocab_size, length, seed)
-        rows += compare_prompt(model, tokens, partial(evaluated_on, device), partial(evaluated_on, reference), checkpoint)
+        rows += compare_prompt(model, tokens, partial(evaluated_on, device), partial(evaluated_on, reference))
     return rows
 
 
-def compare_prompt(model: DeepseekV4, tokens: list[int], on_device, on_reference, checkpoint: str = "plain") -> list[AgreementRow]:
+def compare_prompt(model: DeepseekV4, tokens: list[int], on_device, on_reference) -> list[AgreementRow]:
     """on_device / on_reference: (step, model, streams, segments) -> the step's output evaluated there."""
+    checkpoint = "official" if any(isinstance(w, QuantizedWeight) for w in model.weights.values()) else "plain"
     segments = {"device": [Segment(model.new_cache(), tokens)], "reference": [Segment(model.new_cache(), tokens)]}
     streams = on_reference(_embed, model, None, segments["reference"])
     rows = []
