@@ -54,10 +54,17 @@ class _CompiledLayer:
 
 @dataclass(frozen=True)
 class Segment:
-    """Run `token_ids` as the next tokens of the sequence whose cache is `cache`."""
+    """Run `token_ids` as the next tokens of the sequence whose cache is `cache`. A token still on the
+    device (`forward`'s `device_token_ids` carries its value) is `PENDING_TOKEN` here."""
 
     cache: SequenceCache
     token_ids: Sequence[int]
+
+
+PENDING_TOKEN = -1
+"""A segment's host id for a token whose value is still on the device: an overlapped decode step
+(engine/serving/decode_overlap.py) runs on the previous step's samples before they reach the host. The
+cache's host token list holds it until `fill_pending_token` writes the value in."""
 
 
 class DeepseekV4:
@@ -80,15 +87,18 @@ class DeepseekV4:
         tile: int | None = None,
         all_logits: bool | Sequence[bool] = False,
         timer: ForwardTrace | None = None,
+        device_token_ids: mx.array | None = None,
     ) -> list[mx.array]:
         """Runs every segment's tokens through the model, appending to their caches.
 
         Returns per segment the logits [L, vocab] (all_logits, or all_logits[i] for segment i: prompt logprobs)
         or [1, vocab] of its last token; the lm head runs only on the rows returned.
         `tile`: indexer/attention query rows per tile (None: the whole segment, the untiled path).
+        `device_token_ids`: the step's tokens [T] int32 as a (lazy) device array, e.g. the previous step's
+        samples not yet on the host; the segments then give only the counts (their ids may be PENDING_TOKEN).
         """
         timer = timer or ForwardTrace(stage_sync=False)  # nobody reads the times: no stage syncs
-        token_ids = step_token_ids(segments)
+        token_ids = step_token_ids(segments) if device_token_ids is None else _checked(device_token_ids, segments)
         streams = self.embed(segments, token_ids)
         streams = self.run_layers(streams, segments, self.layer_ids, tile, timer, token_ids)
         advance_caches(segments)
@@ -240,7 +250,25 @@ def _compile_layer(cfg: ModelConfig, layer: LayerWeights) -> _CompiledLayer:
 
 def step_token_ids(segments: Sequence[Segment]) -> mx.array:
     """[T] int32: every segment's tokens, in order (the step's flat batch)."""
-    return mx.array([int(t) for s in segments for t in s.token_ids], dtype=mx.int32)
+    ids = [int(t) for s in segments for t in s.token_ids]
+    if PENDING_TOKEN in ids:
+        raise ValueError("a segment's token is still on the device: pass forward's device_token_ids")
+    return mx.array(ids, dtype=mx.int32)
+
+
+def _checked(device_token_ids: mx.array, segments: Sequence[Segment]) -> mx.array:
+    """The device tokens [T] as int32, checked against the segments' token count."""
+    num_tokens = sum(len(s.token_ids) for s in segments)
+    if device_token_ids.shape != (num_tokens,):
+        raise ValueError(f"device_token_ids has shape {device_token_ids.shape}, the segments hold {num_tokens} tokens")
+    return device_token_ids.astype(mx.int32)
+
+
+def fill_pending_token(cache: SequenceCache, position: int, token_id: int) -> None:
+    """Writes a token's host id into the cache's token list once it is known (it was PENDING_TOKEN)."""
+    if cache.token_ids[position] != PENDING_TOKEN:
+        raise ValueError(f"position {position} holds token {cache.token_ids[position]}, not a pending one")
+    cache.token_ids[position] = token_id
 
 
 def step_positions(segments: Sequence[Segment]) -> mx.array:

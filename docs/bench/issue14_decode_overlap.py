@@ -1,0 +1,128 @@
+"""Decode with the next step overlapped (docs/BENCHMARKS.md "Issue 14, session 10"), in one process:
+B sequences at CTX (random cache rows), then rounds of `serial` and `overlap` steps at batch 1 and batch B,
+in the order serial overlap overlap serial (twice). Both arms take greedy tokens through `model.forward`:
+
+- serial: build step n, evaluate it, read its tokens to the host, then build step n + 1;
+- overlap: step n + 1 is built from step n's sampled tokens while they are still on the device
+  (`forward(..., device_token_ids=...)`) and queued (`mx.async_eval`) before step n's tokens are read,
+  so Python's graph building of one step runs while the device runs the other.
+
+A step's time is the interval between two tokens reaching the host. One JSON line per round to OUT.
+
+H200:
+  python docs/bench/issue14_decode_overlap.py /dev/shm/fw OUT.jsonl --ctx 16384 --batch 16 [--as-loaded]
+CPU (small sizes):
+  python docs/bench/issue14_decode_overlap.py /tmp/small OUT.jsonl --ctx 2048 --batch 8 --chunk 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere inside the repo
+
+from tessera.engine.model.deepseek_v4 import PENDING_TOKEN, Segment  # noqa: E402
+from tessera.engine.model.loader import load_model  # noqa: E402
+from tessera.engine.model.quantized import QuantizedWeight  # noqa: E402
+from tessera.engine.tools.bench_decode import DecodeOptions, _filled  # noqa: E402
+
+
+def serial_steps(model, caches, steps: int) -> tuple[list[float], list[int]]:
+    """Milliseconds per step and the last tokens, each step's tokens on the host before the next is built."""
+    ids, out = [1] * len(caches), []
+    last = time.perf_counter()
+    for _ in range(steps):
+        logits = model.forward([Segment(c, [t]) for c, t in zip(caches, ids)])
+        ids = mx.argmax(mx.concatenate(logits), axis=-1).tolist()
+        now = time.perf_counter()
+        out.append((now - last) * 1000)
+        last = now
+    return out, ids
+
+
+def overlapped_steps(model, caches, steps: int) -> tuple[list[float], list[int]]:
+    """The same steps, step n + 1 queued on step n's device tokens before those are read."""
+    def launch(tokens: mx.array) -> mx.array:
+        logits = model.forward([Segment(c, [PENDING_TOKEN]) for c in caches], device_token_ids=tokens)
+        sampled = mx.argmax(mx.concatenate(logits), axis=-1).astype(mx.int32)  # [B]
+        mx.async_eval(sampled)
+        return sampled
+
+    in_flight = launch(mx.array([1] * len(caches), dtype=mx.int32))
+    out, ids = [], []
+    last = time.perf_counter()
+    for _ in range(steps):
+        following = launch(in_flight)
+        ids = in_flight.tolist()
+        now = time.perf_counter()
+        out.append((now - last) * 1000)
+        last = now
+        in_flight = following
+    ids = in_flight.tolist()  # the step queued last: its rows are in the caches already
+    return out, ids
+
+
+ARMS = {"serial": serial_steps, "overlap": overlapped_steps}
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    out = open(args.out, "w")
+
+    def emit(kind: str, **row) -> None:
+        line = json.dumps({"what": kind, "device": str(mx.default_device()), **row})
+        out.write(line + "\n")
+        out.flush()
+        print(line[:400], flush=True)
+
+    t0 = time.perf_counter()
+    model = load_model(Path(args.model))
+    if not args.as_loaded and any(isinstance(w, QuantizedWeight) for w in model.weights.values()):
+        from tessera.engine.tools.quant_bench import _dequantized_model
+
+        model = _dequantized_model(model, mx.bfloat16)
+    emit("loaded", seconds=round(time.perf_counter() - t0, 2), dtype=str(model.dtype), as_loaded=args.as_loaded)
+    options = DecodeOptions(chunk=args.chunk, tile=args.tile, cache_fill="random")
+    caches = [_filled(model, args.ctx, b, options) for b in range(args.batch)]
+    emit("filled", seconds=round(time.perf_counter() - t0, 2), ctx=args.ctx, batch=args.batch)
+    medians: dict[tuple[str, int], list[float]] = {}
+    for batch in (1, args.batch):
+        for arm in ARMS:  # warm both arms at this batch size
+            ARMS[arm](model, caches[:batch], 3)
+        for arm in ("serial", "overlap", "overlap", "serial") * 2:
+            steps, _ = ARMS[arm](model, caches[:batch], args.steps)
+            median = statistics.median(steps[1:])  # the first interval includes the first step's build
+            medians.setdefault((arm, batch), []).append(median)
+            emit("decode", arm=arm, ctx=args.ctx, batch=batch, step_ms_median=median,
+                 tokens_per_s=batch / median * 1000, step_ms=steps)
+    summary = {f"{arm}_b{batch}_step_ms": statistics.median(v) for (arm, batch), v in medians.items()}
+    for arm in ARMS:
+        one, many = summary[f"{arm}_b1_step_ms"], summary[f"{arm}_b{args.batch}_step_ms"]
+        summary[f"{arm}_ratio_b{args.batch}_over_b1"] = (args.batch / many) / (1 / one)
+    emit("summary", ctx=args.ctx, batch=args.batch, as_loaded=args.as_loaded, **summary,
+         seconds=round(time.perf_counter() - t0, 2))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model")
+    p.add_argument("out", help="JSON lines, one per round")
+    p.add_argument("--ctx", type=int, default=16384)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=16, help="timed steps per round")
+    p.add_argument("--chunk", type=int, default=4096)
+    p.add_argument("--tile", type=int, default=1024)
+    p.add_argument("--as-loaded", action="store_true",
+                   help="keep a quantized checkpoint's weights as loaded (mxfp8/mxfp4), not dequantized to bf16")
+    return p
+
+
+if __name__ == "__main__":
+    main()
