@@ -54,6 +54,7 @@ def build_engine(settings: Settings, metrics: Metrics | None = None) -> ServedMo
         weights_dtype=settings.weights_dtype,
         prefix_cache=settings.prefix_cache,
         prefix_cache_bytes=settings.prefix_cache_bytes,
+        decode_overlap=settings.decode_overlap,
     ))
     if metrics is None:
         metrics = Metrics.from_settings(settings, name, built.max_model_len)

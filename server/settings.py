@@ -127,6 +127,13 @@ class Settings(BaseSettings):
         "They come out of memory_budget: requests are admitted against what is left. None: a quarter of what "
         "the memory budget (memory_budget, or memory_fraction of the device) leaves for caches.",
     )
+    decode_overlap: bool = Field(
+        True,
+        description="Queue each decode step's likely successor on the device before reading its tokens, so "
+        "building one step's graph overlaps running the other (vLLM's async scheduling). Outputs are identical "
+        "with and without it; a step whose plan changes (a request ends or arrives) is undone and costs device "
+        "time. Requests with penalties, grammars or unmet min_tokens always run one step at a time. world 1 only.",
+    )
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Accepted bearer keys for inference routes; empty: no authentication. "

@@ -1,11 +1,13 @@
 """Decode with the next step overlapped (docs/BENCHMARKS.md "Issue 14, session 10"), in one process:
-B sequences at CTX (random cache rows), then rounds of `serial` and `overlap` steps at batch 1 and batch B,
-in the order serial overlap overlap serial (twice). Both arms take greedy tokens through `model.forward`:
+B sequences at CTX (random cache rows), then rounds of four arms at batch 1 and batch B, in the order
+A B C D D C B A (twice). Every arm takes greedy tokens:
 
-- serial: build step n, evaluate it, read its tokens to the host, then build step n + 1;
-- overlap: step n + 1 is built from step n's sampled tokens while they are still on the device
-  (`forward(..., device_token_ids=...)`) and queued (`mx.async_eval`) before step n's tokens are read,
-  so Python's graph building of one step runs while the device runs the other.
+- serial: `model.forward`; build step n, evaluate it, read its tokens to the host, then build step n + 1;
+- overlap: `model.forward`; step n + 1 is built from step n's sampled tokens while they are still on the
+  device (`forward(..., device_token_ids=...)`) and queued (`mx.async_eval`) before step n's tokens are
+  read, so Python's graph building of one step runs while the device runs the other;
+- serving: `ModelRunner.execute` of decode plans (the server's step, sampler included), decode overlap off;
+- serving_overlap: the same with the decode overlap on (engine/serving/decode_overlap.py), what a server runs.
 
 A step's time is the interval between two tokens reaching the host. One JSON line per round to OUT.
 
@@ -31,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywher
 from tessera.engine.model.deepseek_v4 import PENDING_TOKEN, Segment  # noqa: E402
 from tessera.engine.model.loader import load_model  # noqa: E402
 from tessera.engine.model.quantized import QuantizedWeight  # noqa: E402
-from tessera.engine.tools.bench_decode import DecodeOptions, _filled  # noqa: E402
+from tessera.engine.tools.bench_decode import DecodeOptions, _filled, serving_step_seconds  # noqa: E402
 
 
 def serial_steps(model, caches, steps: int) -> tuple[list[float], list[int]]:
@@ -69,7 +71,17 @@ def overlapped_steps(model, caches, steps: int) -> tuple[list[float], list[int]]
     return out, ids
 
 
-ARMS = {"serial": serial_steps, "overlap": overlapped_steps}
+def serving_steps(overlap: bool):
+    def steps_of(model, caches, steps: int) -> tuple[list[float], None]:
+        options = DecodeOptions(chunk=4096, tile=1024, decode_overlap=overlap)
+        seconds = serving_step_seconds(model, caches, [1] * len(caches), steps + 1, options)
+        return [s * 1000 for s in seconds[1:]], None  # the first interval includes the first step's build
+
+    return steps_of
+
+
+ARMS = {"serial": serial_steps, "overlap": overlapped_steps, "serving": serving_steps(False),
+        "serving_overlap": serving_steps(True)}
 
 
 def main() -> None:
@@ -96,7 +108,8 @@ def main() -> None:
     for batch in (1, args.batch):
         for arm in ARMS:  # warm both arms at this batch size
             ARMS[arm](model, caches[:batch], 3)
-        for arm in ("serial", "overlap", "overlap", "serial") * 2:
+        order = list(ARMS)
+        for arm in (order + order[::-1]) * 2:
             steps, _ = ARMS[arm](model, caches[:batch], args.steps)
             median = statistics.median(steps[1:])  # the first interval includes the first step's build
             medians.setdefault((arm, batch), []).append(median)

@@ -42,6 +42,7 @@ class EngineOptions:
     weights_dtype: str | None = None  # dequantize quantized weights to this dtype at load (debugging); None: quantized compute
     prefix_cache: bool = True
     prefix_cache_bytes: int | None = None  # None: DEFAULT_PREFIX_CACHE_SHARE of the cache budget, or ..._BYTES
+    decode_overlap: bool = True  # queue the next decode step ahead (engine/serving/decode_overlap.py); world 1 only
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,11 @@ def build_engine(options: EngineOptions) -> BuiltEngine:
             raise ValueError("weights_dtype is not supported with world > 1 yet: the pipeline ranks load quantized")
 
         runner = build_pipeline_runner(model_dir, options.world, **shape)
+        if options.decode_overlap:
+            logger.info("decode_overlap applies to world 1: the pipeline ranks run one decode step at a time")
     else:
-        runner = build_runner(model_dir, **shape, weights_dtype=options.weights_dtype)
+        runner = build_runner(model_dir, **shape, weights_dtype=options.weights_dtype,
+                              decode_overlap=options.decode_overlap)
         warm_up_compiled_decode(runner.model, options.max_num_seqs)
     cache_budget = kv_cache_budget(budget, runner.memory_snapshot())
     # Pipeline ranks would each have to restore the same state: no prefix cache there yet (docs/PARALLEL.md).

@@ -4,6 +4,9 @@ One step = all running decodes plus at most one prefill chunk, run as one flat b
 then one token is sampled for every decode and for a prefill chunk that completes its prompt.
 Owns each request's cache, token history and random stream, keyed by request id.
 
+Decode overlap (engine/serving/decode_overlap.py): after a decode-only step the runner queues the step the
+scheduler will most likely plan next on the device before it reads this step's tokens; the next plan takes
+it if it is exactly that step, and undoes it otherwise.
 Structured outputs: a request's TokenConstraint mask for this step's token is computed on the host while the
 model step evaluates (`mx.async_eval`), so grammar work overlaps the forward pass instead of following it.
 Prompt logprobs: a prefill chunk of a request that asked for them runs the lm head on all its rows (only
@@ -25,8 +28,9 @@ from tessera.engine.model.dtypes import dtype_name
 from tessera.engine.model.loader import load_model
 from tessera.engine.model.memory_plan import attention_call_elements, cache_bytes_at, make_plan, tile_array_elements
 from tessera.engine.model.quantized import QuantizedWeight
-from tessera.engine.model.deepseek_v4 import DeepseekV4, Segment
+from tessera.engine.model.deepseek_v4 import PENDING_TOKEN, DeepseekV4, Segment, fill_pending_token
 
+from tessera.engine.serving.decode_overlap import OverlapCounts, QueuedStep, can_queue_ahead, fed_tokens
 from tessera.engine.serving.prefix_cache import Lineage, PrefixCache, PrefixNode
 from tessera.engine.serving.protocol import (
     PrefillChunk,
@@ -37,7 +41,9 @@ from tessera.engine.serving.protocol import (
     StepOutput,
     StepPlan,
 )
-from tessera.engine.serving.sampler import RequestRng, TokenHistory, ranked_logprobs, sample, token_logprobs
+from tessera.engine.serving.sampler import (
+    LazyRow, RequestRng, Sample, TokenHistory, ranked_logprobs, read_samples, row_arrays, sample_lazily, token_logprobs,
+)
 from tessera.engine.model.trace import ForwardTrace
 
 
@@ -79,14 +85,26 @@ class _Sequence:
 
 
 def _restorer(seq: _Sequence) -> Callable[[], None]:
-    """A function that puts a sequence's cache (and its pending prefix state) back to how they are now."""
-    state, pending = resume_state(seq.cache), seq.lineage.pending
+    """A function that puts a sequence's cache, its pending prefix state and its random stream back to how
+    they are now."""
+    state, pending, rng_position = resume_state(seq.cache), seq.lineage.pending, seq.rng.position()
 
     def restore() -> None:
         rewind(seq.cache, state)
         seq.lineage.pending = pending
+        seq.rng.rewind_to(rng_position)
 
     return restore
+
+
+def _restorers(seqs: Sequence[_Sequence]) -> Callable[[], None]:
+    restores = [_restorer(seq) for seq in seqs]
+
+    def restore_all() -> None:
+        for restore in restores:
+            restore()
+
+    return restore_all
 
 
 class ModelRunner:
@@ -98,7 +116,10 @@ class ModelRunner:
         max_context: int | None = None,
         stage_timing_interval: int = 1,
         prefix_cache_bytes: int = 0,
+        decode_overlap: bool = True,
     ) -> None:
+        """decode_overlap: queue each decode-only step's likely successor before reading its tokens
+        (engine/serving/decode_overlap.py)."""
         if not 1 <= indexer_tile <= prefill_chunk:
             raise ValueError(f"indexer_tile ({indexer_tile}) must be between 1 and prefill_chunk ({prefill_chunk})")
         self.max_context = max_context or model.cfg.max_position_embeddings
@@ -114,6 +135,9 @@ class ModelRunner:
         self.stage_timing_interval = stage_timing_interval
         self._prefill_steps = 0
         self._sequences: dict[str, _Sequence] = {}
+        self.decode_overlap = decode_overlap
+        self._queued: QueuedStep | None = None  # the decode step queued ahead of its plan, if any
+        self.overlap_counts = OverlapCounts()
         # 0 bytes: no prefix cache. Its bytes come out of the memory budget (scheduler.py).
         self.prefix_cache = PrefixCache(model.cfg, model.dtype, prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         # request -> the cache match_prefix restored for it and the node it came from, until a plan adds it
@@ -145,6 +169,9 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepOutput:
         """Drop the plan's finished requests, set up its new ones, then run its tokens as one batch."""
+        queued = self._claim_queued(plan)
+        if queued is not None:
+            return self._run_queued(plan, queued)
         for request_id in plan.finished_request_ids:
             self.release(request_id)
         for new in plan.new_requests:
@@ -159,6 +186,37 @@ class ModelRunner:
             for restore in restores:
                 restore()
             raise
+
+    def _claim_queued(self, plan: StepPlan) -> QueuedStep | None:
+        """The step queued ahead if `plan` is that step; otherwise it is undone (before anything else in the
+        plan touches its requests) and None."""
+        queued, self._queued = self._queued, None
+        if queued is None:
+            return None
+        if queued.stands_for(plan):
+            self.overlap_counts.taken += 1
+            return queued
+        queued.undo()
+        self.overlap_counts.undone += 1
+        return None
+
+    def _run_queued(self, plan: StepPlan, queued: QueuedStep) -> StepOutput:
+        """`plan` is the queued step: its caches hold the step already; read its tokens (queueing the next)."""
+        try:
+            for slot in plan.decodes:  # the tokens it was fed are on the host now
+                fill_pending_token(self._sequences[slot.request_id].cache, slot.position, slot.token_id)
+            self._save_prefixes(plan)
+            sampled = self._read_and_queue(plan, list(plan.request_ids), list(queued.rows))
+        except Exception:
+            queued.undo()  # the Runner contract: a failed step leaves its requests as they were
+            raise
+        return StepOutput(sampled=tuple(sampled), stage_seconds=queued.timer.as_dict())
+
+    def add_filled_request(self, request_id: str, cache: SequenceCache, sampling: SamplingParams) -> None:
+        """Set up a request whose cache is already filled (benchmarks: engine/tools/bench_decode.py's
+        random caches); its prompt is the cache's tokens."""
+        self._sequences[request_id] = _Sequence(cache, sampling, TokenHistory(cache.token_ids), RequestRng(sampling.seed),
+                                                Lineage(node=None), tuple(cache.token_ids))
 
     def add_request(
         self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, num_cached_tokens: int = 0
@@ -208,7 +266,7 @@ class ModelRunner:
             prompt_logprobs = (self._prompt_logprobs(plan.prefill, logits[-1]),)
             logits[-1] = logits[-1][-1:]  # the last row is what samples
         rows = logits[: len(sampled_ids)]  # the prefill is last: its row only counts when it samples
-        sampled = self._sample(sampled_ids, _joined(rows))
+        sampled = self._sample(plan, sampled_ids, _joined(rows))
         return StepOutput(sampled=tuple(sampled), prompt_logprobs=prompt_logprobs, stage_seconds=timer.as_dict())
 
     def _prompt_logprobs(self, chunk: PrefillChunk, logits: mx.array) -> PromptLogprobs:
@@ -283,7 +341,7 @@ class ModelRunner:
 
     # ---- helpers -------------------------------------------------------------------------------
 
-    def _sample(self, request_ids: list[str], logits: mx.array | None) -> list[SampledToken]:
+    def _sample(self, plan: StepPlan, request_ids: list[str], logits: mx.array | None) -> list[SampledToken]:
         if logits is None:
             return []
         seqs = [self._sequences[r] for r in request_ids]
@@ -291,7 +349,48 @@ class ModelRunner:
         if any(s.sampling.constraint is not None for s in seqs):
             mx.async_eval(logits)  # the model step runs while the host computes the grammar masks
             masks = [s.sampling.constraint.allowed_mask() if s.sampling.constraint is not None else None for s in seqs]
-        samples = sample(logits, [s.sampling for s in seqs], [s.history for s in seqs], [s.rng for s in seqs], masks)
+        rows = sample_lazily(logits, [s.sampling for s in seqs], [s.history for s in seqs], [s.rng for s in seqs], masks)
+        return self._read_and_queue(plan, request_ids, rows)
+
+    def _read_and_queue(self, plan: StepPlan, request_ids: list[str], rows: list[LazyRow]) -> list[SampledToken]:
+        """The plan's sampled rows on the host, the step after the plan queued on the device first (when it
+        may be: decode_overlap.can_queue_ahead)."""
+        ahead = self._queue_ahead(plan, rows)
+        samples = read_samples(rows)  # waits for this step only: the one queued after it keeps running
+        if ahead is not None:
+            next_rows, timer, undo = ahead
+            decodes = tuple((slot.request_id, slot.position + 1) for slot in plan.decodes)
+            self._queued = QueuedStep(decodes, tuple(s.token_id for s in samples), tuple(next_rows), timer, undo)
+        return self._accept(request_ids, samples)
+
+    def _queue_ahead(self, plan: StepPlan, rows: list[LazyRow]):
+        """Build and queue the decode step after `plan` on `rows`' tokens, still on the device -> (its lazy
+        rows, its trace, its undo), or None when it may not be queued (or building it failed: then the step
+        runs when it is planned, as without the overlap)."""
+        seqs = [self._sequences[slot.request_id] for slot in plan.decodes]
+        room = all(s.cache.num_tokens < self.max_context for s in seqs)
+        if not (self.decode_overlap and can_queue_ahead(plan, [(s.sampling, s.history) for s in seqs], room)):
+            return None
+        undo = _restorers(seqs)
+        try:
+            mx.async_eval(row_arrays(rows))  # this step first in the device's queue
+            timer = ForwardTrace(stage_sync=False)
+            segments = [Segment(s.cache, [PENDING_TOKEN]) for s in seqs]
+            logits = self.model.forward(segments, tile=self.indexer_tile, timer=timer, device_token_ids=fed_tokens(rows))
+            next_rows = sample_lazily(_joined(logits), [s.sampling for s in seqs], [s.history for s in seqs],
+                                      [s.rng for s in seqs])
+            mx.async_eval(row_arrays(next_rows))
+        except Exception:
+            logger.exception("queueing the next decode step ahead failed; it runs when planned")
+            undo()
+            self.overlap_counts.failed += 1
+            return None
+        self.overlap_counts.queued += 1
+        return next_rows, timer, undo
+
+    def _accept(self, request_ids: list[str], samples: list[Sample]) -> list[SampledToken]:
+        """The samples are the requests' tokens now: into their histories (and grammars)."""
+        seqs = [self._sequences[r] for r in request_ids]
         out = []
         for request_id, seq, s in zip(request_ids, seqs, samples):
             seq.history.append(s.token_id)
@@ -326,8 +425,10 @@ def build_runner(
     stage_timing_interval: int = 1,
     prefix_cache_bytes: int = 0,
     weights_dtype: str | None = None,
+    decode_overlap: bool = True,
 ) -> ModelRunner:
     """weights_dtype: dequantize a quantized checkpoint's weights to this dtype at load (debugging,
     `tessera serve --weights-dtype`); None computes on them quantized."""
     model = load_model(Path(model_dir), dtype=default_compute_dtype(), weights_dtype=weights_dtype)
-    return ModelRunner(model, prefill_chunk, indexer_tile, max_context, stage_timing_interval, prefix_cache_bytes)
+    return ModelRunner(model, prefill_chunk, indexer_tile, max_context, stage_timing_interval, prefix_cache_bytes,
+                       decode_overlap)

@@ -34,7 +34,7 @@ from tessera.engine.serving.protocol import SamplingParams
 _GREEDY_TEMPERATURE = 1e-5  # vLLM's epsilon: temperatures below it sample greedily
 
 # One row's lazy result: token [1], then (if logprobs were asked) its logprob [1], top ids [1, n], their logprobs.
-_LazyRow = tuple[mx.array, "mx.array | None", "mx.array | None", "mx.array | None"]
+LazyRow = tuple[mx.array, "mx.array | None", "mx.array | None", "mx.array | None"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,13 @@ class RequestRng:
         self._key, key = mx.random.split(self._key)
         return key
 
+    def position(self) -> mx.array:
+        """Where the stream stands now; `rewind_to` it to draw the same keys again."""
+        return self._key
+
+    def rewind_to(self, position: mx.array) -> None:
+        self._key = position
+
 
 def sample(
     logits: mx.array,
@@ -98,6 +105,18 @@ def sample(
 ) -> list[Sample]:
     """Choose one token per row of `logits` [B, V]. Does not append to the histories: the caller does, once the
     token is accepted. `masks[i]`: row i's allowed tokens (TokenConstraint.allowed_mask layout), None: all."""
+    return read_samples(sample_lazily(logits, params, histories, rngs, masks))
+
+
+def sample_lazily(
+    logits: mx.array,
+    params: Sequence[SamplingParams],
+    histories: Sequence[TokenHistory],
+    rngs: Sequence[RequestRng],
+    masks: Sequence[bytes | None] | None = None,
+) -> list[LazyRow]:
+    """`sample`'s rows before anything is evaluated: the caller may queue them (`mx.async_eval`) and build
+    more work on their tokens first (engine/serving/decode_overlap.py). Each row's random key is drawn now."""
     num_rows = logits.shape[0]
     masks = masks if masks is not None else [None] * num_rows
     if not (len(params) == len(histories) == len(rngs) == len(masks) == num_rows):
@@ -106,10 +125,19 @@ def sample(
             f"{len(masks)} masks"
         )
     logits = logits.astype(mx.float32)
-    rows = [_choose(restrict(logits[i], params[i], histories[i], masks[i]), params[i], histories[i], rngs[i])
+    return [_choose(restrict(logits[i], params[i], histories[i], masks[i]), params[i], histories[i], rngs[i])
             for i in range(num_rows)]
-    mx.eval([array for row in rows for array in row if array is not None])  # one sync for the whole batch
+
+
+def read_samples(rows: Sequence[LazyRow]) -> list[Sample]:
+    """The rows' tokens (and logprobs) on the host, with one sync for the whole batch."""
+    mx.eval(row_arrays(rows))
     return [_to_sample(*row) for row in rows]
+
+
+def row_arrays(rows: Sequence[LazyRow]) -> list[mx.array]:
+    """Every array the rows hold (what evaluating them means)."""
+    return [array for row in rows for array in row if array is not None]
 
 
 def process_logits(row: mx.array, params: SamplingParams, history: TokenHistory) -> mx.array:
@@ -225,9 +253,9 @@ def _is_greedy(params: SamplingParams) -> bool:
     return params.temperature < _GREEDY_TEMPERATURE
 
 
-def _choose(row: mx.array, params: SamplingParams, history: TokenHistory, rng: RequestRng) -> _LazyRow:
+def _choose(row: mx.array, params: SamplingParams, history: TokenHistory, rng: RequestRng) -> LazyRow:
     """Lazy (token [1], then its logprob [1], top-n ids [1, n], their logprobs [1, n] or Nones) for one row;
-    evaluated by `sample`."""
+    evaluated by `read_samples`."""
     processed = process_logits(row, params, history)  # [V]
     if _is_greedy(params):
         token = mx.argmax(processed)  # ties: the lowest id

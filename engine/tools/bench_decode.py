@@ -37,23 +37,35 @@ class DecodeOptions:
     warmup: int = 3
     stage_sync: bool = False
     cache_fill: str = "prefill"  # "prefill": run the prompt; "random": random rows of a prefill's shapes (engine/tools/cache_fill.py)
+    # None: time the bare forward pass + greedy argmax; True / False: the serving step (ModelRunner.execute of
+    # decode-only plans) with the decode overlap on / off (engine/serving/decode_overlap.py)
+    decode_overlap: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.stage_sync and self.decode_overlap is not None:
+            raise ValueError("stage_sync times the bare forward pass: it cannot be combined with decode_overlap")
 
 
 def bench_decode(model: DeepseekV4, ctx: int, batch: int, options: DecodeOptions = DecodeOptions()) -> dict:
     """Prefill `batch` sequences of different random tokens to `ctx`, then decode greedily."""
     caches = [_filled(model, ctx, b, options) for b in range(batch)]
     next_ids = [(b + 1) % model.cfg.vocab_size for b in range(batch)]  # any first decode token will do
-    warmup_seconds = []  # the first step pays for first use: kernels compiled, compiled step parts traced
-    for _ in range(options.warmup):
-        next_ids, seconds = _decode_step(model, caches, next_ids, ForwardTrace(stage_sync=False))
-        warmup_seconds.append(seconds)
-    step_seconds, stage_totals = [], {name: 0.0 for name in DECODE_STAGES}
-    for _ in range(options.steps):
-        timer = ForwardTrace(stage_sync=options.stage_sync)
-        next_ids, seconds = _decode_step(model, caches, next_ids, timer)
-        step_seconds.append(seconds)
-        for name, parts in DECODE_STAGES.items():
-            stage_totals[name] += sum(timer.as_dict().get(p, 0.0) for p in parts)
+    stage_totals = {name: 0.0 for name in DECODE_STAGES}
+    if options.decode_overlap is not None:
+        seconds = serving_step_seconds(model, caches, next_ids, options.warmup + options.steps, options)
+        warmup_seconds, step_seconds = seconds[: options.warmup], seconds[options.warmup :]
+    else:
+        warmup_seconds = []  # the first step pays for first use: kernels compiled, compiled step parts traced
+        for _ in range(options.warmup):
+            next_ids, seconds = _decode_step(model, caches, next_ids, ForwardTrace(stage_sync=False))
+            warmup_seconds.append(seconds)
+        step_seconds = []
+        for _ in range(options.steps):
+            timer = ForwardTrace(stage_sync=options.stage_sync)
+            next_ids, seconds = _decode_step(model, caches, next_ids, timer)
+            step_seconds.append(seconds)
+            for name, parts in DECODE_STAGES.items():
+                stage_totals[name] += sum(timer.as_dict().get(p, 0.0) for p in parts)
     # Cache rows are counted at the middle measured step (the cache grows by one token per step).
     cache_bytes = sum(cache_bytes_read(model.cfg, ctx + options.warmup + options.steps // 2, model.dtype.size) for _ in caches)
     weights = weights_bytes_touched(model, batch)
@@ -91,6 +103,33 @@ def _decode_step(model: DeepseekV4, caches: list, token_ids: list[int], timer: F
     seconds = time.perf_counter() - start
     mx.eval([c.arrays() for c in caches])  # already evaluated with the logits; keeps the graphs short
     return sampled, seconds
+
+
+def serving_step_seconds(model: DeepseekV4, caches: list, token_ids: list[int], num_steps: int,
+                         options: DecodeOptions) -> list[float]:
+    """Seconds of `num_steps` serving steps: ModelRunner.execute of plans decoding every cache's sequence,
+    greedy, each plan made from the last step's tokens as the scheduler makes it; a step is the time from
+    one plan's tokens on the host to the next's (with the overlap, the next step is already running)."""
+    from tessera.engine.serving.protocol import DecodeSlot, SamplingParams, StepPlan
+    from tessera.engine.serving.runner import ModelRunner
+
+    max_context = max(c.num_tokens for c in caches) + num_steps + 1
+    runner = ModelRunner(model, options.chunk, options.tile, max_context=max_context,
+                         decode_overlap=bool(options.decode_overlap))
+    greedy = SamplingParams(temperature=0.0, max_tokens=num_steps + 1, ignore_eos=True)
+    request_ids = [f"seq{b}" for b in range(len(caches))]
+    for request_id, cache in zip(request_ids, caches):
+        runner.add_filled_request(request_id, cache, greedy)
+    positions = [c.num_tokens for c in caches]
+    seconds, last = [], time.perf_counter()
+    for step in range(num_steps):
+        plan = StepPlan(decodes=tuple(DecodeSlot(r, t, p + step) for r, t, p in zip(request_ids, token_ids, positions)))
+        token_ids = [s.token_id for s in runner.execute(plan).sampled]
+        now = time.perf_counter()
+        seconds.append(now - last)
+        last = now
+    runner.execute(StepPlan(finished_request_ids=tuple(request_ids)))  # a queued step is undone, caches released
+    return seconds
 
 
 def weights_bytes_touched(model: DeepseekV4, batch: int) -> int:
@@ -166,6 +205,8 @@ def _report(model, ctx, batch, options, step_seconds, stage_totals, weights, cac
         "compile": compile_enabled(),
         "compile_step": step_compile_enabled(),
         "cache_fill": options.cache_fill,
+        "path": "model" if options.decode_overlap is None else "runner",
+        "decode_overlap": options.decode_overlap,
         "step_ms_median": median,
         "step_ms_p90": p90,
         "step_ms": [s * 1000 for s in step_seconds],

@@ -410,6 +410,9 @@ def _register_bench(subparsers) -> None:
                      help="prefill: run a random prompt of --ctx tokens first; random: give every layer's cache the "
                           "shapes a prefill in --chunk chunks leaves, filled with random rows, in seconds (decode "
                           "time depends on those sizes, not the contents: engine/tools/cache_fill.py)")
+    dec.add_argument("--decode-overlap", choices=["on", "off"], default=None,
+                     help="time the serving step (ModelRunner.execute of decode plans) with the decode overlap on or "
+                          "off (engine/serving/decode_overlap.py) instead of the bare forward pass; not with --stage-sync")
     dec.add_argument("--json", action="store_true")
     dec.set_defaults(func=_bench_decode)
     idx = sub.add_parser("indexer", help="indexer scoring throughput vs the device's bf16 matmul rate")
@@ -497,8 +500,13 @@ def _bench_decode(args) -> int:
         from tessera.engine.model.compiled import set_step_compile_enabled
 
         set_step_compile_enabled(args.compile_step == "on")
+    if args.stage_sync and args.decode_overlap is not None:
+        print("error: --stage-sync times the bare forward pass; it cannot be combined with --decode-overlap",
+              file=sys.stderr)
+        return 2
+    overlap = None if args.decode_overlap is None else args.decode_overlap == "on"
     options = DecodeOptions(chunk=args.chunk, tile=args.tile, steps=args.steps, stage_sync=args.stage_sync,
-                            cache_fill=args.cache_fill)
+                            cache_fill=args.cache_fill, decode_overlap=overlap)
     report = bench_decode(load_for_bench(args.model, args.dtype), args.ctx, args.batch, options)
     _print_report(report, args.json)
     return 0

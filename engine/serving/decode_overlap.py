@@ -1,0 +1,89 @@
+"""The decode step queued ahead: step n + 1 runs on the device while the host finishes step n.
+
+A decode step ends with the sampled tokens copied to the host; the scheduler needs them (stop tokens,
+lengths, streaming) before it plans the next step, and Python then builds that step's graph while the
+device waits. The runner instead builds the step the scheduler will most likely plan next — the same
+requests in the same order, each fed the token it just sampled, still on the device
+(`DeepseekV4.forward`'s `device_token_ids`) — and queues it (`mx.async_eval`) before it reads step n's
+tokens. Python's graph building then runs while the device runs step n, and the device runs step n + 1
+while the engine loop posts step n's tokens and schedules. vLLM's "async scheduling" does the same
+across its scheduler; here it stays inside the runner, and the scheduler and its plans are unchanged.
+
+When the next plan is exactly the queued step (`QueuedStep.stands_for`), the runner reads its results;
+any other plan (a request finished, arrived or was aborted, a prefill chunk) undoes it — caches, their
+prefix state and random streams back as they were — and runs the plan as usual. The queued step is the
+step the plan asks for, so the tokens are the same either way; a plan that differs costs one step of
+device time spent for nothing.
+
+Only a step whose sampling needs nothing from the host's token history is queued ahead
+(`samples_without_history`): no repetition, frequency or presence penalty, no grammar, no min_tokens
+still to enforce. Others run one step at a time, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import mlx.core as mx
+
+from tessera.engine.model.trace import ForwardTrace
+from tessera.engine.serving.protocol import SamplingParams, StepPlan
+from tessera.engine.serving.sampler import LazyRow, TokenHistory
+
+
+@dataclass(frozen=True)
+class QueuedStep:
+    """A decode step built and queued on the device ahead of its plan."""
+
+    decodes: tuple[tuple[str, int], ...]  # (request id, position of the token it is fed), in batch order
+    fed_tokens: tuple[int, ...]  # the tokens it was fed, as the host read them after queueing it
+    rows: tuple[LazyRow, ...]  # its sampled rows, one per decode (lazy, queued)
+    timer: ForwardTrace
+    undo: Callable[[], None]  # puts every touched cache, prefix state and random stream back
+
+    def stands_for(self, plan: StepPlan) -> bool:
+        """Whether `plan` is exactly this step: the same decodes, positions and tokens, nothing else."""
+        if plan.prefill is not None or plan.new_requests or plan.finished_request_ids:
+            return False
+        planned = tuple((slot.request_id, slot.position) for slot in plan.decodes)
+        return planned == self.decodes and tuple(slot.token_id for slot in plan.decodes) == self.fed_tokens
+
+
+@dataclass
+class OverlapCounts:
+    """How the steps queued ahead fared: taken by their plan, or undone by a different one."""
+
+    queued: int = 0
+    taken: int = 0
+    undone: int = 0
+    failed: int = 0  # building one raised: the step ran when planned instead
+
+
+def samples_without_history(params: SamplingParams, history: TokenHistory) -> bool:
+    """Whether this request's next token can be sampled before its last one reaches the host's history:
+    penalties and grammars read the history, and min_tokens its length until it is reached."""
+    return (
+        params.repetition_penalty == 1.0
+        and params.frequency_penalty == 0.0
+        and params.presence_penalty == 0.0
+        and params.constraint is None
+        and (not params.stop_token_ids or history.num_output_tokens >= params.min_tokens)
+    )
+
+
+def can_queue_ahead(plan: StepPlan, sampling: Sequence[tuple[SamplingParams, TokenHistory]], room: bool) -> bool:
+    """Whether the step after `plan` may be queued now: `plan` is decodes only, each of whose next tokens
+    can be sampled without the host (`sampling`, in the plan's order), and every cache has `room` for
+    one more token."""
+    return (
+        plan.prefill is None
+        and bool(plan.decodes)
+        and room
+        and all(samples_without_history(params, history) for params, history in sampling)
+    )
+
+
+def fed_tokens(rows: Sequence[LazyRow]) -> mx.array:
+    """The sampled rows' tokens as the next step's input [B] int32, still on the device."""
+    return mx.concatenate([row[0] for row in rows]).astype(mx.int32)

@@ -1,0 +1,156 @@
+"""Decode overlap (engine/serving/decode_overlap.py): the runner queues the next decode step before it reads
+this one's tokens. What a user must not notice: any difference in the tokens, logprobs or finish reasons,
+whether requests finish at different steps, arrive late, are aborted, sample with seeds, use the prefix
+cache, or the queued step fails to build. What must happen: steps are queued ahead and taken."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from tessera.engine.model.loader import load_model
+from tessera.engine.serving.engine_loop import EngineLoop
+from tessera.engine.serving.protocol import Done, Token, SamplingParams
+from tessera.engine.serving.request import Request
+from tessera.engine.serving.runner import ModelRunner
+from tessera.engine.serving.scheduler import SchedulerConfig
+from tessera.engine.tools.make_model import make_model
+from tessera.engine.tools.replay import random_tokens
+
+CHUNK, TILE = 64, 16
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(make_model(tmp_path_factory.mktemp("overlap"), "tiny", seed=3, with_tokenizer=False),
+                      dtype="float32")
+
+
+class Driver:
+    """A ModelRunner behind the real scheduler and engine loop, stepped on this thread."""
+
+    def __init__(self, model, overlap: bool, prefix_cache_bytes: int = 0) -> None:
+        self.runner = ModelRunner(model, CHUNK, TILE, prefix_cache_bytes=prefix_cache_bytes, decode_overlap=overlap)
+        config = SchedulerConfig(prefill_chunk=CHUNK, max_num_seqs=4, prefix_cache_bytes=prefix_cache_bytes)
+        self.events: dict[str, list] = {}
+        self.requests: dict[str, Request] = {}
+        self.loop = EngineLoop(self.runner, config, lambda rid, event: self.events.setdefault(rid, []).append(event))
+
+    def submit(self, rid: str, prompt: list[int], sampling: SamplingParams) -> None:
+        self.requests[rid] = Request(rid, tuple(prompt), sampling)
+        self.loop.submit(self.requests[rid])
+
+    def steps(self, n: int | None = None) -> None:
+        self.loop.run_until_idle(n)
+
+
+def greedy(max_tokens: int, **more) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2, ignore_eos=True, **more)
+
+
+def seeded(max_tokens: int, seed: int, **more) -> SamplingParams:
+    return SamplingParams(temperature=0.9, top_p=0.95, seed=seed, max_tokens=max_tokens, logprobs=2, ignore_eos=True,
+                          **more)
+
+
+def scenario(model, overlap: bool) -> Driver:
+    """Four requests finishing at different steps, one arriving while the others decode, one aborted."""
+    vocab = model.cfg.vocab_size
+    d = Driver(model, overlap)
+    d.submit("short", random_tokens(vocab, 20, 1), greedy(3))
+    d.submit("long", random_tokens(vocab, 37, 2), greedy(14))
+    d.submit("seeded", random_tokens(vocab, 9, 3), seeded(11, seed=7))
+    d.submit("aborted", random_tokens(vocab, 15, 4), seeded(30, seed=8))
+    d.steps(6)
+    d.submit("late", random_tokens(vocab, 70, 5), seeded(6, seed=9))  # two prefill chunks while the rest decode
+    d.steps(3)
+    d.loop.abort("aborted")
+    d.steps()
+    return d
+
+
+def test_overlapped_decode_streams_the_same_tokens_logprobs_and_endings(model):
+    one_by_one, overlapped = scenario(model, overlap=False), scenario(model, overlap=True)
+
+    assert overlapped.events == one_by_one.events
+    assert [e.finish_reason for e in overlapped.events["aborted"] if isinstance(e, Done)] == ["abort"]
+    assert len([e for e in overlapped.events["long"] if isinstance(e, Token)]) == 14
+    counts = overlapped.runner.overlap_counts
+    assert counts.taken >= 4  # steps with the same decodes as the last were queued ahead and taken...
+    assert counts.undone >= 3  # ...and finishes, an arrival and an abort undid one each
+    assert counts.queued == counts.taken + counts.undone + (1 if overlapped.runner._queued else 0)
+    assert one_by_one.runner.overlap_counts.queued == 0
+
+
+def test_sampling_that_reads_the_history_runs_one_step_at_a_time_with_the_same_tokens(model):
+    vocab = model.cfg.vocab_size
+    runs = {}
+    for overlap in (False, True):
+        d = Driver(model, overlap)
+        d.submit("penalized", random_tokens(vocab, 12, 1), seeded(8, seed=1, repetition_penalty=1.3,
+                                                                  frequency_penalty=0.5))
+        d.steps()
+        runs[overlap] = d
+    assert runs[True].events == runs[False].events
+    assert runs[True].runner.overlap_counts.queued == 0
+
+
+def test_min_tokens_is_enforced_before_any_step_is_queued_ahead(model):
+    vocab = model.cfg.vocab_size
+    runs = {}
+    for overlap in (False, True):
+        d = Driver(model, overlap)
+        stop = list(range(vocab))[::8]  # an eighth of the vocabulary stops the request, but not before 6 tokens
+        d.submit("r", random_tokens(vocab, 12, 1), SamplingParams(temperature=1.0, seed=3, max_tokens=20, min_tokens=6,
+                                                                  stop_token_ids=tuple(stop)))
+        d.steps()
+        runs[overlap] = d
+    tokens = [e.token_id for e in runs[True].events["r"] if isinstance(e, Token)]
+    (done,) = [e for e in runs[True].events["r"] if isinstance(e, Done)]
+    assert runs[True].events == runs[False].events
+    assert len(tokens) >= 6 and not set(tokens) & set(stop)
+    # The step sampling token k is queued ahead when k - 1 tokens already reached min_tokens: k = 7 .. n.
+    assert done.num_generated_tokens >= 8
+    assert runs[True].runner.overlap_counts.queued == done.num_generated_tokens - 6
+
+
+def test_a_queued_step_that_fails_to_build_falls_back_to_the_planned_step(model, caplog):
+    one_by_one = scenario(model, overlap=False)
+    d = Driver(model, overlap=True)
+    real_forward = d.runner.model.forward
+
+    def refuse_device_tokens(*args, **kwargs):
+        if kwargs.get("device_token_ids") is not None:
+            real_forward(*args, **kwargs)  # writes its caches, then fails: the undo must take them back
+            raise RuntimeError("injected")
+        return real_forward(*args, **kwargs)
+
+    d.runner.model.forward = refuse_device_tokens
+    try:
+        with caplog.at_level(logging.ERROR):
+            vocab = model.cfg.vocab_size
+            d.submit("long", random_tokens(vocab, 37, 2), greedy(14))
+            d.steps()
+    finally:
+        d.runner.model.forward = real_forward
+    assert d.events["long"] == one_by_one.events["long"]
+    assert d.runner.overlap_counts.failed >= 10 and d.runner.overlap_counts.queued == 0
+    assert "queueing the next decode step ahead failed" in caplog.text
+
+
+def test_a_decode_that_crosses_a_block_is_cached_and_restored_as_without_overlap(model):
+    vocab = model.cfg.vocab_size
+    turn1 = random_tokens(vocab, 100, 11)
+    runs = {}
+    for overlap in (False, True):
+        d = Driver(model, overlap, prefix_cache_bytes=64 << 20)
+        d.submit("turn1", turn1, greedy(40))  # 100 + 40 tokens: the decode crosses the 128-token block
+        d.steps()
+        reply = [e.token_id for e in d.events["turn1"] if isinstance(e, Token)]
+        d.submit("turn2", turn1 + reply + random_tokens(vocab, 5, 12), greedy(5))
+        d.steps()
+        runs[overlap] = d
+    assert runs[True].events == runs[False].events
+    assert runs[True].requests["turn2"].num_cached_tokens == 128  # the block the decode filled, restored
+    assert runs[True].runner.overlap_counts.taken > 20
