@@ -95,12 +95,17 @@ def main() -> None:
         print(line[:400], flush=True)
 
     t0 = time.perf_counter()
+    if args.qmv_rows is not None:
+        from tessera.engine.model import moe
+
+        moe.GATHER_QMV_ROWS = args.qmv_rows
     model = load_model(Path(args.model))
     if not args.as_loaded and any(isinstance(w, QuantizedWeight) for w in model.weights.values()):
         from tessera.engine.tools.quant_bench import _dequantized_model
 
         model = _dequantized_model(model, mx.bfloat16)
-    emit("loaded", seconds=round(time.perf_counter() - t0, 2), dtype=str(model.dtype), as_loaded=args.as_loaded)
+    emit("loaded", seconds=round(time.perf_counter() - t0, 2), dtype=str(model.dtype), as_loaded=args.as_loaded,
+         qmv_rows=args.qmv_rows)
     options = DecodeOptions(chunk=args.chunk, tile=args.tile, cache_fill="random")
     caches = [_filled(model, args.ctx, b, options) for b in range(args.batch)]
     emit("filled", seconds=round(time.perf_counter() - t0, 2), ctx=args.ctx, batch=args.batch)
@@ -132,6 +137,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=16, help="timed steps per round")
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--tile", type=int, default=1024)
+    p.add_argument("--qmv-rows", type=int, default=None,
+                   help="engine/model/moe.py GATHER_QMV_ROWS for every arm (quantized experts in gemv pieces on CUDA)")
     p.add_argument("--as-loaded", action="store_true",
                    help="keep a quantized checkpoint's weights as loaded (mxfp8/mxfp4), not dequantized to bf16")
     return p
