@@ -84,6 +84,9 @@ class _Sequence:
     prompt_ids: tuple[int, ...]
 
 
+_Ahead = tuple[list[LazyRow], ForwardTrace, Callable[[], None]]  # a queued step's rows, trace and undo
+
+
 def _restorer(seq: _Sequence) -> Callable[[], None]:
     """A function that puts a sequence's cache, its pending prefix state and its random stream back to how
     they are now."""
@@ -363,7 +366,7 @@ class ModelRunner:
             self._queued = QueuedStep(decodes, tuple(s.token_id for s in samples), tuple(next_rows), timer, undo)
         return self._accept(request_ids, samples)
 
-    def _queue_ahead(self, plan: StepPlan, rows: list[LazyRow]):
+    def _queue_ahead(self, plan: StepPlan, rows: list[LazyRow]) -> _Ahead | None:
         """Build and queue the decode step after `plan` on `rows`' tokens, still on the device -> (its lazy
         rows, its trace, its undo), or None when it may not be queued (or building it failed: then the step
         runs when it is planned, as without the overlap)."""
