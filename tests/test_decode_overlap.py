@@ -116,7 +116,10 @@ def test_min_tokens_is_enforced_before_any_step_is_queued_ahead(model):
 
 
 def test_a_queued_step_that_fails_to_build_falls_back_to_the_planned_step(model, caplog):
-    one_by_one = scenario(model, overlap=False)
+    vocab = model.cfg.vocab_size
+    one_by_one = Driver(model, overlap=False)  # the same batches (a GPU's bits depend on the batch)
+    one_by_one.submit("long", random_tokens(vocab, 37, 2), greedy(14))
+    one_by_one.steps()
     d = Driver(model, overlap=True)
     real_forward = d.runner.model.forward
 
@@ -129,7 +132,6 @@ def test_a_queued_step_that_fails_to_build_falls_back_to_the_planned_step(model,
     d.runner.model.forward = refuse_device_tokens
     try:
         with caplog.at_level(logging.ERROR):
-            vocab = model.cfg.vocab_size
             d.submit("long", random_tokens(vocab, 37, 2), greedy(14))
             d.steps()
     finally:

@@ -141,23 +141,6 @@ def test_gathered_quantized_pairs_split_into_pieces_give_the_same_result(monkeyp
     assert np.array_equal(np.array(whole), np.array(pieces))
 
 
-def test_gathered_quantized_rows_in_qmv_pieces_on_cuda_give_the_same_result(monkeypatch):
-    base = _weights()
-    w = MoEWeights(**{**base.__dict__, **{n: quantize(getattr(base, n), "mxfp4", 32) for n in ("w1", "w2", "w3")}})
-    mx.random.seed(11)
-    x = mx.random.normal((16, DIM))  # a batch-16 decode step: 32 pairs
-    experts, weights = route(x, None, w, TOP_K, 1.5)
-    whole = routed_experts(x, experts, weights, w, LIMIT, layout="gathered")
-    calls = []
-    real_gather_qmm = mx.gather_qmm
-    monkeypatch.setattr(moe_mod.mx, "gather_qmm", lambda x, *a, **k: calls.append(x.shape[0]) or real_gather_qmm(x, *a, **k))
-    monkeypatch.setattr(moe_mod, "on_cuda", lambda: True)
-    monkeypatch.setattr(moe_mod, "GATHER_QMV_ROWS", 7)
-    pieces = routed_experts(x, experts, weights, w, LIMIT, layout="gathered")
-    assert np.array_equal(np.array(whole), np.array(pieces))
-    assert calls and max(calls) == 7 and sum(calls) == 3 * 2 * 16  # w1, w3, w2: every pair, 7 rows a call at most
-
-
 def test_dequantized_expert_groups_match_the_loop(monkeypatch):
     base = _weights()
     w = MoEWeights(**{**base.__dict__, **{n: quantize(getattr(base, n), "mxfp4", 32) for n in ("w1", "w2", "w3")}})

@@ -1,6 +1,6 @@
 """Decode with the next step overlapped (docs/BENCHMARKS.md "Issue 14, session 10"), in one process:
 B sequences at CTX (random cache rows), then rounds of four arms at batch 1 and batch B, in the order
-A B C D D C B A (twice). Every arm takes greedy tokens:
+A B C D D C B A (--rounds times; --arms picks a subset). Every arm takes greedy tokens:
 
 - serial: `model.forward`; build step n, evaluate it, read its tokens to the host, then build step n + 1;
 - overlap: `model.forward`; step n + 1 is built from step n's sampled tokens while they are still on the
@@ -95,33 +95,27 @@ def main() -> None:
         print(line[:400], flush=True)
 
     t0 = time.perf_counter()
-    if args.qmv_rows is not None:
-        from tessera.engine.model import moe
-
-        moe.GATHER_QMV_ROWS = args.qmv_rows
     model = load_model(Path(args.model))
     if not args.as_loaded and any(isinstance(w, QuantizedWeight) for w in model.weights.values()):
         from tessera.engine.tools.quant_bench import _dequantized_model
 
         model = _dequantized_model(model, mx.bfloat16)
-    emit("loaded", seconds=round(time.perf_counter() - t0, 2), dtype=str(model.dtype), as_loaded=args.as_loaded,
-         qmv_rows=args.qmv_rows)
+    emit("loaded", seconds=round(time.perf_counter() - t0, 2), dtype=str(model.dtype), as_loaded=args.as_loaded)
     options = DecodeOptions(chunk=args.chunk, tile=args.tile, cache_fill="random")
     caches = [_filled(model, args.ctx, b, options) for b in range(args.batch)]
     emit("filled", seconds=round(time.perf_counter() - t0, 2), ctx=args.ctx, batch=args.batch)
     medians: dict[tuple[str, int], list[float]] = {}
     for batch in (1, args.batch):
-        for arm in ARMS:  # warm both arms at this batch size
+        for arm in args.arms:  # warm every arm at this batch size
             ARMS[arm](model, caches[:batch], 3)
-        order = list(ARMS)
-        for arm in (order + order[::-1]) * 2:
+        for arm in (args.arms + args.arms[::-1]) * args.rounds:
             steps, _ = ARMS[arm](model, caches[:batch], args.steps)
             median = statistics.median(steps[1:])  # the first interval includes the first step's build
             medians.setdefault((arm, batch), []).append(median)
             emit("decode", arm=arm, ctx=args.ctx, batch=batch, step_ms_median=median,
                  tokens_per_s=batch / median * 1000, step_ms=steps)
     summary = {f"{arm}_b{batch}_step_ms": statistics.median(v) for (arm, batch), v in medians.items()}
-    for arm in ARMS:
+    for arm in args.arms:
         one, many = summary[f"{arm}_b1_step_ms"], summary[f"{arm}_b{args.batch}_step_ms"]
         summary[f"{arm}_ratio_b{args.batch}_over_b1"] = (args.batch / many) / (1 / one)
     emit("summary", ctx=args.ctx, batch=args.batch, as_loaded=args.as_loaded, **summary,
@@ -137,8 +131,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=16, help="timed steps per round")
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--tile", type=int, default=1024)
-    p.add_argument("--qmv-rows", type=int, default=None,
-                   help="engine/model/moe.py GATHER_QMV_ROWS for every arm (quantized experts in gemv pieces on CUDA)")
+    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), help="the arms to run, in this order")
+    p.add_argument("--rounds", type=int, default=2, help="A B .. B A sequences per batch size")
     p.add_argument("--as-loaded", action="store_true",
                    help="keep a quantized checkpoint's weights as loaded (mxfp8/mxfp4), not dequantized to bf16")
     return p

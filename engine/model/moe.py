@@ -52,10 +52,6 @@ CAPACITY_MULTIPLE = 16
 # MLX's CUDA gather_qmm launches one grid z-slice per batch entry (qmm_sm80; CUDA allows 65,535), so
 # the gathered layout's one-row-per-pair calls are split into pieces of at most this many pairs.
 GATHER_QMM_MAX_BATCH = 65535
-# MLX's CUDA gather_qmm runs its gemv kernel (qmv) only for calls of fewer than 8 rows; above, a tensor-core
-# GEMM (qmm_sm80) whose tiles a one-row batch entry barely fills. On CUDA the gathered layout's quantized
-# rows go to it in pieces of this many, each piece a qmv call (None: one call for all rows).
-GATHER_QMV_ROWS: int | None = None
 # Quantized experts in the padded layout's main block: dequantize this many experts at a time (to the
 # activations' dtype, transiently: 32 V4 Flash experts are 1.6 GB in bf16) and run plain batched gemms,
 # instead of gather_qmm on the packed weights. None = gather_qmm. Off until docs/bench/issue14_moe.py
@@ -106,25 +102,15 @@ def _cpu_float(x: mx.array) -> mx.array:
 def _gather_linear(x: mx.array, w: Weight, experts: mx.array) -> mx.array:
     """x: [..., M, in], experts: [...] -> [..., M, out]: batch entry n through expert experts[n]
     (experts ascend when M = 1: the gathered layout)."""
-    piece = _gather_qmm_piece(x, w)
-    if piece < x.shape[0]:
-        return mx.concatenate([_gather_linear(x[s : s + piece], w, experts[s : s + piece])
-                               for s in range(0, x.shape[0], piece)])
+    if isinstance(w, QuantizedWeight) and x.shape[0] > GATHER_QMM_MAX_BATCH:
+        pieces = range(0, x.shape[0], GATHER_QMM_MAX_BATCH)
+        return mx.concatenate([_gather_linear(x[s : s + GATHER_QMM_MAX_BATCH], w, experts[s : s + GATHER_QMM_MAX_BATCH]) for s in pieces])
     if isinstance(w, QuantizedWeight):
         return mx.gather_qmm(x, w.values, w.scales, w.biases, rhs_indices=experts, transpose=True,
                              group_size=w.group_size, bits=w.bits, mode=w.mode, sorted_indices=x.shape[-2] == 1)
     out = mx.gather_mm(_cpu_float(x), _cpu_float(w.swapaxes(-1, -2)), rhs_indices=experts,
                        sorted_indices=x.shape[-2] == 1 and not on_cuda())
     return out.astype(x.dtype)
-
-
-def _gather_qmm_piece(x: mx.array, w: Weight) -> int:
-    """Most batch entries of x [B, M, in] one gather_qmm call may take (B: no split)."""
-    if not isinstance(w, QuantizedWeight):
-        return x.shape[0]
-    if GATHER_QMV_ROWS and x.shape[-2] == 1 and on_cuda():
-        return GATHER_QMV_ROWS
-    return GATHER_QMM_MAX_BATCH
 
 
 def _batched_linear(x: mx.array, w: Weight) -> mx.array:
