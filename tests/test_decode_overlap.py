@@ -156,3 +156,17 @@ def test_a_decode_that_crosses_a_block_is_cached_and_restored_as_without_overlap
     assert runs[True].events == runs[False].events
     assert runs[True].requests["turn2"].num_cached_tokens == 128  # the block the decode filled, restored
     assert runs[True].runner.overlap_counts.taken > 20
+
+
+def test_a_decode_planned_at_another_position_than_its_cache_is_refused_and_changes_nothing(model):
+    from tessera.engine.serving.protocol import DecodeSlot, NewRequest, PrefillChunk, StepPlan
+
+    runner = ModelRunner(model, CHUNK, TILE)
+    prompt = tuple(random_tokens(model.cfg.vocab_size, 20, 1))
+    sampling = greedy(10)
+    plan = StepPlan(prefill=PrefillChunk("r", prompt, 0, True), new_requests=(NewRequest("r", prompt, sampling),))
+    first = runner.execute(plan)
+    token = first.sampled[0].token_id
+    with pytest.raises(RuntimeError, match="position 21, its cache holds 20"):
+        runner.execute(StepPlan(decodes=(DecodeSlot("r", token, 21),)))
+    assert runner.execute(StepPlan(decodes=(DecodeSlot("r", token, 20),))).sampled  # still at 20: runs

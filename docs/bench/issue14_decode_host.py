@@ -120,7 +120,10 @@ def _forward_steps(model: DeepseekV4, cache, next_id: list[int], steps: int) -> 
 
 def _runner(model: DeepseekV4, cache, args) -> ModelRunner:
     """A runner holding one request whose cache is the filled one (as if its prompt had been prefilled)."""
-    runner = ModelRunner(model, prefill_chunk=args.chunk, indexer_tile=args.tile, max_context=args.ctx + 4096)
+    # the serial step these runs measured (plans read positions off the cache)
+    runner = ModelRunner(
+        model, prefill_chunk=args.chunk, indexer_tile=args.tile, max_context=args.ctx + 4096, decode_overlap=False
+    )
     runner.add_request(REQUEST, [1], SamplingParams(temperature=0.0, max_tokens=10**9))
     runner._sequences[REQUEST].cache = cache  # noqa: SLF001 - a benchmark's shortcut past the prefill
     return runner

@@ -21,7 +21,8 @@ m = load_model(Path(sys.argv[1]))
 ctx = int(sys.argv[2]) if len(sys.argv) > 2 else 2048
 rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
 cache = _filled(m, ctx, 0, DecodeOptions(1024, 256, cache_fill="random"))
-runner = ModelRunner(m, prefill_chunk=1024, indexer_tile=256, max_context=ctx + 4096)
+# the serial step these runs measured (plans read positions off the cache)
+runner = ModelRunner(m, prefill_chunk=1024, indexer_tile=256, max_context=ctx + 4096, decode_overlap=False)
 runner.add_request("r", [1], SamplingParams(temperature=0.0, max_tokens=10**9))
 runner._sequences["r"].cache = cache
 nid = [1]

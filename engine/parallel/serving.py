@@ -207,8 +207,10 @@ def build_pipeline_runner(model_dir: Path, world: int, prefill_chunk: int, index
 
 def _rank_0_runner(stage: PipelineStage, prefill_chunk: int, indexer_tile: int, max_context: int | None,
                    stage_timing_interval: int, name_lost_rank: Callable[[], None] | None = None) -> PipelineRunner:
-    # ModelRunner takes the stage as its model: the same cfg, dtype, weights, new_cache and forward.
-    runner = ModelRunner(stage, prefill_chunk, indexer_tile, max_context, stage_timing_interval)
+    # ModelRunner takes the stage as its model: the same cfg, dtype, weights, new_cache and forward. No decode
+    # overlap: the followers run a step when rank 0 sends its plan, so a step queued ahead on rank 0 alone
+    # would have no one to pass its streams to.
+    runner = ModelRunner(stage, prefill_chunk, indexer_tile, max_context, stage_timing_interval, decode_overlap=False)
     return PipelineRunner(runner, stage, name_lost_rank)
 
 

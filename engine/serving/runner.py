@@ -241,8 +241,13 @@ class ModelRunner:
     def _run(self, plan: StepPlan) -> StepOutput:
         ids, segments = [], []
         for slot in plan.decodes:
+            cache = self._sequences[slot.request_id].cache
+            if cache.num_tokens != slot.position:  # the plan and the cache disagree: never run on it
+                raise RuntimeError(
+                    f"{slot.request_id!r}: the decode is at position {slot.position}, its cache holds {cache.num_tokens}"
+                )
             ids.append(slot.request_id)
-            segments.append(Segment(self._sequences[slot.request_id].cache, [slot.token_id]))
+            segments.append(Segment(cache, [slot.token_id]))
         sampled_ids = list(ids)
         wants_prompt_logprobs = False
         if plan.prefill is not None:
