@@ -77,10 +77,32 @@ def test_overlapped_decode_streams_the_same_tokens_logprobs_and_endings(model):
     assert [e.finish_reason for e in overlapped.events["aborted"] if isinstance(e, Done)] == ["abort"]
     assert len([e for e in overlapped.events["long"] if isinstance(e, Token)]) == 14
     counts = overlapped.runner.overlap_counts
-    assert counts.taken >= 4  # steps with the same decodes as the last were queued ahead and taken...
-    assert counts.undone >= 3  # ...and finishes, an arrival and an abort undid one each
+    assert counts.taken >= 6  # steps with the same decodes as the last (or fewer: finishes, the abort) were taken...
+    assert counts.undone >= 1  # ...and the arrival's prefill chunk undid one
     assert counts.queued == counts.taken + counts.undone + (1 if overlapped.runner._queued else 0)
     assert one_by_one.runner.overlap_counts.queued == 0
+
+
+def test_requests_that_finish_or_are_aborted_leave_the_queued_step_to_the_others(model):
+    vocab = model.cfg.vocab_size
+    runs = {}
+    for overlap in (False, True):
+        d = Driver(model, overlap)
+        d.submit("a", random_tokens(vocab, 10, 1), greedy(3))
+        d.submit("b", random_tokens(vocab, 12, 2), seeded(12, seed=5))
+        d.submit("c", random_tokens(vocab, 14, 3), greedy(6))
+        d.submit("x", random_tokens(vocab, 16, 4), seeded(40, seed=6))
+        d.steps(7)  # four prefill steps, then decodes only
+        d.loop.abort("x")
+        d.steps()
+        runs[overlap] = d
+    assert runs[True].events == runs[False].events
+    assert [type(e).__name__ for e in runs[True].events["x"]][-1] == "Done"
+    counts = runs[True].runner.overlap_counts
+    # a, c and x leave while others decode: each time the queued step is taken for the rest. Only the plan
+    # after the last request ends (nothing left to decode) drops one.
+    assert counts.undone == 1
+    assert counts.taken >= 8
 
 
 def test_sampling_that_reads_the_history_runs_one_step_at_a_time_with_the_same_tokens(model):

@@ -9,11 +9,12 @@ tokens. Python's graph building then runs while the device runs step n, and the 
 while the engine loop posts step n's tokens and schedules. vLLM's "async scheduling" does the same
 across its scheduler; here it stays inside the runner, and the scheduler and its plans are unchanged.
 
-When the next plan is exactly the queued step (`QueuedStep.stands_for`), the runner reads its results;
-any other plan (a request finished, arrived or was aborted, a prefill chunk) undoes it — caches, their
-prefix state and random streams back as they were — and runs the plan as usual. The queued step is the
-step the plan asks for, so the tokens are the same either way; a plan that differs costs one step of
-device time spent for nothing.
+When the next plan is the queued step (`QueuedStep.rows_for`), the runner reads its results — also when
+the plan only drops requests that finished (a stop token, max_tokens, an abort): their rows are computed
+and left unread, the others' are the plan's. Any other plan (a request arrived, a prefill chunk) undoes
+it — caches, their prefix state and random streams back as they were — and runs the plan as usual. The
+queued step is the step the plan asks for, so the tokens are the same either way; a plan that differs
+costs one step of device time spent for nothing.
 
 Only a step whose sampling needs nothing from the host's token history is queued ahead
 (`samples_without_history`): no repetition, frequency or presence penalty, no grammar, no min_tokens
@@ -42,12 +43,16 @@ class QueuedStep:
     timer: ForwardTrace
     undo: Callable[[], None]  # puts every touched cache, prefix state and random stream back
 
-    def stands_for(self, plan: StepPlan) -> bool:
-        """Whether `plan` is exactly this step: the same decodes, positions and tokens, nothing else."""
-        if plan.prefill is not None or plan.new_requests or plan.finished_request_ids:
-            return False
-        planned = tuple((slot.request_id, slot.position) for slot in plan.decodes)
-        return planned == self.decodes and tuple(slot.token_id for slot in plan.decodes) == self.fed_tokens
+    def rows_for(self, plan: StepPlan) -> tuple[int, ...] | None:
+        """The rows of this step that are `plan`'s decodes, in the plan's order, when `plan` is this step less
+        requests it finishes (nothing else: no prefill, no new request); otherwise None."""
+        if plan.prefill is not None or plan.new_requests or not plan.decodes:
+            return None
+        finished = set(plan.finished_request_ids)
+        kept = tuple(i for i, (request_id, _) in enumerate(self.decodes) if request_id not in finished)
+        planned = tuple((slot.request_id, slot.position, slot.token_id) for slot in plan.decodes)
+        ours = tuple((*self.decodes[i], self.fed_tokens[i]) for i in kept)
+        return kept if planned == ours else None
 
 
 @dataclass

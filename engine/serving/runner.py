@@ -172,9 +172,9 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepOutput:
         """Drop the plan's finished requests, set up its new ones, then run its tokens as one batch."""
-        queued = self._claim_queued(plan)
+        queued, rows = self._claim_queued(plan)
         if queued is not None:
-            return self._run_queued(plan, queued)
+            return self._run_queued(plan, queued, rows)
         for request_id in plan.finished_request_ids:
             self.release(request_id)
         for new in plan.new_requests:
@@ -190,26 +190,30 @@ class ModelRunner:
                 restore()
             raise
 
-    def _claim_queued(self, plan: StepPlan) -> QueuedStep | None:
-        """The step queued ahead if `plan` is that step; otherwise it is undone (before anything else in the
-        plan touches its requests) and None."""
+    def _claim_queued(self, plan: StepPlan) -> tuple[QueuedStep | None, tuple[int, ...]]:
+        """The step queued ahead and its rows that are `plan`'s decodes, if `plan` is that step (less finished
+        requests); otherwise it is undone (before anything else in the plan touches its requests): (None, ())."""
         queued, self._queued = self._queued, None
         if queued is None:
-            return None
-        if queued.stands_for(plan):
+            return None, ()
+        rows = queued.rows_for(plan)
+        if rows is not None:
             self.overlap_counts.taken += 1
-            return queued
+            return queued, rows
         queued.undo()
         self.overlap_counts.undone += 1
-        return None
+        return None, ()
 
-    def _run_queued(self, plan: StepPlan, queued: QueuedStep) -> StepOutput:
-        """`plan` is the queued step: its caches hold the step already; read its tokens (queueing the next)."""
+    def _run_queued(self, plan: StepPlan, queued: QueuedStep, rows: tuple[int, ...]) -> StepOutput:
+        """`plan` is the queued step, less the requests it finishes: those are released (their rows stay
+        unread); the others' caches hold the step already: read their tokens (queueing the next step)."""
+        for request_id in plan.finished_request_ids:
+            self.release(request_id)
         try:
             for slot in plan.decodes:  # the tokens it was fed are on the host now
                 fill_pending_token(self._sequences[slot.request_id].cache, slot.position, slot.token_id)
             self._save_prefixes(plan)
-            sampled = self._read_and_queue(plan, list(plan.request_ids), list(queued.rows))
+            sampled = self._read_and_queue(plan, list(plan.request_ids), [queued.rows[i] for i in rows])
         except Exception:
             queued.undo()  # the Runner contract: a failed step leaves its requests as they were
             raise
