@@ -19,7 +19,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere inside the repo
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run by path from anywhere: the repo root
+from tests.support.source_tree import use_source_tree  # noqa: E402
+
+use_source_tree()  # `tessera.*` = this checkout, unless it already is
 
 from tessera.engine.model.quantized import QuantizedWeight  # noqa: E402
 
