@@ -31,7 +31,9 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from starlette.responses import Response
 
-from tessera.engine.serving.protocol import Done, EngineStats, Error, Event, Progress, PromptLogprobs, StepStats, Token
+from tessera.engine.serving.protocol import (
+    OVERLAP_EVENTS, Done, EngineStats, Error, Event, Progress, PromptLogprobs, StepStats, Token,
+)
 
 if TYPE_CHECKING:
     from tessera.server.settings import Settings
@@ -184,6 +186,13 @@ class Metrics:
             "tessera_iteration_tokens", "Tokens run per engine step (decodes + prefill chunk).",
             ITERATION_TOKENS_BUCKETS,
         ).labels(m)
+        self._overlap = self._counter(
+            "tessera_decode_overlap_steps_total", "Decode steps queued ahead of their plan, by what became of them: "
+            "queued, taken, undone (the plan differed: device time spent for nothing), failed (building one raised).",
+            "event",
+        )
+        for event in OVERLAP_EVENTS:
+            self._overlap.labels(m, event)
         self._running.labels(m).set(0)
         self._waiting.labels(m).set(0)
         self._kv_usage.labels(m).set(0)  # exists from the start: the dashboard's panel has data while loading
@@ -317,7 +326,10 @@ class Metrics:
         self._generation_tokens.inc(step.num_sampled_tokens)
         self._prefix_queries.inc(step.num_prefix_cache_queried_tokens)
         self._prefix_hits.inc(step.num_prefix_cache_hit_tokens)
-        self._iteration_tokens.observe(step.num_tokens)
+        if step.num_tokens:  # a step that only released requests ran none
+            self._iteration_tokens.observe(step.num_tokens)
+        for event in step.overlap_events:
+            self._overlap.labels(self.model_name, event).inc()
         if step.num_prefill_tokens == 0:
             return  # decode-only steps would drown the prefill stage times in tiny ones
         for stage, seconds in step.stage_seconds.items():

@@ -36,6 +36,8 @@ class Driver:
         self.events: dict[str, list] = {}
         self.requests: dict[str, Request] = {}
         self.loop = EngineLoop(self.runner, config, lambda rid, event: self.events.setdefault(rid, []).append(event))
+        self.published: list = []  # every StepStats
+        self.loop.subscribe(self.published.append)
 
     def submit(self, rid: str, prompt: list[int], sampling: SamplingParams) -> None:
         self.requests[rid] = Request(rid, tuple(prompt), sampling)
@@ -72,6 +74,7 @@ def scenario(model, overlap: bool) -> Driver:
 
 def test_overlapped_decode_streams_the_same_tokens_logprobs_and_endings(model):
     one_by_one, overlapped = scenario(model, overlap=False), scenario(model, overlap=True)
+    published = [e for s in overlapped.published for e in s.overlap_events]
 
     assert overlapped.events == one_by_one.events
     assert [e.finish_reason for e in overlapped.events["aborted"] if isinstance(e, Done)] == ["abort"]
@@ -81,6 +84,10 @@ def test_overlapped_decode_streams_the_same_tokens_logprobs_and_endings(model):
     assert counts.undone >= 1  # ...and the arrival's prefill chunk undid one
     assert counts.queued == counts.taken + counts.undone + (1 if overlapped.runner._queued else 0)
     assert one_by_one.runner.overlap_counts.queued == 0
+    # every event reaches the step statistics (tessera_decode_overlap_steps_total)
+    assert {e: published.count(e) for e in ("queued", "taken", "undone")} == {
+        "queued": counts.queued, "taken": counts.taken, "undone": counts.undone}
+    assert not [e for s in one_by_one.published for e in s.overlap_events]
 
 
 def test_requests_that_finish_or_are_aborted_leave_the_queued_step_to_the_others(model):

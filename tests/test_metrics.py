@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 from tessera.engine.serving.engine_loop import AsyncEngine
 from tests.support.fake_runner import ScriptedRunner
 from tessera.engine.serving.protocol import (
-    Done, EngineStats, Error, Progress, RequestTimings, SamplingParams, StepStats, Token,
+    OVERLAP_EVENTS, Done, EngineStats, Error, Progress, RequestTimings, SamplingParams, StepStats, Token,
 )
 from tessera.engine.serving.scheduler import SchedulerConfig
 from tessera.server.metrics import (
@@ -137,9 +137,23 @@ def test_errors_and_rejections():
     assert value(metrics, "tessera_e2e_request_latency_seconds_count") == 1  # the refused one never started
 
 
-def step(num_prefill: int, num_decode: int, num_sampled: int, stages: dict, failed: bool = False) -> StepStats:
+def step(num_prefill: int, num_decode: int, num_sampled: int, stages: dict, failed: bool = False,
+         overlap: tuple[str, ...] = ()) -> StepStats:
     seconds = {"schedule": 0.0, "execute": 1.0, "postprocess": 0.0}
-    return StepStats(num_prefill, num_decode, num_sampled, stages, seconds, failed)
+    return StepStats(num_prefill, num_decode, num_sampled, stages, seconds, failed, overlap_events=overlap)
+
+
+def test_decode_overlap_events_count_by_event_and_exist_at_zero():
+    metrics = Metrics(MODEL)
+    assert {e: value(metrics, "tessera_decode_overlap_steps_total", event=e) for e in OVERLAP_EVENTS} == dict.fromkeys(
+        OVERLAP_EVENTS, 0)
+    metrics.observe_step(step(num_prefill=0, num_decode=2, num_sampled=2, stages={}, overlap=("queued",)))
+    metrics.observe_step(step(num_prefill=0, num_decode=2, num_sampled=2, stages={}, overlap=("taken", "queued")))
+    metrics.observe_step(step(num_prefill=5, num_decode=2, num_sampled=2, stages={}, overlap=("undone",)))
+    assert value(metrics, "tessera_decode_overlap_steps_total", event="queued") == 2
+    assert value(metrics, "tessera_decode_overlap_steps_total", event="taken") == 1
+    assert value(metrics, "tessera_decode_overlap_steps_total", event="undone") == 1
+    assert value(metrics, "tessera_decode_overlap_steps_total", event="failed") == 0
 
 
 def test_a_step_moves_token_counters_and_stage_histograms():
@@ -323,6 +337,7 @@ def test_every_series_carries_model_name_and_the_documented_labels():
         "tessera_http_errors": {"model_name", "status"},
         "tessera_memory_bytes": {"model_name", "kind"},
         "tessera_prefill_stage_seconds": {"model_name", "stage"},
+        "tessera_decode_overlap_steps": {"model_name", "event"},
         "tessera_config": {"model_name", "prefill_chunk", "api_keys", "model"},
     }
     for name, family in families(metrics).items():

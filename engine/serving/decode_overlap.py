@@ -57,12 +57,16 @@ class QueuedStep:
 
 @dataclass
 class OverlapCounts:
-    """How the steps queued ahead fared: taken by their plan, or undone by a different one."""
+    """How the steps queued ahead fared (protocol.OVERLAP_EVENTS): taken by their plan, or undone by a
+    different one; building one failed (the step ran when planned instead)."""
 
     queued: int = 0
     taken: int = 0
     undone: int = 0
-    failed: int = 0  # building one raised: the step ran when planned instead
+    failed: int = 0
+
+    def note(self, event: str) -> None:
+        setattr(self, event, getattr(self, event) + 1)
 
 
 def samples_without_history(params: SamplingParams, history: TokenHistory) -> bool:

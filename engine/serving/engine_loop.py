@@ -256,8 +256,9 @@ class EngineLoop:
         }
 
     def _publish(self, plan: StepPlan, output: StepOutput | None, seconds: dict[str, float]) -> None:
-        """Hand the step's statistics to every subscriber (a step that only released requests has none)."""
-        if plan.num_tokens == 0:
+        """Hand the step's statistics to every subscriber (a step that only released requests has none, unless
+        it undid a decode step queued ahead: that device time counts)."""
+        if plan.num_tokens == 0 and not (output is not None and output.overlap_events):
             return
         stats = StepStats(
             num_prefill_tokens=plan.num_prefill_tokens,
@@ -266,6 +267,7 @@ class EngineLoop:
             stage_seconds=dict(output.stage_seconds) if output is not None else {},
             step_seconds=seconds,
             failed=output is None,
+            overlap_events=output.overlap_events if output is not None else (),
             **self._prefix_cache_counts(plan),
         )
         for sink in self._sinks:

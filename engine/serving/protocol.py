@@ -153,6 +153,12 @@ class StepOutput:
     sampled: tuple[SampledToken, ...] = ()
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # only for prefills whose request asked for them
     stage_seconds: dict[str, float] = field(default_factory=dict)  # indexer_score, topk, attention, moe, other
+    overlap_events: tuple[str, ...] = ()  # OVERLAP_EVENTS that happened in this step, in order
+
+
+# What the decode overlap (engine/serving/decode_overlap.py) did in a step: the step queued ahead of this one was
+# taken by its plan or undone (device time spent for nothing); this step queued the next, or building it failed.
+OVERLAP_EVENTS = ("taken", "undone", "queued", "failed")
 
 
 class Runner(Protocol):
@@ -183,8 +189,8 @@ class Runner(Protocol):
 
 @dataclass(frozen=True)
 class StepStats:
-    """One step that ran tokens, published to every subscriber (`EngineClient.subscribe`) on the engine thread
-    right after it. The only per-step record the engine keeps: counters are the subscriber's business."""
+    """One step that ran tokens (or only released requests, undoing a decode step queued ahead), published to
+    every subscriber (`EngineClient.subscribe`) on the engine thread right after it. The only per-step record the engine keeps: counters are the subscriber's business."""
 
     num_prefill_tokens: int
     num_decode_tokens: int
@@ -196,6 +202,7 @@ class StepStats:
     # from the cache instead of prefilling (vLLM's prefix_cache_queries / prefix_cache_hits, in tokens).
     num_prefix_cache_queried_tokens: int = 0
     num_prefix_cache_hit_tokens: int = 0
+    overlap_events: tuple[str, ...] = ()  # StepOutput.overlap_events
 
     @property
     def num_tokens(self) -> int:

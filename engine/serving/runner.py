@@ -16,7 +16,7 @@ then), and the chunk's prompt logprobs come back in the StepOutput: no second pa
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -141,6 +141,7 @@ class ModelRunner:
         self.decode_overlap = decode_overlap
         self._queued: QueuedStep | None = None  # the decode step queued ahead of its plan, if any
         self.overlap_counts = OverlapCounts()
+        self._overlap_events: list[str] = []  # this step's (protocol.OVERLAP_EVENTS)
         # 0 bytes: no prefix cache. Its bytes come out of the memory budget (scheduler.py).
         self.prefix_cache = PrefixCache(model.cfg, model.dtype, prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         # request -> the cache match_prefix restored for it and the node it came from, until a plan adds it
@@ -172,6 +173,16 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepOutput:
         """Drop the plan's finished requests, set up its new ones, then run its tokens as one batch."""
+        self._overlap_events = []
+        output = self._execute(plan)
+        return replace(output, overlap_events=tuple(self._overlap_events)) if self._overlap_events else output
+
+    def _note(self, event: str) -> None:
+        """A decode overlap event of this step (protocol.OVERLAP_EVENTS)."""
+        self._overlap_events.append(event)
+        self.overlap_counts.note(event)
+
+    def _execute(self, plan: StepPlan) -> StepOutput:
         queued, rows = self._claim_queued(plan)
         if queued is not None:
             return self._run_queued(plan, queued, rows)
@@ -198,10 +209,10 @@ class ModelRunner:
             return None, ()
         rows = queued.rows_for(plan)
         if rows is not None:
-            self.overlap_counts.taken += 1
+            self._note("taken")
             return queued, rows
         queued.undo()
-        self.overlap_counts.undone += 1
+        self._note("undone")
         return None, ()
 
     def _run_queued(self, plan: StepPlan, queued: QueuedStep, rows: tuple[int, ...]) -> StepOutput:
@@ -395,9 +406,9 @@ class ModelRunner:
         except Exception:
             logger.exception("queueing the next decode step ahead failed; it runs when planned")
             undo()
-            self.overlap_counts.failed += 1
+            self._note("failed")
             return None
-        self.overlap_counts.queued += 1
+        self._note("queued")
         return next_rows, timer, undo
 
     def _accept(self, request_ids: list[str], samples: list[Sample]) -> list[SampledToken]:
