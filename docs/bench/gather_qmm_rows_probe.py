@@ -11,7 +11,6 @@ with the pieces inside engine/model/moe.py, a switch since removed: commit 0bef5
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ from tests.support.source_tree import use_source_tree  # noqa: E402
 
 use_source_tree()  # `tessera.*` = this checkout, unless it already is
 
+from docs.bench.probe_io import jsonl_emitter  # noqa: E402
 from tessera.engine.model.quantized import QuantizedWeight  # noqa: E402
 
 EXPERTS, HIDDEN, INTER = 256, 4096, 2048  # overridden by --small (a CPU smoke run)
@@ -76,15 +76,7 @@ def main() -> None:
     if args.small:
         global EXPERTS, HIDDEN, INTER
         EXPERTS, HIDDEN, INTER = 8, 256, 128
-    out = open(args.out, "w")
-
-    def emit(kind: str, **row) -> None:
-        line = json.dumps({"what": kind, "device": str(mx.default_device()), **row})
-        out.write(line + "\n")
-        out.flush()
-        print(line, flush=True)
-
-    op_rounds(emit)
+    op_rounds(jsonl_emitter(args.out))
 
 
 if __name__ == "__main__":

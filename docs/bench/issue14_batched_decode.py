@@ -18,7 +18,6 @@ CPU (the same code path, small sizes):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -26,11 +25,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere inside the repo
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run by path from anywhere: the repo root
+from tests.support.source_tree import use_source_tree  # noqa: E402
 
+use_source_tree()  # `tessera.*` = this checkout, unless it already is
+
+from docs.bench.probe_io import jsonl_emitter, load_probe_model  # noqa: E402
 from tessera.engine.model import attention  # noqa: E402
-from tessera.engine.model.loader import load_model  # noqa: E402
-from tessera.engine.model.quantized import QuantizedWeight  # noqa: E402
 from tessera.engine.model.trace import ForwardTrace  # noqa: E402
 from tessera.engine.tools.bench_decode import CACHE_FILLS, DecodeOptions, _decode_step, _filled  # noqa: E402
 
@@ -39,20 +40,9 @@ ARMS = {"batched": True, "per_sequence": False}
 
 def main() -> None:
     args = _parser().parse_args()
-    out = open(args.out, "w")
-
-    def emit(kind: str, **row) -> None:
-        line = json.dumps({"what": kind, "device": str(mx.default_device()), **row})
-        out.write(line + "\n")
-        out.flush()
-        print(line[:300], flush=True)
-
+    emit = jsonl_emitter(args.out, echo_chars=300)
     t0 = time.perf_counter()
-    model = load_model(Path(args.model))
-    if not args.as_loaded and any(isinstance(w, QuantizedWeight) for w in model.weights.values()):
-        from tessera.engine.tools.quant_bench import _dequantized_model
-
-        model = _dequantized_model(model, mx.bfloat16)
+    model = load_probe_model(args.model, args.as_loaded)
     emit("loaded", seconds=round(time.perf_counter() - t0, 2), dtype=str(model.dtype))
     options = DecodeOptions(chunk=args.chunk, tile=args.tile, cache_fill=args.cache_fill)
     caches = []

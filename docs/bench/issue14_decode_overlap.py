@@ -20,7 +20,6 @@ CPU (small sizes):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -33,9 +32,8 @@ from tests.support.source_tree import use_source_tree  # noqa: E402
 
 use_source_tree()  # `tessera.*` = this checkout, unless it already is
 
+from docs.bench.probe_io import jsonl_emitter, load_probe_model  # noqa: E402
 from tessera.engine.model.deepseek_v4 import PENDING_TOKEN, Segment  # noqa: E402
-from tessera.engine.model.loader import load_model  # noqa: E402
-from tessera.engine.model.quantized import QuantizedWeight  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled, serving_step_seconds  # noqa: E402
 
 
@@ -89,20 +87,9 @@ ARMS = {"serial": serial_steps, "overlap": overlapped_steps, "serving": serving_
 
 def main() -> None:
     args = _parser().parse_args()
-    out = open(args.out, "w")
-
-    def emit(kind: str, **row) -> None:
-        line = json.dumps({"what": kind, "device": str(mx.default_device()), **row})
-        out.write(line + "\n")
-        out.flush()
-        print(line[:400], flush=True)
-
+    emit = jsonl_emitter(args.out)
     t0 = time.perf_counter()
-    model = load_model(Path(args.model))
-    if not args.as_loaded and any(isinstance(w, QuantizedWeight) for w in model.weights.values()):
-        from tessera.engine.tools.quant_bench import _dequantized_model
-
-        model = _dequantized_model(model, mx.bfloat16)
+    model = load_probe_model(args.model, args.as_loaded)
     emit("loaded", seconds=round(time.perf_counter() - t0, 2), dtype=str(model.dtype), as_loaded=args.as_loaded)
     options = DecodeOptions(chunk=args.chunk, tile=args.tile, cache_fill="random")
     caches = [_filled(model, args.ctx, b, options) for b in range(args.batch)]
