@@ -6,7 +6,7 @@ Owns each request's cache, token history and random stream, keyed by request id.
 
 Decode overlap (engine/serving/decode_overlap.py): after a decode-only step the runner queues the step the
 scheduler will most likely plan next on the device before it reads this step's tokens; the next plan takes
-it if it is exactly that step, and undoes it otherwise.
+it if it is that step (less requests that finished), and undoes it otherwise.
 Structured outputs: a request's TokenConstraint mask for this step's token is computed on the host while the
 model step evaluates (`mx.async_eval`), so grammar work overlaps the forward pass instead of following it.
 Prompt logprobs: a prefill chunk of a request that asked for them runs the lm head on all its rows (only
