@@ -258,3 +258,81 @@ def test_batched_row_gather_kernel_is_each_buffers_gather(num_seqs, width, monke
     idx = mx.sort(mx.random.randint(0, 300, (num_seqs, 512), key=mx.random.key(99)), axis=-1).astype(mx.int32)
     assert batch_is_supported(xs, idx)
     assert mx.array_equal(take_rows_batched_kernel(xs, idx), take_rows_batched_reference(xs, idx)).item()
+
+
+# --- mxfp4 experts, one row per pair (kernels/gather_qmv.py) --------------------------------------------
+
+@pytest.fixture
+def gather_qmv_on():
+    from tessera.kernels import gather_qmv
+
+    saved = gather_qmv.kernel_enabled()
+    gather_qmv.set_kernel_enabled(True)
+    yield
+    gather_qmv.set_kernel_enabled(saved)
+
+
+def _mxfp4_experts(rng: np.random.Generator, experts: int, n: int, k: int, scale_spread: int):
+    """Packed mxfp4 experts made directly (random 4-bit codes, E8M0 scales 127 ± scale_spread): their values
+    are exactly the E2M1 grid times powers of two, whatever MLX's quantizer would pick."""
+    values = rng.integers(0, 2**32, (experts, n, k // 8), dtype=np.uint64).astype(np.uint32)
+    scales = rng.integers(127 - scale_spread, 128 + scale_spread, (experts, n, k // 32)).astype(np.uint8)
+    return mx.array(values), mx.array(scales)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("pairs, n, k", [(1, 32, 64), (6, 128, 256), (96, 64, 2048)])
+def test_gather_qmv_kernel_equals_gather_qmm_on_exact_inputs(dtype, pairs, n, k, gather_qmv_on):
+    """Integer x in [-8, 8] and scales 2^-2 … 2^2: every product and partial sum is exact in float32, so the
+    kernel's sums (another order than MLX's) must give the reference's bits."""
+    from tessera.kernels.gather_qmv import gather_qmv_kernel, gather_qmv_reference, is_supported
+
+    rng = np.random.default_rng(pairs + n + k)
+    values, scales = _mxfp4_experts(rng, 8, n, k, scale_spread=2)
+    x = mx.array(rng.integers(-8, 9, (pairs, k)).astype(np.float32)).astype(dtype)
+    experts = mx.array(rng.integers(0, 8, pairs).astype(np.uint32))
+    assert is_supported(x.dtype, k, values)
+    got = gather_qmv_kernel(x, values, scales, experts)
+    assert got.dtype == dtype and got.shape == (pairs, n)
+    assert _same_bits(got, gather_qmv_reference(x, values, scales, experts))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_gather_qmv_kernel_is_close_to_gather_qmm_and_row_invariant(dtype, gather_qmv_on):
+    """Normal x at V4 Flash's expert widths: within the output's rounding of the reference; and a row's bits
+    do not depend on the rows beside it."""
+    from tessera.kernels.gather_qmv import gather_qmv_kernel, gather_qmv_reference
+
+    rng = np.random.default_rng(3)
+    values, scales = _mxfp4_experts(rng, 8, 2048, 4096, scale_spread=8)
+    x = mx.array(rng.standard_normal((96, 4096)).astype(np.float32)).astype(dtype)
+    experts = mx.array(rng.integers(0, 8, 96).astype(np.uint32))
+    got = np.array(gather_qmv_kernel(x, values, scales, experts).astype(mx.float32))
+    want = np.array(gather_qmv_reference(x, values, scales, experts).astype(mx.float32))
+    # bf16 outputs: a rounding apart; float32: MLX's float32 GEMM may run on TF32 tensor cores (10-bit mantissa)
+    np.testing.assert_allclose(got, want, rtol=2.0**-7, atol=2.0**-10 * float(np.abs(want).max()))
+    alone = gather_qmv_kernel(x[37:38], values, scales, experts[37:38])
+    assert _same_bits(alone, gather_qmv_kernel(x, values, scales, experts)[37:38])
+
+
+def test_the_gathered_moe_runs_the_gather_qmv_kernel_when_it_is_on(gather_qmv_on, monkeypatch):
+    """engine/model/moe.py's one-row-per-pair path takes the kernel for mxfp4 experts, and the MoE's output
+    stays within rounding of gather_qmm's."""
+    from tessera.engine.model import moe as moe_mod
+    from tessera.engine.model.quantized import QuantizedWeight
+    from tessera.kernels import gather_qmv
+
+    rng = np.random.default_rng(5)
+    values, scales = _mxfp4_experts(rng, 8, 256, 512, scale_spread=4)
+    w = QuantizedWeight(values, scales, None, "mxfp4", 4, 32)
+    x = mx.array(rng.standard_normal((12, 1, 512)).astype(np.float32)).astype(mx.bfloat16)
+    experts = mx.array(np.sort(rng.integers(0, 8, 12)).astype(np.uint32))
+    calls = []
+    real = gather_qmv.gather_qmv_kernel
+    monkeypatch.setattr(moe_mod, "gather_qmv_kernel", lambda *a: calls.append(a[0].shape) or real(*a))
+    got = np.array(moe_mod._gather_linear(x, w, experts).astype(mx.float32))
+    assert calls == [(12, 512)]
+    gather_qmv.set_kernel_enabled(False)
+    want = np.array(moe_mod._gather_linear(x, w, experts).astype(mx.float32))
+    assert got.shape == want.shape == (12, 1, 256)
+    np.testing.assert_allclose(got, want, rtol=2**-6, atol=2**-6 * float(np.abs(want).max()))

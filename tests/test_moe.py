@@ -141,6 +141,35 @@ def test_gathered_quantized_pairs_split_into_pieces_give_the_same_result(monkeyp
     assert np.array_equal(np.array(whole), np.array(pieces))
 
 
+def test_gathered_mxfp4_pairs_go_to_the_gather_qmv_kernel_where_it_runs(monkeypatch):
+    """The wiring of kernels/gather_qmv.py into the gathered layout, on the CPU: with the kernel's checks
+    passing (switch on, a CUDA device pretended) every projection of the pairs goes to it as [pairs, in] rows
+    and its [pairs, out] come back in place (the kernel itself stood in by its reference)."""
+    from tessera.kernels import gather_qmv
+
+    base = _weights()
+    w = MoEWeights(**{**base.__dict__, **{n: quantize(getattr(base, n), "mxfp4", 32) for n in ("w1", "w2", "w3")}})
+    mx.random.seed(12)
+    x = mx.random.normal((16, DIM))
+    experts, weights = route(x, None, w, TOP_K, 1.5)
+    want = routed_experts(x, experts, weights, w, LIMIT, layout="gathered")
+    calls = []
+
+    def stand_in(rows, values, scales, pair_experts):
+        calls.append(rows.shape)
+        return gather_qmv.gather_qmv_reference(rows, values, scales, pair_experts)
+
+    monkeypatch.setattr(gather_qmv, "on_cuda", lambda: True)
+    monkeypatch.setattr(moe_mod, "gather_qmv_kernel", stand_in)
+    gather_qmv.set_kernel_enabled(True)
+    try:
+        got = routed_experts(x, experts, weights, w, LIMIT, layout="gathered")
+    finally:
+        gather_qmv.set_kernel_enabled(False)
+    assert calls == [(32, DIM), (32, DIM), (32, w.w2.shape[-1])]  # w1, w3, then w2 on the hidden rows
+    assert np.array_equal(np.array(got), np.array(want))
+
+
 def test_dequantized_expert_groups_match_the_loop(monkeypatch):
     base = _weights()
     w = MoEWeights(**{**base.__dict__, **{n: quantize(getattr(base, n), "mxfp4", 32) for n in ("w1", "w2", "w3")}})

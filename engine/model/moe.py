@@ -29,6 +29,8 @@ import numpy as np
 
 from tessera.engine.model.quantized import QuantizedWeight, Weight, linear
 from tessera.kernels.cuda import on_cuda
+from tessera.kernels.gather_qmv import gather_qmv_kernel
+from tessera.kernels.gather_qmv import is_supported as gather_qmv_supported
 from tessera.kernels.moe_padded import combine_rows, index_is_supported, padded_indices_kernel
 from tessera.kernels.moe_padded import weighted_sum as _weighted_sum  # [T, k, D] -> [T, D]: the combine's definition
 from tessera.kernels.row_gather import take_rows
@@ -102,6 +104,8 @@ def _cpu_float(x: mx.array) -> mx.array:
 def _gather_linear(x: mx.array, w: Weight, experts: mx.array) -> mx.array:
     """x: [..., M, in], experts: [...] -> [..., M, out]: batch entry n through expert experts[n]
     (experts ascend when M = 1: the gathered layout)."""
+    if _takes_gather_qmv(x, w):
+        return gather_qmv_kernel(x.reshape(x.shape[0], x.shape[-1]), w.values, w.scales, experts)[:, None, :]
     if isinstance(w, QuantizedWeight) and x.shape[0] > GATHER_QMM_MAX_BATCH:
         pieces = range(0, x.shape[0], GATHER_QMM_MAX_BATCH)
         return mx.concatenate([_gather_linear(x[s : s + GATHER_QMM_MAX_BATCH], w, experts[s : s + GATHER_QMM_MAX_BATCH]) for s in pieces])
@@ -111,6 +115,14 @@ def _gather_linear(x: mx.array, w: Weight, experts: mx.array) -> mx.array:
     out = mx.gather_mm(_cpu_float(x), _cpu_float(w.swapaxes(-1, -2)), rhs_indices=experts,
                        sorted_indices=x.shape[-2] == 1 and not on_cuda())
     return out.astype(x.dtype)
+
+
+def _takes_gather_qmv(x: mx.array, w: Weight) -> bool:
+    """One row per pair [P, 1, in] through mxfp4 experts, where kernels/gather_qmv.py's kernel runs (CUDA,
+    TESSERA_GATHER_QMV_KERNEL=1; off by default until measured)."""
+    return (isinstance(w, QuantizedWeight) and w.mode == "mxfp4" and w.bits == 4 and w.group_size == 32
+            and w.biases is None and x.ndim == 3 and x.shape[1] == 1 and x.shape[0] > 0
+            and gather_qmv_supported(x.dtype, x.shape[-1], w.values))
 
 
 def _batched_linear(x: mx.array, w: Weight) -> mx.array:
