@@ -132,7 +132,7 @@ class Settings(BaseSettings):
         description="Queue each decode step's likely successor on the device before reading its tokens, so "
         "building one step's graph overlaps running the other (vLLM's async scheduling). Outputs are identical "
         "with and without it; a step whose plan changes (a request ends or arrives) is undone and costs device "
-        "time. Requests with penalties, grammars or unmet min_tokens always run one step at a time. world 1 only.",
+        "time. A step with a structured-output (grammar) request runs one step at a time. world 1 only.",
     )
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,

@@ -1,7 +1,8 @@
 """Decode overlap (engine/serving/decode_overlap.py): the runner queues the next decode step before it reads
 this one's tokens. What a user must not notice: any difference in the tokens, logprobs or finish reasons,
-whether requests finish at different steps, arrive late, are aborted, sample with seeds, use the prefix
-cache, or the queued step fails to build. What must happen: steps are queued ahead and taken."""
+whether requests finish at different steps, arrive late, are aborted, sample with seeds or penalties, wait
+for min_tokens, follow a grammar, use the prefix cache, or the queued step fails to build. What must happen:
+steps are queued ahead and taken."""
 
 from __future__ import annotations
 
@@ -112,25 +113,62 @@ def test_requests_that_finish_or_are_aborted_leave_the_queued_step_to_the_others
     assert counts.taken >= 8
 
 
-def test_sampling_that_reads_the_history_runs_one_step_at_a_time_with_the_same_tokens(model):
+def test_penalized_requests_are_queued_ahead_and_stream_the_same_tokens(model):
+    """The queued step samples before its fed tokens reach the histories: the sampler counts them on the
+    device (sampler.sample_lazily's `pending`); the penalties must come out as one step at a time."""
+    vocab = model.cfg.vocab_size
+    runs = {}
+    for overlap, penalized in ((False, True), (True, True), (True, False)):
+        d = Driver(model, overlap)
+        more = dict(repetition_penalty=1.6, frequency_penalty=1.2, presence_penalty=0.8) if penalized else {}
+        d.submit("a", random_tokens(vocab, 12, 1), greedy(16, **more))
+        d.submit("b", random_tokens(vocab, 9, 2), seeded(14, seed=4, **more))
+        d.submit("c", random_tokens(vocab, 20, 3), greedy(12, **({"frequency_penalty": -1.5} if penalized else {})))
+        d.steps()
+        runs[overlap, penalized] = d
+    assert runs[True, True].events == runs[False, True].events
+    assert runs[True, True].events != runs[True, False].events  # the penalties change the tokens: they count
+    assert runs[True, True].runner.overlap_counts.taken >= 10
+
+
+class _AllowAllBut:
+    """A TokenConstraint stand-in (protocol.TokenConstraint): every token but `banned`."""
+
+    def __init__(self, vocab: int, banned: set[int]) -> None:
+        bits = [0 if t in banned else 1 for t in range(vocab)]
+        self._mask = bytes(sum(bits[b * 8 + i] << i for i in range(8) if b * 8 + i < vocab)
+                           for b in range((vocab + 7) // 8))
+        self.accepted: list[int] = []
+
+    def allowed_mask(self) -> bytes:
+        return self._mask
+
+    def accept(self, token_id: int) -> None:
+        self.accepted.append(token_id)
+
+
+def test_a_step_with_a_grammar_runs_one_step_at_a_time_with_the_same_tokens(model):
     vocab = model.cfg.vocab_size
     runs = {}
     for overlap in (False, True):
         d = Driver(model, overlap)
-        d.submit("penalized", random_tokens(vocab, 12, 1), seeded(8, seed=1, repetition_penalty=1.3,
-                                                                  frequency_penalty=0.5))
+        d.submit("free", random_tokens(vocab, 12, 1), greedy(10))
+        d.submit("json", random_tokens(vocab, 9, 2),
+                 greedy(10, constraint=_AllowAllBut(vocab, set(range(0, vocab, 3)))))
         d.steps()
         runs[overlap] = d
     assert runs[True].events == runs[False].events
-    assert runs[True].runner.overlap_counts.queued == 0
+    assert runs[True].runner.overlap_counts.queued == 0  # "json" decodes in every step: never ahead
+    tokens = [e.token_id for e in runs[True].events["json"] if isinstance(e, Token)]
+    assert tokens and all(t % 3 for t in tokens)
 
 
-def test_min_tokens_is_enforced_before_any_step_is_queued_ahead(model):
+def test_min_tokens_is_enforced_on_steps_queued_ahead(model):
     vocab = model.cfg.vocab_size
     runs = {}
+    stop = list(range(vocab))[::8]  # an eighth of the vocabulary stops the request, but not before 6 tokens
     for overlap in (False, True):
         d = Driver(model, overlap)
-        stop = list(range(vocab))[::8]  # an eighth of the vocabulary stops the request, but not before 6 tokens
         d.submit("r", random_tokens(vocab, 12, 1), SamplingParams(temperature=1.0, seed=3, max_tokens=20, min_tokens=6,
                                                                   stop_token_ids=tuple(stop)))
         d.steps()
@@ -139,9 +177,9 @@ def test_min_tokens_is_enforced_before_any_step_is_queued_ahead(model):
     (done,) = [e for e in runs[True].events["r"] if isinstance(e, Done)]
     assert runs[True].events == runs[False].events
     assert len(tokens) >= 6 and not set(tokens) & set(stop)
-    # The step sampling token k is queued ahead when k - 1 tokens already reached min_tokens: k = 7 .. n.
-    assert done.num_generated_tokens >= 8
-    assert runs[True].runner.overlap_counts.queued == done.num_generated_tokens - 6
+    # every decode step (tokens 2 .. n) queued the next; the one after the stop token was dropped
+    assert runs[True].runner.overlap_counts.queued == done.num_generated_tokens - 1
+    assert runs[True].runner.overlap_counts.undone == 1
 
 
 def test_a_queued_step_that_fails_to_build_falls_back_to_the_planned_step(model, caplog):

@@ -227,3 +227,53 @@ def test_token_logprobs_gathers_only_the_reported_values_on_the_device():
         assert logprob == full[row, token]
         want = sorted(range(50), key=lambda i: (-full[row, i], i))[:5]
         assert top == tuple((i, float(full[row, i])) for i in want)
+
+
+# ---- a pending token (engine/serving/decode_overlap.py): counted as if it were in the history ------------
+
+
+def _bits(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32).view(mx.uint32))
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, repetition_penalty=1.7),
+    SamplingParams(temperature=0.8, frequency_penalty=0.9, presence_penalty=0.4),
+    SamplingParams(temperature=0.0, frequency_penalty=-1.3, presence_penalty=-0.7, repetition_penalty=0.8,
+                   logit_bias=((5, 2.5),)),
+])
+@pytest.mark.parametrize("pending_id", [7, 3, 11])  # 7: generated twice already; 3: in the prompt only; 11: new
+def test_a_pending_token_penalizes_as_once_appended_bit_for_bit(params, pending_id):
+    rng = np.random.default_rng(pending_id)
+    row = rng.standard_normal(16).astype(np.float32)
+    row[[2, 7, 12]] = [-0.0, 0.0, -0.0]  # signed zeros, seen and unseen: an untouched logit keeps its sign
+    history = TokenHistory([1, 2, 3, 3])
+    for token_id in (7, 9, 7):
+        history.append(token_id)
+    pending = process_logits(mx.array(row), params, history, mx.array(pending_id, dtype=mx.int32))
+    history.append(pending_id)
+    appended = process_logits(mx.array(row), params, history)
+    assert np.array_equal(_bits(pending), _bits(appended))
+
+
+def test_a_pending_token_counts_towards_min_tokens_and_draws_the_same_tokens():
+    stop = tuple(range(0, 32, 2))
+    params = [SamplingParams(temperature=1.0, seed=s, min_tokens=4, stop_token_ids=stop, frequency_penalty=0.5)
+              for s in range(6)]
+    logits = mx.array(np.random.default_rng(0).standard_normal((6, 32)).astype(np.float32) * 3)
+    pending = mx.array([5, 4, 7, 9, 2, 11], dtype=mx.int32)
+    histories, appended = [], []
+    for i in range(6):  # 2 outputs so far: with the pending one, the step samples output 4 (stops still masked)...
+        a, b = TokenHistory([1]), TokenHistory([1])
+        for t in range(2 + i % 2):  # ...or output 5 (min_tokens reached: stops allowed)
+            a.append(20 + t)
+            b.append(20 + t)
+        b.append(int(pending[i].item()))
+        histories.append(a)
+        appended.append(b)
+    from tessera.engine.serving.sampler import read_samples, sample_lazily
+
+    ahead = read_samples(sample_lazily(logits, params, histories, [RequestRng(p.seed) for p in params], pending=pending))
+    after = sample(logits, params, appended, [RequestRng(p.seed) for p in params])
+    assert ahead == after
+    assert not {s.token_id for s in ahead[0::2]} & set(stop)  # output 4 of 4 minimum: no stop token

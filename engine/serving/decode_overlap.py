@@ -16,9 +16,10 @@ it — caches, their prefix state and random streams back as they were — and r
 queued step is the step the plan asks for, so the tokens are the same either way; a plan that differs
 costs one step of device time spent for nothing.
 
-Only a step whose sampling needs nothing from the host's token history is queued ahead
-(`samples_without_history`): no repetition, frequency or presence penalty, no grammar, no min_tokens
-still to enforce. Others run one step at a time, as before.
+The queued step samples before its fed tokens reach the host's token histories: the sampler counts each
+row's pending token on the device (penalties, min_tokens; engine/serving/sampler.py `sample_lazily`'s
+`pending`), with the same float32 operations as once it is appended. A grammar cannot: its next mask
+needs the token on the host, so a step with a structured-output request runs one step at a time.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import mlx.core as mx
 
 from tessera.engine.model.trace import ForwardTrace
 from tessera.engine.serving.protocol import SamplingParams, StepPlan
-from tessera.engine.serving.sampler import LazyRow, TokenHistory
+from tessera.engine.serving.sampler import LazyRow
 
 
 @dataclass(frozen=True)
@@ -69,28 +70,16 @@ class OverlapCounts:
         setattr(self, event, getattr(self, event) + 1)
 
 
-def samples_without_history(params: SamplingParams, history: TokenHistory) -> bool:
-    """Whether this request's next token can be sampled before its last one reaches the host's history:
-    penalties and grammars read the history, and min_tokens its length until it is reached."""
-    return (
-        params.repetition_penalty == 1.0
-        and params.frequency_penalty == 0.0
-        and params.presence_penalty == 0.0
-        and params.constraint is None
-        and (not params.stop_token_ids or history.num_output_tokens >= params.min_tokens)
-    )
+def samples_ahead(params: SamplingParams) -> bool:
+    """Whether this request's next token can be sampled before its last one reaches the host: not with a
+    grammar (its mask for the next token follows the last one, on the host)."""
+    return params.constraint is None
 
 
-def can_queue_ahead(plan: StepPlan, sampling: Sequence[tuple[SamplingParams, TokenHistory]], room: bool) -> bool:
+def can_queue_ahead(plan: StepPlan, sampling: Sequence[SamplingParams], room: bool) -> bool:
     """Whether the step after `plan` may be queued now: `plan` is decodes only, each of whose next tokens
-    can be sampled without the host (`sampling`, in the plan's order), and every cache has `room` for
-    one more token."""
-    return (
-        plan.prefill is None
-        and bool(plan.decodes)
-        and room
-        and all(samples_without_history(params, history) for params, history in sampling)
-    )
+    can be sampled ahead (`sampling`, in the plan's order), and every cache has `room` for one more token."""
+    return plan.prefill is None and bool(plan.decodes) and room and all(samples_ahead(p) for p in sampling)
 
 
 def fed_tokens(rows: Sequence[LazyRow]) -> mx.array:

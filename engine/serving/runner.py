@@ -392,16 +392,17 @@ class ModelRunner:
         runs when it is planned, as without the overlap)."""
         seqs = [self._sequences[slot.request_id] for slot in plan.decodes]
         room = all(s.cache.num_tokens < self.max_context for s in seqs)
-        if not (self.decode_overlap and can_queue_ahead(plan, [(s.sampling, s.history) for s in seqs], room)):
+        if not (self.decode_overlap and can_queue_ahead(plan, [s.sampling for s in seqs], room)):
             return None
         undo = _restorers(seqs)
         try:
             mx.async_eval(row_arrays(rows))  # this step first in the device's queue
             timer = ForwardTrace(stage_sync=False)
             segments = [Segment(s.cache, [PENDING_TOKEN]) for s in seqs]
-            logits = self.model.forward(segments, tile=self.indexer_tile, timer=timer, device_token_ids=fed_tokens(rows))
+            fed = fed_tokens(rows)  # [B] on the device: this step's samples, not in the histories yet
+            logits = self.model.forward(segments, tile=self.indexer_tile, timer=timer, device_token_ids=fed)
             next_rows = sample_lazily(_joined(logits), [s.sampling for s in seqs], [s.history for s in seqs],
-                                      [s.rng for s in seqs])
+                                      [s.rng for s in seqs], pending=fed)
             mx.async_eval(row_arrays(next_rows))
         except Exception:
             logger.exception("queueing the next decode step ahead failed; it runs when planned")

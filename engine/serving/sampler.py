@@ -114,9 +114,12 @@ def sample_lazily(
     histories: Sequence[TokenHistory],
     rngs: Sequence[RequestRng],
     masks: Sequence[bytes | None] | None = None,
+    pending: mx.array | None = None,
 ) -> list[LazyRow]:
     """`sample`'s rows before anything is evaluated: the caller may queue them (`mx.async_eval`) and build
-    more work on their tokens first (engine/serving/decode_overlap.py). Each row's random key is drawn now."""
+    more work on their tokens first (engine/serving/decode_overlap.py). Each row's random key is drawn now.
+    `pending` [B]: each row's last token, sampled but still on the device (not in its history yet): the
+    penalties and min_tokens count it as the history will once it is read."""
     num_rows = logits.shape[0]
     masks = masks if masks is not None else [None] * num_rows
     if not (len(params) == len(histories) == len(rngs) == len(masks) == num_rows):
@@ -125,8 +128,13 @@ def sample_lazily(
             f"{len(masks)} masks"
         )
     logits = logits.astype(mx.float32)
-    return [_choose(restrict(logits[i], params[i], histories[i], masks[i]), params[i], histories[i], rngs[i])
-            for i in range(num_rows)]
+    extra = 0 if pending is None else 1
+    rows = []
+    for i in range(num_rows):
+        token = None if pending is None else pending[i]
+        row = restrict(logits[i], params[i], histories[i], masks[i], extra)
+        rows.append(_choose(row, params[i], histories[i], rngs[i], token))
+    return rows
 
 
 def read_samples(rows: Sequence[LazyRow]) -> list[Sample]:
@@ -140,19 +148,24 @@ def row_arrays(rows: Sequence[LazyRow]) -> list[mx.array]:
     return [array for row in rows for array in row if array is not None]
 
 
-def process_logits(row: mx.array, params: SamplingParams, history: TokenHistory) -> mx.array:
-    """The distribution a row is drawn from, as logits [V] (its log_softmax is what logprobs report)."""
-    row = penalize(row, params, history)
+def process_logits(row: mx.array, params: SamplingParams, history: TokenHistory,
+                   pending: mx.array | None = None) -> mx.array:
+    """The distribution a row is drawn from, as logits [V] (its log_softmax is what logprobs report).
+    `pending`: a last token not in `history` yet (a scalar on the device), counted as if it were."""
+    row = penalize(row, params, history, pending)
     return row if _is_greedy(params) else warp(row, params)
 
 
 # ---- hard restrictions (structured outputs, min_tokens) ------------------------------------------------
 
 
-def restrict(row: mx.array, params: SamplingParams, history: TokenHistory, mask: bytes | None) -> mx.array:
-    """Disallowed tokens become -inf: those outside `mask`, and stop tokens before `min_tokens`. row: [V]."""
+def restrict(row: mx.array, params: SamplingParams, history: TokenHistory, mask: bytes | None,
+             num_pending: int = 0) -> mx.array:
+    """Disallowed tokens become -inf: those outside `mask`, and stop tokens before `min_tokens` (counting
+    `num_pending` tokens sampled but not in `history` yet). row: [V]."""
     allowed = None if mask is None else unpack_mask(mask, row.shape[0])  # [V] bool
-    if params.min_tokens and history.num_output_tokens < params.min_tokens and params.stop_token_ids:
+    num_outputs = history.num_output_tokens + num_pending
+    if params.min_tokens and num_outputs < params.min_tokens and params.stop_token_ids:
         allowed = np.ones(row.shape[0], dtype=bool) if allowed is None else allowed.copy()
         stop_ids = np.array([t for t in params.stop_token_ids if 0 <= t < row.shape[0]], dtype=np.int64)
         kept = allowed.copy()
@@ -174,13 +187,22 @@ def unpack_mask(mask: bytes, vocab_size: int) -> np.ndarray:
 # ---- argmax-changing adjustments ---------------------------------------------------------------------
 
 
-def penalize(row: mx.array, params: SamplingParams, history: TokenHistory) -> mx.array:
-    """logit_bias, then repetition, frequency and presence penalties. row: [V] float32."""
+def penalize(row: mx.array, params: SamplingParams, history: TokenHistory, pending: mx.array | None = None) -> mx.array:
+    """logit_bias, then repetition, frequency and presence penalties. row: [V] float32. `pending`: a last
+    token still on the device (a scalar), counted as part of the history: the same values (elementwise the
+    same float32 operations) as once it is appended."""
     row = _apply_logit_bias(row, params.logit_bias)
     if params.repetition_penalty != 1.0:
-        row = _apply_repetition_penalty(row, history.seen_ids(), params.repetition_penalty)
+        if pending is None:
+            row = _apply_repetition_penalty(row, history.seen_ids(), params.repetition_penalty)
+        else:
+            row = _apply_repetition_penalty_dense(row, history.seen_ids(), pending, params.repetition_penalty)
     if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
-        row = _apply_frequency_presence(row, history, params.frequency_penalty, params.presence_penalty)
+        if pending is None:
+            row = _apply_frequency_presence(row, history, params.frequency_penalty, params.presence_penalty)
+        else:
+            row = _apply_frequency_presence_dense(row, history, pending, params.frequency_penalty,
+                                                  params.presence_penalty)
     return row
 
 
@@ -207,6 +229,32 @@ def _apply_frequency_presence(row: mx.array, history: TokenHistory, frequency: f
     if ids.size == 0:
         return row
     return row.at[mx.array(ids)].subtract(mx.array(frequency * counts + presence))
+
+
+# The dense forms take a pending token on the device: its id is not known on the host, and it may repeat a
+# seen one, so the seen set and the counts are built as [V] vectors. Each seen logit gets the same float32
+# operations as in the sparse forms above, and the others are left as they are (not `- 0.0`, which would
+# turn a -0.0 logit into +0.0).
+
+
+def _apply_repetition_penalty_dense(row: mx.array, seen_ids: np.ndarray, pending: mx.array, penalty: float) -> mx.array:
+    seen = mx.zeros(row.shape, dtype=mx.float32)
+    if seen_ids.size:
+        seen = seen.at[mx.array(seen_ids)].maximum(1.0)
+    seen = seen.at[pending.reshape(1)].maximum(1.0)  # [V]: 1 where seen
+    factor = mx.where(row > 0, 1.0 / penalty, penalty)
+    return mx.where(seen > 0, row * factor, row)
+
+
+def _apply_frequency_presence_dense(row: mx.array, history: TokenHistory, pending: mx.array, frequency: float,
+                                    presence: float) -> mx.array:
+    ids, counts = history.output_counts()
+    per_token = mx.zeros(row.shape, dtype=mx.float32)
+    if ids.size:
+        per_token = per_token.at[mx.array(ids)].add(mx.array(counts))
+    per_token = per_token.at[pending.reshape(1)].add(1.0)  # [V]: how often each token was generated
+    penalty = frequency * per_token + presence  # as the sparse form: frequency * count + presence, in float32
+    return mx.where(per_token > 0, row - penalty, row)
 
 
 # ---- argmax-keeping warps (random rows only) ---------------------------------------------------------
@@ -253,10 +301,11 @@ def _is_greedy(params: SamplingParams) -> bool:
     return params.temperature < _GREEDY_TEMPERATURE
 
 
-def _choose(row: mx.array, params: SamplingParams, history: TokenHistory, rng: RequestRng) -> LazyRow:
+def _choose(row: mx.array, params: SamplingParams, history: TokenHistory, rng: RequestRng,
+            pending: mx.array | None = None) -> LazyRow:
     """Lazy (token [1], then its logprob [1], top-n ids [1, n], their logprobs [1, n] or Nones) for one row;
     evaluated by `read_samples`."""
-    processed = process_logits(row, params, history)  # [V]
+    processed = process_logits(row, params, history, pending)  # [V]
     if _is_greedy(params):
         token = mx.argmax(processed)  # ties: the lowest id
     else:
