@@ -48,6 +48,16 @@ class Driver:
         self.loop.run_until_idle(n)
 
 
+def both_ways(model, drive, **driver_options) -> tuple[Driver, Driver]:
+    """`drive(driver)` on a runner without the overlap, then on one with it: (one step at a time, overlapped)."""
+    runs = []
+    for overlap in (False, True):
+        d = Driver(model, overlap, **driver_options)
+        drive(d)
+        runs.append(d)
+    return runs[0], runs[1]
+
+
 def greedy(max_tokens: int, **more) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2, ignore_eos=True, **more)
 
@@ -93,9 +103,8 @@ def test_overlapped_decode_streams_the_same_tokens_logprobs_and_endings(model):
 
 def test_requests_that_finish_or_are_aborted_leave_the_queued_step_to_the_others(model):
     vocab = model.cfg.vocab_size
-    runs = {}
-    for overlap in (False, True):
-        d = Driver(model, overlap)
+
+    def drive(d: Driver) -> None:
         d.submit("a", random_tokens(vocab, 10, 1), greedy(3))
         d.submit("b", random_tokens(vocab, 12, 2), seeded(12, seed=5))
         d.submit("c", random_tokens(vocab, 14, 3), greedy(6))
@@ -103,10 +112,11 @@ def test_requests_that_finish_or_are_aborted_leave_the_queued_step_to_the_others
         d.steps(7)  # four prefill steps, then decodes only
         d.loop.abort("x")
         d.steps()
-        runs[overlap] = d
-    assert runs[True].events == runs[False].events
-    assert [type(e).__name__ for e in runs[True].events["x"]][-1] == "Done"
-    counts = runs[True].runner.overlap_counts
+
+    one_by_one, overlapped = both_ways(model, drive)
+    assert overlapped.events == one_by_one.events
+    assert [type(e).__name__ for e in overlapped.events["x"]][-1] == "Done"
+    counts = overlapped.runner.overlap_counts
     # a, c and x leave while others decode: each time the queued step is taken for the rest. Only the plan
     # after the last request ends (nothing left to decode) drops one.
     assert counts.undone == 1
@@ -149,37 +159,37 @@ class _AllowAllBut:
 
 def test_a_step_with_a_grammar_runs_one_step_at_a_time_with_the_same_tokens(model):
     vocab = model.cfg.vocab_size
-    runs = {}
-    for overlap in (False, True):
-        d = Driver(model, overlap)
+
+    def drive(d: Driver) -> None:
         d.submit("free", random_tokens(vocab, 12, 1), greedy(10))
         d.submit("json", random_tokens(vocab, 9, 2),
                  greedy(10, constraint=_AllowAllBut(vocab, set(range(0, vocab, 3)))))
         d.steps()
-        runs[overlap] = d
-    assert runs[True].events == runs[False].events
-    assert runs[True].runner.overlap_counts.queued == 0  # "json" decodes in every step: never ahead
-    tokens = [e.token_id for e in runs[True].events["json"] if isinstance(e, Token)]
+
+    one_by_one, overlapped = both_ways(model, drive)
+    assert overlapped.events == one_by_one.events
+    assert overlapped.runner.overlap_counts.queued == 0  # "json" decodes in every step: never ahead
+    tokens = [e.token_id for e in overlapped.events["json"] if isinstance(e, Token)]
     assert tokens and all(t % 3 for t in tokens)
 
 
 def test_min_tokens_is_enforced_on_steps_queued_ahead(model):
     vocab = model.cfg.vocab_size
-    runs = {}
-    stop = list(range(vocab))[::8]  # an eighth of the vocabulary stops the request, but not before 6 tokens
-    for overlap in (False, True):
-        d = Driver(model, overlap)
-        d.submit("r", random_tokens(vocab, 12, 1), SamplingParams(temperature=1.0, seed=3, max_tokens=20, min_tokens=6,
-                                                                  stop_token_ids=tuple(stop)))
+    stop = tuple(range(vocab))[::8]  # an eighth of the vocabulary stops the request, but not before 6 tokens
+
+    def drive(d: Driver) -> None:
+        d.submit("r", random_tokens(vocab, 12, 1),
+                 SamplingParams(temperature=1.0, seed=3, max_tokens=20, min_tokens=6, stop_token_ids=stop))
         d.steps()
-        runs[overlap] = d
-    tokens = [e.token_id for e in runs[True].events["r"] if isinstance(e, Token)]
-    (done,) = [e for e in runs[True].events["r"] if isinstance(e, Done)]
-    assert runs[True].events == runs[False].events
+
+    one_by_one, overlapped = both_ways(model, drive)
+    tokens = [e.token_id for e in overlapped.events["r"] if isinstance(e, Token)]
+    (done,) = [e for e in overlapped.events["r"] if isinstance(e, Done)]
+    assert overlapped.events == one_by_one.events
     assert len(tokens) >= 6 and not set(tokens) & set(stop)
     # every decode step (tokens 2 .. n) queued the next; the one after the stop token was dropped
-    assert runs[True].runner.overlap_counts.queued == done.num_generated_tokens - 1
-    assert runs[True].runner.overlap_counts.undone == 1
+    assert overlapped.runner.overlap_counts.queued == done.num_generated_tokens - 1
+    assert overlapped.runner.overlap_counts.undone == 1
 
 
 def test_a_queued_step_that_fails_to_build_falls_back_to_the_planned_step(model, caplog):
@@ -211,18 +221,18 @@ def test_a_queued_step_that_fails_to_build_falls_back_to_the_planned_step(model,
 def test_a_decode_that_crosses_a_block_is_cached_and_restored_as_without_overlap(model):
     vocab = model.cfg.vocab_size
     turn1 = random_tokens(vocab, 100, 11)
-    runs = {}
-    for overlap in (False, True):
-        d = Driver(model, overlap, prefix_cache_bytes=64 << 20)
+
+    def drive(d: Driver) -> None:
         d.submit("turn1", turn1, greedy(40))  # 100 + 40 tokens: the decode crosses the 128-token block
         d.steps()
         reply = [e.token_id for e in d.events["turn1"] if isinstance(e, Token)]
         d.submit("turn2", turn1 + reply + random_tokens(vocab, 5, 12), greedy(5))
         d.steps()
-        runs[overlap] = d
-    assert runs[True].events == runs[False].events
-    assert runs[True].requests["turn2"].num_cached_tokens == 128  # the block the decode filled, restored
-    assert runs[True].runner.overlap_counts.taken > 20
+
+    one_by_one, overlapped = both_ways(model, drive, prefix_cache_bytes=64 << 20)
+    assert overlapped.events == one_by_one.events
+    assert overlapped.requests["turn2"].num_cached_tokens == 128  # the block the decode filled, restored
+    assert overlapped.runner.overlap_counts.taken > 20
 
 
 def test_a_decode_planned_at_another_position_than_its_cache_is_refused_and_changes_nothing(model):
