@@ -65,8 +65,22 @@ def test_bench_decode_step_compile_switch_is_honoured_and_reported(model_dir, fl
     assert len(r["warmup_step_ms"]) == 3 and all(ms > 0 for ms in r["warmup_step_ms"])
 
 
+@pytest.mark.parametrize("flag", ["on", "off"])
+def test_bench_decode_times_the_serving_step_with_the_overlap_on_or_off(model_dir, flag):
+    """--decode-overlap times ModelRunner.execute of decode plans; the report says so, and what the overlap
+    did: with it on, every step after the first was queued ahead and taken."""
+    out = _bench(model_dir, "--batch", "2", "--decode-overlap", flag, "--json")
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (r["path"], r["decode_overlap"], len(r["step_ms"]), len(r["warmup_step_ms"])) == ("runner", flag == "on", 4, 3)
+    counts = r["decode_overlap_counts"]
+    assert counts == ({"queued": 7, "taken": 6, "undone": 1, "failed": 0} if flag == "on" else
+                      {"queued": 0, "taken": 0, "undone": 0, "failed": 0})
+
+
 @pytest.mark.parametrize("bad,message", [(["--batch", "0"], "positive integer"),
-                                         (["--tile", "64"], "--tile (64) must be at most --chunk (32)")])
+                                         (["--tile", "64"], "--tile (64) must be at most --chunk (32)"),
+                                         (["--decode-overlap", "on", "--stage-sync"], "cannot be combined")])
 def test_bench_decode_rejects_bad_arguments(model_dir, bad, message):
     out = _bench(model_dir, *bad)
     assert out.returncode == 2

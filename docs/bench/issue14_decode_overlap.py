@@ -75,7 +75,7 @@ def overlapped_steps(model, caches, steps: int) -> tuple[list[float], list[int]]
 def serving_steps(overlap: bool):
     def steps_of(model, caches, steps: int) -> tuple[list[float], None]:
         options = DecodeOptions(chunk=4096, tile=1024, decode_overlap=overlap)
-        seconds = serving_step_seconds(model, caches, [1] * len(caches), steps + 1, options)
+        seconds, _ = serving_step_seconds(model, caches, [1] * len(caches), steps + 1, options)
         return [s * 1000 for s in seconds[1:]], None  # the first interval includes the first step's build
 
     return steps_of

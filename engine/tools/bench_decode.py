@@ -6,6 +6,7 @@ its attention and indexer read) at the copy bandwidth measured on the same devic
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -19,6 +20,7 @@ from tessera.engine.model.config import CSA, HCA, WINDOW, ModelConfig
 from tessera.engine.model.deepseek_v4 import DeepseekV4, Segment
 from tessera.engine.model.dtypes import dtype_name
 from tessera.engine.model.trace import ForwardTrace
+from tessera.engine.serving.decode_overlap import OverlapCounts
 from tessera.engine.tools.cache_fill import fill_random
 from tessera.engine.tools.replay import random_tokens
 
@@ -51,9 +53,11 @@ def bench_decode(model: DeepseekV4, ctx: int, batch: int, options: DecodeOptions
     caches = [_filled(model, ctx, b, options) for b in range(batch)]
     next_ids = [(b + 1) % model.cfg.vocab_size for b in range(batch)]  # any first decode token will do
     stage_totals = {name: 0.0 for name in DECODE_STAGES}
+    overlap = {}
     if options.decode_overlap is not None:
-        seconds = serving_step_seconds(model, caches, next_ids, options.warmup + options.steps, options)
+        seconds, counts = serving_step_seconds(model, caches, next_ids, options.warmup + options.steps, options)
         warmup_seconds, step_seconds = seconds[: options.warmup], seconds[options.warmup :]
+        overlap = {"decode_overlap_counts": dataclasses.asdict(counts)}
     else:
         warmup_seconds = []  # the first step pays for first use: kernels compiled, compiled step parts traced
         for _ in range(options.warmup):
@@ -71,7 +75,7 @@ def bench_decode(model: DeepseekV4, ctx: int, batch: int, options: DecodeOptions
     weights = weights_bytes_touched(model, batch)
     bandwidth = copy_bandwidth(max(weights + cache_bytes, 2**26))
     report = _report(model, ctx, batch, options, step_seconds, stage_totals, weights, cache_bytes, bandwidth)
-    return {**report, "warmup_step_ms": [s * 1000 for s in warmup_seconds]}
+    return {**report, "warmup_step_ms": [s * 1000 for s in warmup_seconds], **overlap}
 
 
 CACHE_FILLS = ("prefill", "random")
@@ -106,10 +110,11 @@ def _decode_step(model: DeepseekV4, caches: list, token_ids: list[int], timer: F
 
 
 def serving_step_seconds(model: DeepseekV4, caches: list, token_ids: list[int], num_steps: int,
-                         options: DecodeOptions) -> list[float]:
+                         options: DecodeOptions) -> tuple[list[float], OverlapCounts]:
     """Seconds of `num_steps` serving steps: ModelRunner.execute of plans decoding every cache's sequence,
     greedy, each plan made from the last step's tokens as the scheduler makes it; a step is the time from
-    one plan's tokens on the host to the next's (with the overlap, the next step is already running)."""
+    one plan's tokens on the host to the next's (with the overlap, the next step is already running).
+    Also what the overlap did (all 0 without it)."""
     from tessera.engine.serving.protocol import DecodeSlot, SamplingParams, StepPlan
     from tessera.engine.serving.runner import ModelRunner
 
@@ -129,7 +134,7 @@ def serving_step_seconds(model: DeepseekV4, caches: list, token_ids: list[int], 
         seconds.append(now - last)
         last = now
     runner.execute(StepPlan(finished_request_ids=tuple(request_ids)))  # a queued step is undone, caches released
-    return seconds
+    return seconds, runner.overlap_counts
 
 
 def weights_bytes_touched(model: DeepseekV4, batch: int) -> int:
