@@ -189,20 +189,13 @@ def unpack_mask(mask: bytes, vocab_size: int) -> np.ndarray:
 
 def penalize(row: mx.array, params: SamplingParams, history: TokenHistory, pending: mx.array | None = None) -> mx.array:
     """logit_bias, then repetition, frequency and presence penalties. row: [V] float32. `pending`: a last
-    token still on the device (a scalar), counted as part of the history: the same values (elementwise the
-    same float32 operations) as once it is appended."""
+    token still on the device (a scalar), counted as part of the history: the same bits as once it is
+    appended."""
     row = _apply_logit_bias(row, params.logit_bias)
     if params.repetition_penalty != 1.0:
-        if pending is None:
-            row = _apply_repetition_penalty(row, history.seen_ids(), params.repetition_penalty)
-        else:
-            row = _apply_repetition_penalty_dense(row, history.seen_ids(), pending, params.repetition_penalty)
+        row = _apply_repetition_penalty(row, history.seen_ids(), params.repetition_penalty, pending)
     if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
-        if pending is None:
-            row = _apply_frequency_presence(row, history, params.frequency_penalty, params.presence_penalty)
-        else:
-            row = _apply_frequency_presence_dense(row, history, pending, params.frequency_penalty,
-                                                  params.presence_penalty)
+        row = _apply_frequency_presence(row, history, params.frequency_penalty, params.presence_penalty, pending)
     return row
 
 
@@ -216,45 +209,37 @@ def _apply_logit_bias(row: mx.array, logit_bias: tuple[tuple[int, float], ...]) 
     return row.at[mx.array(ids)].add(bias)
 
 
-def _apply_repetition_penalty(row: mx.array, seen_ids: np.ndarray, penalty: float) -> mx.array:
-    if seen_ids.size == 0:
-        return row
-    ids = mx.array(seen_ids)
-    factor = mx.where(row[ids] > 0, 1.0 / penalty, penalty)  # shrinks positive logits, pushes negative ones down
-    return row.at[ids].multiply(factor)
-
-
-def _apply_frequency_presence(row: mx.array, history: TokenHistory, frequency: float, presence: float) -> mx.array:
-    ids, counts = history.output_counts()
-    if ids.size == 0:
-        return row
-    return row.at[mx.array(ids)].subtract(mx.array(frequency * counts + presence))
-
-
-# The dense forms take a pending token on the device: its id is not known on the host, and it may repeat a
-# seen one, so the seen set and the counts are built as [V] vectors. Each seen logit gets the same float32
-# operations as in the sparse forms above, and the others are left as they are (not `- 0.0`, which would
+# Seen tokens and counts are [V] vectors: a pending token's id is on the device only, and it may repeat a seen
+# one. Each seen logit gets its float32 operations; the others are left as they are (not `- 0.0`, which would
 # turn a -0.0 logit into +0.0).
 
 
-def _apply_repetition_penalty_dense(row: mx.array, seen_ids: np.ndarray, pending: mx.array, penalty: float) -> mx.array:
-    seen = mx.zeros(row.shape, dtype=mx.float32)
-    if seen_ids.size:
-        seen = seen.at[mx.array(seen_ids)].maximum(1.0)
-    seen = seen.at[pending.reshape(1)].maximum(1.0)  # [V]: 1 where seen
-    factor = mx.where(row > 0, 1.0 / penalty, penalty)
+def _apply_repetition_penalty(row: mx.array, seen_ids: np.ndarray, penalty: float,
+                              pending: mx.array | None = None) -> mx.array:
+    if seen_ids.size == 0 and pending is None:
+        return row
+    seen = _per_token(row.shape[0], seen_ids, None, pending)  # [V]: > 0 where seen
+    factor = mx.where(row > 0, 1.0 / penalty, penalty)  # shrinks positive logits, pushes negative ones down
     return mx.where(seen > 0, row * factor, row)
 
 
-def _apply_frequency_presence_dense(row: mx.array, history: TokenHistory, pending: mx.array, frequency: float,
-                                    presence: float) -> mx.array:
+def _apply_frequency_presence(row: mx.array, history: TokenHistory, frequency: float, presence: float,
+                              pending: mx.array | None = None) -> mx.array:
     ids, counts = history.output_counts()
-    per_token = mx.zeros(row.shape, dtype=mx.float32)
+    if ids.size == 0 and pending is None:
+        return row
+    generated = _per_token(row.shape[0], ids, counts, pending)  # [V]: how often each token was generated
+    return mx.where(generated > 0, row - (frequency * generated + presence), row)
+
+
+def _per_token(vocab: int, ids: np.ndarray, counts: np.ndarray | None, pending: mx.array | None) -> mx.array:
+    """[V] float32: counts[i] (1 without counts) at ids[i], plus 1 at the pending token (a scalar)."""
+    out = mx.zeros((vocab,), dtype=mx.float32)
     if ids.size:
-        per_token = per_token.at[mx.array(ids)].add(mx.array(counts))
-    per_token = per_token.at[pending.reshape(1)].add(1.0)  # [V]: how often each token was generated
-    penalty = frequency * per_token + presence  # as the sparse form: frequency * count + presence, in float32
-    return mx.where(per_token > 0, row - penalty, row)
+        out = out.at[mx.array(ids)].add(mx.array(counts) if counts is not None else 1.0)
+    if pending is not None:
+        out = out.at[pending.reshape(1)].add(1.0)
+    return out
 
 
 # ---- argmax-keeping warps (random rows only) ---------------------------------------------------------

@@ -45,7 +45,8 @@ class DecodeOptions:
 
     def __post_init__(self) -> None:
         if self.stage_sync and self.decode_overlap is not None:
-            raise ValueError("stage_sync times the bare forward pass: it cannot be combined with decode_overlap")
+            raise ValueError("stage_sync (--stage-sync) times the bare forward pass: it cannot be combined with "
+                             "decode_overlap (--decode-overlap)")
 
 
 def bench_decode(model: DeepseekV4, ctx: int, batch: int, options: DecodeOptions = DecodeOptions()) -> dict:

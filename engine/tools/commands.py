@@ -500,13 +500,13 @@ def _bench_decode(args) -> int:
         from tessera.engine.model.compiled import set_step_compile_enabled
 
         set_step_compile_enabled(args.compile_step == "on")
-    if args.stage_sync and args.decode_overlap is not None:
-        print("error: --stage-sync times the bare forward pass; it cannot be combined with --decode-overlap",
-              file=sys.stderr)
-        return 2
     overlap = None if args.decode_overlap is None else args.decode_overlap == "on"
-    options = DecodeOptions(chunk=args.chunk, tile=args.tile, steps=args.steps, stage_sync=args.stage_sync,
-                            cache_fill=args.cache_fill, decode_overlap=overlap)
+    try:
+        options = DecodeOptions(chunk=args.chunk, tile=args.tile, steps=args.steps, stage_sync=args.stage_sync,
+                                cache_fill=args.cache_fill, decode_overlap=overlap)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     report = bench_decode(load_for_bench(args.model, args.dtype), args.ctx, args.batch, options)
     _print_report(report, args.json)
     return 0
