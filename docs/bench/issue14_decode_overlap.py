@@ -7,7 +7,9 @@ A B C D D C B A (--rounds times; --arms picks a subset). Every arm takes greedy 
   device (`forward(..., device_token_ids=...)`) and queued (`mx.async_eval`) before step n's tokens are
   read, so Python's graph building of one step runs while the device runs the other;
 - serving: `ModelRunner.execute` of decode plans (the server's step, sampler included), decode overlap off;
-- serving_overlap: the same with the decode overlap on (engine/serving/decode_overlap.py), what a server runs.
+- serving_overlap: the same with the decode overlap on (engine/serving/decode_overlap.py), what a server runs;
+- serving_overlap_qmv: serving_overlap with kernels/gather_qmv.py's mxfp4 gemv on for the arm (as-loaded
+  checkpoints; where it does not apply it changes nothing).
 
 A step's time is the interval between two tokens reaching the host. One JSON line per round to OUT.
 
@@ -81,8 +83,22 @@ def serving_steps(overlap: bool):
     return steps_of
 
 
+def with_gather_qmv(arm):
+    def steps_of(model, caches, steps: int):
+        from tessera.kernels import gather_qmv
+
+        saved = gather_qmv.kernel_enabled()
+        gather_qmv.set_kernel_enabled(True)
+        try:
+            return arm(model, caches, steps)
+        finally:
+            gather_qmv.set_kernel_enabled(saved)
+
+    return steps_of
+
+
 ARMS = {"serial": serial_steps, "overlap": overlapped_steps, "serving": serving_steps(False),
-        "serving_overlap": serving_steps(True)}
+        "serving_overlap": serving_steps(True), "serving_overlap_qmv": with_gather_qmv(serving_steps(True))}
 
 
 def main() -> None:
@@ -121,7 +137,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=16, help="timed steps per round")
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--tile", type=int, default=1024)
-    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), help="the arms to run, in this order")
+    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=["serial", "overlap", "serving", "serving_overlap"], help="the arms to run, in this order")
     p.add_argument("--rounds", type=int, default=2, help="A B .. B A sequences per batch size")
     p.add_argument("--as-loaded", action="store_true",
                    help="keep a quantized checkpoint's weights as loaded (mxfp8/mxfp4), not dequantized to bf16")

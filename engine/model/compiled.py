@@ -29,7 +29,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from tessera.kernels import row_gather, sinkhorn
+from tessera.kernels import gather_qmv, row_gather, sinkhorn
 from tessera.kernels.shapeless import compile_enabled
 from tessera.kernels.switch import Switch
 
@@ -50,7 +50,7 @@ def _trace_switches() -> tuple[bool, ...]:
     """Every switch a step part reads while it is traced: a trace replays the choices it was traced
     with, so a flip in a running process (benchmarks) must reach a fresh trace, not a stale one."""
 
-    return (compile_enabled(), sinkhorn.kernel_enabled(), row_gather.kernel_enabled())
+    return (compile_enabled(), sinkhorn.kernel_enabled(), row_gather.kernel_enabled(), gather_qmv.kernel_enabled())
 
 
 class StepCompiled:
