@@ -9,14 +9,23 @@ Flash's expert shapes and 96 pairs (16 sequences), one projection took ~0.38 ms 
 a quarter of the copy rate; the batch-16 MoE was ~4.6 ms of a 12–16 ms step (docs/BENCHMARKS.md,
 "Session 10 on the H200"). Splitting the rows into calls of 7 (MLX's qmv) was slower still.
 
-The kernel: a block per (pair, ROWS_PER_BLOCK output rows); the pair's x row staged in shared memory as
-float32, padded to 33 floats per 32-element group so that the 32 lanes of a warp (each on its own group)
-read 32 different banks; a warp per output row at a time; one 16-byte load is one 32-element group of the
-weight row (four uint32 of eight 4-bit E2M1 codes, low nibble first, MLX's mxfp4 layout); the group's
-code values × x are summed in float32, the sum scaled by the group's E8M0 scale (a power of two: exact),
-and the lanes' partial sums added by shuffles in a fixed order. An output depends on its own row only: the
-same bits whatever the batch. Not the reference's bits (another summation order): the CUDA test compares
-to within the output dtype's rounding (tests/test_kernels_cuda.py).
+Two layouts of the kernel, both reading one 16-byte vector per 32-element group of a weight row (four
+uint32 of eight 4-bit E2M1 codes, low nibble first: MLX's mxfp4 layout), decoding codes through a 16-entry
+table in shared memory, summing code value × x in float32 and scaling the group's sum by its E8M0 scale (a
+power of two: exact):
+
+- split_k (K a multiple of 1024, the V4 Flash widths): a block per (pair, ROWS_PER_BLOCK output rows) of
+  K / 32 threads, thread g owning group g of every row and that group's 32 x values in registers, so x is
+  read once per block and the inner loop has one shared-memory load (the table) per element; UNROLL rows'
+  loads are issued before their sums. A warp's 32 groups are summed by shuffles, the warps' sums in
+  shared memory, in a fixed order.
+- staged (any K a multiple of 32): the pair's x row staged in shared memory as float32 (33 floats per
+  group, so the 32 lanes of a warp, each on its own group, read 32 banks), a warp per output row at a
+  time, each lane summing every 32nd group; two shared-memory loads per element.
+
+An output depends on its own row only: the same bits whatever the batch. Not the reference's bits (another
+summation order): the CUDA tests compare to within the output dtype's rounding, and bit for bit on inputs
+whose sums are exact in float32 (tests/test_kernels_cuda.py).
 
 Switch: TESSERA_GATHER_QMV_KERNEL=1 uses it where supported (CUDA; mxfp4, group 32, no biases; one row
 per pair; output width a multiple of ROWS_PER_BLOCK). **Off by default: written without a GPU in session
@@ -37,6 +46,7 @@ _switch = Switch(ENV_VAR, default=False)
 WARPS = 8
 ROWS_PER_WARP = 4
 ROWS_PER_BLOCK = WARPS * ROWS_PER_WARP  # output rows of one pair per block
+UNROLL = 8  # split-K layout: rows whose loads are in flight together
 GROUP = 32  # mxfp4: 32 elements share an E8M0 scale; one group is one 16-byte vector of codes
 
 
@@ -71,7 +81,17 @@ def gather_qmv(x: mx.array, values: mx.array, scales: mx.array, experts: mx.arra
     return gather_qmv_kernel(x, values, scales, experts)
 
 
-_SOURCE = r"""
+_LUT = r"""
+  if (threadIdx.x < 16) {  // E2M1: sign, 2 exponent bits, 1 mantissa bit -> 0, 0.5, 1, 1.5, 2, 3, 4, 6
+    const int c = threadIdx.x;
+    const int e = (c >> 1) & 3;
+    const float mag = e == 0 ? 0.5f * (c & 1) : ldexpf(1.0f + 0.5f * (c & 1), e - 1);
+    lut[c] = (c & 8) ? -mag : mag;
+  }
+"""
+
+# Staged: x in shared memory, a warp per output row at a time, each lane summing every 32nd group.
+_SOURCE_STAGED = r"""
   // x [P, K] T; w [E, N, K / 8] uint32; scales [E, N, K / 32] uint8; experts [P] uint32 -> out [P, N] T.
   constexpr int GROUPS = K / 32;  // 16-byte vectors (groups) per weight row
   constexpr int BLOCKS_PER_PAIR = N / (WARPS * ROWS_PER_WARP);
@@ -81,12 +101,7 @@ _SOURCE = r"""
   const int row0 = (blockIdx.x % BLOCKS_PER_PAIR) * (WARPS * ROWS_PER_WARP);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  if (threadIdx.x < 16) {  // E2M1: sign, 2 exponent bits, 1 mantissa bit -> 0, 0.5, 1, 1.5, 2, 3, 4, 6
-    const int c = threadIdx.x;
-    const int e = (c >> 1) & 3;
-    const float mag = e == 0 ? 0.5f * (c & 1) : ldexpf(1.0f + 0.5f * (c & 1), e - 1);
-    lut[c] = (c & 8) ? -mag : mag;
-  }
+""" + _LUT + r"""
   const T* xrow = x + (size_t)pair * K;
   for (int i = threadIdx.x; i < K; i += blockDim.x) xs[(i / 32) * 33 + i % 32] = static_cast<float>(xrow[i]);
   __syncthreads();
@@ -116,18 +131,90 @@ _SOURCE = r"""
   }
 """
 
+# Split K: thread g of a block owns group g of every row (K / 32 threads), its 32 x values in registers
+# for all ROWS rows of the block; a warp's lanes are summed by shuffles, the warps in shared memory.
+_SOURCE_SPLIT_K = r"""
+  // x [P, K] T; w [E, N, K / 8] uint32; scales [E, N, K / 32] uint8; experts [P] uint32 -> out [P, N] T.
+  constexpr int GROUPS = K / 32;  // = threads per block: one 16-byte group of each row per thread
+  constexpr int WARPS = GROUPS / 32;
+  constexpr int BLOCKS_PER_PAIR = N / ROWS;
+  __shared__ float lut[16];
+  __shared__ float partial[WARPS][ROWS];
+  const int pair = blockIdx.x / BLOCKS_PER_PAIR;
+  const int row0 = (blockIdx.x % BLOCKS_PER_PAIR) * ROWS;
+  const int g = threadIdx.x;
+  const int lane = g & 31;
+  const int warp = g >> 5;
+""" + _LUT + r"""
+  float xv[32];
+  const T* xg = x + (size_t)pair * K + g * 32;
+  #pragma unroll
+  for (int i = 0; i < 32; ++i) xv[i] = static_cast<float>(xg[i]);
+  __syncthreads();
+  const size_t first = (size_t)experts[pair] * N + row0;  // the block's first weight row
+  const uint4* codes = reinterpret_cast<const uint4*>(w) + first * GROUPS + g;
+  const uint8_t* srow = scales + first * GROUPS + g;
+  for (int r0 = 0; r0 < ROWS; r0 += UNROLL) {
+    uint4 q[UNROLL];
+    int e[UNROLL];
+    #pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {  // every load of the batch in flight before the first sum
+      q[u] = codes[(size_t)(r0 + u) * GROUPS];
+      e[u] = srow[(size_t)(r0 + u) * GROUPS];
+    }
+    #pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const uint32_t words[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
+      float sum = 0.0f;
+      #pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        #pragma unroll
+        for (int b = 0; b < 8; ++b) sum = fmaf(lut[(words[j] >> (4 * b)) & 0xF], xv[8 * j + b], sum);
+      }
+      float acc = sum * ldexpf(1.0f, e[u] - 127);
+      #pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, offset);
+      if (lane == 0) partial[warp][r0 + u] = acc;
+    }
+  }
+  __syncthreads();
+  if (g < ROWS) {
+    float total = 0.0f;
+    #pragma unroll
+    for (int k = 0; k < WARPS; ++k) total += partial[k][g];
+    out[(size_t)pair * N + row0 + g] = static_cast<T>(total);
+  }
+"""
 
-def gather_qmv_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array) -> mx.array:
+
+def split_k_fits(k: int) -> bool:
+    """The split-K layout holds a block of K / 32 threads (one per group): K a multiple of 1024, ≤ 32,768."""
+    return k % 1024 == 0 and k // 32 <= 1024
+
+
+def gather_qmv_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array,
+                      layout: str | None = None) -> mx.array:
     """x: [P, K] bf16/fp16/fp32 on a CUDA device; values [E, N, K / 8] uint32, scales [E, N, K / 32] uint8
-    (mxfp4); experts: [P] -> [P, N] in x's dtype."""
+    (mxfp4); experts: [P] -> [P, N] in x's dtype. `layout`: "split_k" or "staged" (None: split_k where
+    the width fits, `split_k_fits`)."""
     pairs, k = x.shape
     n = values.shape[1]
-    kernel = compiled_kernel("tessera_gather_qmv_mxfp4", ("x", "w", "scales", "experts"), ("out",), _SOURCE, "")
+    layout = layout or ("split_k" if split_k_fits(k) else "staged")
+    inputs = [x, values, scales, experts.astype(mx.uint32)]
+    names = (("x", "w", "scales", "experts"), ("out",))
+    if layout == "split_k":
+        kernel = compiled_kernel("tessera_gather_qmv_mxfp4_split_k", *names, _SOURCE_SPLIT_K, "")
+        template = [("T", x.dtype), ("K", k), ("N", n), ("ROWS", ROWS_PER_BLOCK), ("UNROLL", UNROLL)]
+        threads = k // 32
+    else:
+        kernel = compiled_kernel("tessera_gather_qmv_mxfp4", *names, _SOURCE_STAGED, "")
+        template = [("T", x.dtype), ("K", k), ("N", n), ("WARPS", WARPS), ("ROWS_PER_WARP", ROWS_PER_WARP)]
+        threads = WARPS * 32
     (out,) = kernel(
-        inputs=[x, values, scales, experts.astype(mx.uint32)],
-        template=[("T", x.dtype), ("K", k), ("N", n), ("WARPS", WARPS), ("ROWS_PER_WARP", ROWS_PER_WARP)],
-        grid=(pairs * (n // ROWS_PER_BLOCK) * WARPS * 32, 1, 1),  # threads, as mx.fast.cuda_kernel counts them
-        threadgroup=(WARPS * 32, 1, 1),
+        inputs=inputs,
+        template=template,
+        grid=(pairs * (n // ROWS_PER_BLOCK) * threads, 1, 1),  # threads, as mx.fast.cuda_kernel counts them
+        threadgroup=(threads, 1, 1),
         output_shapes=[(pairs, n)],
         output_dtypes=[x.dtype],
     )
