@@ -2,7 +2,15 @@
 this one's tokens. What a user must not notice: any difference in the tokens, logprobs or finish reasons,
 whether requests finish at different steps, arrive late, are aborted, sample with seeds or penalties, wait
 for min_tokens, follow a grammar, use the prefix cache, or the queued step fails to build. What must happen:
-steps are queued ahead and taken."""
+steps are queued ahead and taken.
+
+On a GPU one thing differs, by design: when a request finishes, the queued step is taken with the finished
+request's row still in it (its result unread), so the others' next token is computed in a batch one row
+larger than the step one at a time would run, and a GPU row's bits depend on the batch's row count (the CPU's
+do not). The H200 gave the same tokens with a logprob 8.5·10⁻⁴ apart (docs/BENCHMARKS.md, "Session 11 on
+the H200"); undoing the queued step instead would cost a step of device time per finish. So the tests that
+finish requests compare with `same_streams`: exact on the CPU, tokens exact and logprobs within 10⁻³
+relative on CUDA."""
 
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ from tessera.engine.serving.runner import ModelRunner
 from tessera.engine.serving.scheduler import SchedulerConfig
 from tessera.engine.tools.make_model import make_model
 from tessera.engine.tools.replay import random_tokens
+from tessera.kernels.cuda import on_cuda
 
 CHUNK, TILE = 64, 16
 
@@ -58,6 +67,28 @@ def both_ways(model, drive, **driver_options) -> tuple[Driver, Driver]:
     return runs[0], runs[1]
 
 
+def same_streams(got: dict[str, list], want: dict[str, list]) -> bool:
+    """Events equal; on CUDA, logprobs within 10⁻³ relative (the module docstring says why)."""
+    if not on_cuda():
+        return got == want
+
+    def split(events):  # (everything but the logprobs, the logprobs)
+        shapes, logprobs = [], []
+        for e in events:
+            if isinstance(e, Token):
+                shapes.append(("token", e.token_id, tuple(t for t, _ in e.top_logprobs)))
+                logprobs += [e.logprob or 0.0] + [lp for _, lp in e.top_logprobs]
+            else:
+                shapes.append(e)
+        return shapes, logprobs
+
+    for rid in set(got) | set(want):
+        (got_shapes, got_lp), (want_shapes, want_lp) = split(got.get(rid, [])), split(want.get(rid, []))
+        if got_shapes != want_shapes or any(abs(a - b) > 1e-3 * max(1.0, abs(b)) for a, b in zip(got_lp, want_lp)):
+            return False
+    return True
+
+
 def greedy(max_tokens: int, **more) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2, ignore_eos=True, **more)
 
@@ -87,7 +118,7 @@ def test_overlapped_decode_streams_the_same_tokens_logprobs_and_endings(model):
     one_by_one, overlapped = scenario(model, overlap=False), scenario(model, overlap=True)
     published = [e for s in overlapped.published for e in s.overlap_events]
 
-    assert overlapped.events == one_by_one.events
+    assert same_streams(overlapped.events, one_by_one.events)
     assert [e.finish_reason for e in overlapped.events["aborted"] if isinstance(e, Done)] == ["abort"]
     assert len([e for e in overlapped.events["long"] if isinstance(e, Token)]) == 14
     counts = overlapped.runner.overlap_counts
@@ -114,7 +145,7 @@ def test_requests_that_finish_or_are_aborted_leave_the_queued_step_to_the_others
         d.steps()
 
     one_by_one, overlapped = both_ways(model, drive)
-    assert overlapped.events == one_by_one.events
+    assert same_streams(overlapped.events, one_by_one.events)
     assert [type(e).__name__ for e in overlapped.events["x"]][-1] == "Done"
     counts = overlapped.runner.overlap_counts
     # a, c and x leave while others decode: each time the queued step is taken for the rest. Only the plan
@@ -136,7 +167,7 @@ def test_penalized_requests_are_queued_ahead_and_stream_the_same_tokens(model):
         d.submit("c", random_tokens(vocab, 20, 3), greedy(12, **({"frequency_penalty": -1.5} if penalized else {})))
         d.steps()
         runs[overlap, penalized] = d
-    assert runs[True, True].events == runs[False, True].events
+    assert same_streams(runs[True, True].events, runs[False, True].events)
     assert runs[True, True].events != runs[True, False].events  # the penalties change the tokens: they count
     assert runs[True, True].runner.overlap_counts.taken >= 10
 
@@ -167,7 +198,7 @@ def test_a_step_with_a_grammar_runs_one_step_at_a_time_with_the_same_tokens(mode
         d.steps()
 
     one_by_one, overlapped = both_ways(model, drive)
-    assert overlapped.events == one_by_one.events
+    assert same_streams(overlapped.events, one_by_one.events)
     assert overlapped.runner.overlap_counts.queued == 0  # "json" decodes in every step: never ahead
     tokens = [e.token_id for e in overlapped.events["json"] if isinstance(e, Token)]
     assert tokens and all(t % 3 for t in tokens)
@@ -185,7 +216,7 @@ def test_min_tokens_is_enforced_on_steps_queued_ahead(model):
     one_by_one, overlapped = both_ways(model, drive)
     tokens = [e.token_id for e in overlapped.events["r"] if isinstance(e, Token)]
     (done,) = [e for e in overlapped.events["r"] if isinstance(e, Done)]
-    assert overlapped.events == one_by_one.events
+    assert same_streams(overlapped.events, one_by_one.events)
     assert len(tokens) >= 6 and not set(tokens) & set(stop)
     # every decode step (tokens 2 .. n) queued the next; the one after the stop token was dropped
     assert overlapped.runner.overlap_counts.queued == done.num_generated_tokens - 1
@@ -230,7 +261,7 @@ def test_a_decode_that_crosses_a_block_is_cached_and_restored_as_without_overlap
         d.steps()
 
     one_by_one, overlapped = both_ways(model, drive, prefix_cache_bytes=64 << 20)
-    assert overlapped.events == one_by_one.events
+    assert same_streams(overlapped.events, one_by_one.events)
     assert overlapped.requests["turn2"].num_cached_tokens == 128  # the block the decode filled, restored
     assert overlapped.runner.overlap_counts.taken > 20
 

@@ -281,11 +281,10 @@ def _mxfp4_experts(rng: np.random.Generator, experts: int, n: int, k: int, scale
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("layout, pairs, n, k", [("staged", 1, 32, 64), ("staged", 6, 128, 256), ("staged", 96, 64, 2048),
-                                                 ("split_k", 1, 32, 1024), ("split_k", 6, 128, 2048), ("split_k", 96, 64, 4096)])
-def test_gather_qmv_kernel_equals_gather_qmm_on_exact_inputs(dtype, layout, pairs, n, k, gather_qmv_on):
+@pytest.mark.parametrize("pairs, n, k", [(1, 32, 1024), (6, 128, 2048), (96, 64, 4096)])
+def test_gather_qmv_kernel_equals_gather_qmm_on_exact_inputs(dtype, pairs, n, k, gather_qmv_on):
     """Integer x in [-8, 8] and scales 2^-2 … 2^2: every product and partial sum is exact in float32, so the
-    kernel's sums (another order than MLX's) must give the reference's bits, in either layout."""
+    kernel's sums (another order than MLX's) must give the reference's bits."""
     from tessera.kernels.gather_qmv import gather_qmv_kernel, gather_qmv_reference, is_supported
 
     rng = np.random.default_rng(pairs + n + k)
@@ -293,14 +292,13 @@ def test_gather_qmv_kernel_equals_gather_qmm_on_exact_inputs(dtype, layout, pair
     x = mx.array(rng.integers(-8, 9, (pairs, k)).astype(np.float32)).astype(dtype)
     experts = mx.array(rng.integers(0, 8, pairs).astype(np.uint32))
     assert is_supported(x.dtype, k, values)
-    got = gather_qmv_kernel(x, values, scales, experts, layout)
+    got = gather_qmv_kernel(x, values, scales, experts)
     assert got.dtype == dtype and got.shape == (pairs, n)
     assert _same_bits(got, gather_qmv_reference(x, values, scales, experts))
 
 
-@pytest.mark.parametrize("layout", ["staged", "split_k"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_gather_qmv_kernel_is_close_to_gather_qmm_and_row_invariant(dtype, layout, gather_qmv_on):
+def test_gather_qmv_kernel_is_close_to_gather_qmm_and_row_invariant(dtype, gather_qmv_on):
     """Normal x at V4 Flash's expert widths: within the output's rounding of the reference; and a row's bits
     do not depend on the rows beside it."""
     from tessera.kernels.gather_qmv import gather_qmv_kernel, gather_qmv_reference
@@ -309,12 +307,12 @@ def test_gather_qmv_kernel_is_close_to_gather_qmm_and_row_invariant(dtype, layou
     values, scales = _mxfp4_experts(rng, 8, 2048, 4096, scale_spread=8)
     x = mx.array(rng.standard_normal((96, 4096)).astype(np.float32)).astype(dtype)
     experts = mx.array(rng.integers(0, 8, 96).astype(np.uint32))
-    got = np.array(gather_qmv_kernel(x, values, scales, experts, layout).astype(mx.float32))
+    got = np.array(gather_qmv_kernel(x, values, scales, experts).astype(mx.float32))
     want = np.array(gather_qmv_reference(x, values, scales, experts).astype(mx.float32))
     # bf16 outputs: a rounding apart; float32: MLX's float32 GEMM may run on TF32 tensor cores (10-bit mantissa)
     np.testing.assert_allclose(got, want, rtol=2.0**-7, atol=2.0**-10 * float(np.abs(want).max()))
-    alone = gather_qmv_kernel(x[37:38], values, scales, experts[37:38], layout)
-    assert _same_bits(alone, gather_qmv_kernel(x, values, scales, experts, layout)[37:38])
+    alone = gather_qmv_kernel(x[37:38], values, scales, experts[37:38])
+    assert _same_bits(alone, gather_qmv_kernel(x, values, scales, experts)[37:38])
 
 
 def test_the_gathered_moe_runs_the_gather_qmv_kernel_when_it_is_on(gather_qmv_on, monkeypatch):
@@ -325,15 +323,15 @@ def test_the_gathered_moe_runs_the_gather_qmv_kernel_when_it_is_on(gather_qmv_on
     from tessera.kernels import gather_qmv
 
     rng = np.random.default_rng(5)
-    values, scales = _mxfp4_experts(rng, 8, 256, 512, scale_spread=4)
+    values, scales = _mxfp4_experts(rng, 8, 256, 1024, scale_spread=4)
     w = QuantizedWeight(values, scales, None, "mxfp4", 4, 32)
-    x = mx.array(rng.standard_normal((12, 1, 512)).astype(np.float32)).astype(mx.bfloat16)
+    x = mx.array(rng.standard_normal((12, 1, 1024)).astype(np.float32)).astype(mx.bfloat16)
     experts = mx.array(np.sort(rng.integers(0, 8, 12)).astype(np.uint32))
     calls = []
     real = gather_qmv.gather_qmv_kernel
     monkeypatch.setattr(moe_mod, "gather_qmv_kernel", lambda *a: calls.append(a[0].shape) or real(*a))
     got = np.array(moe_mod._gather_linear(x, w, experts).astype(mx.float32))
-    assert calls == [(12, 512)]
+    assert calls == [(12, 1024)]
     gather_qmv.set_kernel_enabled(False)
     want = np.array(moe_mod._gather_linear(x, w, experts).astype(mx.float32))
     assert got.shape == want.shape == (12, 1, 256)

@@ -8,8 +8,10 @@ A B C D D C B A (--rounds times; --arms picks a subset). Every arm takes greedy 
   read, so Python's graph building of one step runs while the device runs the other;
 - serving: `ModelRunner.execute` of decode plans (the server's step, sampler included), decode overlap off;
 - serving_overlap: the same with the decode overlap on (engine/serving/decode_overlap.py), what a server runs;
-- serving_overlap_qmv: serving_overlap with kernels/gather_qmv.py's mxfp4 gemv on for the arm (as-loaded
-  checkpoints; where it does not apply it changes nothing).
+- serving_overlap_qmm: serving_overlap with kernels/gather_qmv.py's mxfp4 gemv off for the arm (MLX's
+  gather_qmm instead; as-loaded checkpoints, where the kernel applies). Session 11 ran this script when the
+  kernel was off by default, with an arm "serving_overlap_qmv" that turned it on: the raw files'
+  serving_overlap is the kernel off there, serving_overlap_qmv on.
 
 A step's time is the interval between two tokens reaching the host. One JSON line per round to OUT.
 
@@ -83,12 +85,12 @@ def serving_steps(overlap: bool):
     return steps_of
 
 
-def with_gather_qmv(arm):
+def without_gather_qmv(arm):
     def steps_of(model, caches, steps: int):
         from tessera.kernels import gather_qmv
 
         saved = gather_qmv.kernel_enabled()
-        gather_qmv.set_kernel_enabled(True)
+        gather_qmv.set_kernel_enabled(False)
         try:
             return arm(model, caches, steps)
         finally:
@@ -98,7 +100,7 @@ def with_gather_qmv(arm):
 
 
 ARMS = {"serial": serial_steps, "overlap": overlapped_steps, "serving": serving_steps(False),
-        "serving_overlap": serving_steps(True), "serving_overlap_qmv": with_gather_qmv(serving_steps(True))}
+        "serving_overlap": serving_steps(True), "serving_overlap_qmm": without_gather_qmv(serving_steps(True))}
 
 
 def main() -> None:

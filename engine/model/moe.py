@@ -118,8 +118,8 @@ def _gather_linear(x: mx.array, w: Weight, experts: mx.array) -> mx.array:
 
 
 def _takes_gather_qmv(x: mx.array, w: Weight) -> bool:
-    """One row per pair [P, 1, in] through mxfp4 experts, where kernels/gather_qmv.py's kernel runs (CUDA,
-    TESSERA_GATHER_QMV_KERNEL=1; off by default until measured)."""
+    """One row per pair [P, 1, in] through mxfp4 experts, where kernels/gather_qmv.py's kernel runs (CUDA, the
+    V4 Flash widths; TESSERA_GATHER_QMV_KERNEL=0 turns it off)."""
     return (isinstance(w, QuantizedWeight) and w.mode == "mxfp4" and w.bits == 4 and w.group_size == 32
             and w.biases is None and x.ndim == 3 and x.shape[1] == 1 and x.shape[0] > 0
             and gather_qmv_supported(x.dtype, x.shape[-1], w.values))

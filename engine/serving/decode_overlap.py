@@ -14,7 +14,11 @@ the plan only drops requests that finished (a stop token, max_tokens, an abort):
 and left unread, the others' are the plan's. Any other plan (a request arrived, a prefill chunk) undoes
 it — caches, their prefix state and random streams back as they were — and runs the plan as usual. The
 queued step is the step the plan asks for, so the tokens are the same either way; a plan that differs
-costs one step of device time spent for nothing.
+costs one step of device time spent for nothing. One difference on a GPU: after a finish the others' rows
+were computed in a batch one row larger than the plan's, and a GPU row's bits depend on the batch's row
+count, so their logprobs can differ in the last bits (on the H200: the same tokens, a logprob 8.5·10⁻⁴
+apart; docs/BENCHMARKS.md, "Session 11 on the H200"). Undoing the step instead would make them equal at a
+step of device time per finish; any arrival changes a batch's rows as much, so it is not worth that.
 
 The queued step samples before its fed tokens reach the host's token histories: the sampler counts each
 row's pending token on the device (penalties, min_tokens; engine/serving/sampler.py `sample_lazily`'s

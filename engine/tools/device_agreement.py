@@ -91,7 +91,7 @@ def format_agreement(rows: list[AgreementRow]) -> str:
 
 def check_agreement_command(allow_cpu: bool, as_json: bool, out: Path | None = None) -> int:
     """`tessera check agreement`: `check gpu`'s device-vs-CPU part alone (about a minute once MLX's kernels are
-    compiled and cached; minutes on a fresh machine: docs/BENCHMARKS.md "Session 10"). 0 when every
+    compiled and cached; minutes on a fresh machine: docs/BENCHMARKS.md "Session 11"). 0 when every
     layer and logit row agrees; 1 on any violation; 2 without CUDA unless --allow-cpu (then the CPU is
     compared with itself: a pass there proves nothing about a device)."""
     import json
