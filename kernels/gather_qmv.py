@@ -19,8 +19,9 @@ summation order): the CUDA tests compare to within the output dtype's rounding, 
 whose sums are exact in float32 (tests/test_kernels_cuda.py).
 
 Measured on the H200 (docs/BENCHMARKS.md, "Session 11 on the H200"): a batch-16 decode step as loaded
-(flash-width, 16k) 9.1 ms against 10.7 with gather_qmm, batch 1 unchanged. An earlier layout that staged x
-in shared memory (two shared loads per element) was 10–20 % slower than this one and was removed.
+(flash-width, 16k) 9.1 ms against 10.7 with gather_qmm on one machine, no difference on a host-bound one;
+batch 1 unchanged. An earlier layout that staged x in shared memory (two shared loads per element) was
+8–12 % slower than this one and was removed. Still ~1.2 TB/s at 96 pairs, far from the copy rate.
 
 Switch: TESSERA_GATHER_QMV_KERNEL=0 keeps MLX's gather_qmm (1, the default, uses the kernel where it
 applies: CUDA; mxfp4, group 32, no biases; one row per pair; K a multiple of 1024 up to 32,768 and an
