@@ -141,16 +141,18 @@ def test_gathered_quantized_pairs_split_into_pieces_give_the_same_result(monkeyp
     assert np.array_equal(np.array(whole), np.array(pieces))
 
 
-def test_gathered_mxfp4_pairs_go_to_the_gather_qmv_kernel_where_it_runs(monkeypatch):
+def test_gathered_mxfp4_pairs_go_to_the_gather_qmv_kernel_where_it_runs(monkeypatch, tmp_path):
     """The wiring of kernels/gather_qmv.py into the gathered layout, on the CPU: with the kernel's checks
-    passing (switch on, a CUDA device pretended) every projection of the pairs goes to it as [pairs, in] rows
-    and its [pairs, out] come back in place (the kernel itself stood in by its reference)."""
+    passing (switch on, a CUDA device pretended) every projection of the pairs goes to it as [pairs, in] rows,
+    in pair order (unsorted), and the result has the sorted path's bits (the kernel stood in by its
+    reference); with at most one pair per expert the graph holds no sort and no row gather, which the sorted
+    path (more pairs, or no kernel) needs."""
     from tessera.kernels import gather_qmv
 
     base = _weights()
     w = MoEWeights(**{**base.__dict__, **{n: quantize(getattr(base, n), "mxfp4", 32) for n in ("w1", "w2", "w3")}})
     mx.random.seed(12)
-    x = mx.random.normal((16, DIM))
+    x = mx.random.normal((4, DIM))  # 8 pairs, one per expert on average: a decode step's
     experts, weights = route(x, None, w, TOP_K, 1.5)
     want = routed_experts(x, experts, weights, w, LIMIT, layout="gathered")
     calls = []
@@ -163,8 +165,22 @@ def test_gathered_mxfp4_pairs_go_to_the_gather_qmv_kernel_where_it_runs(monkeypa
     monkeypatch.setattr(gather_qmv, "fits", lambda k, n: True)  # this test's widths are small
     monkeypatch.setattr(moe_mod, "gather_qmv_kernel", stand_in)
     got = routed_experts(x, experts, weights, w, LIMIT, layout="gathered")  # the switch is on by default
-    assert calls == [(32, DIM), (32, DIM), (32, w.w2.shape[-1])]  # w1, w3, then w2 on the hidden rows
+    assert calls == [(8, DIM), (8, DIM), (8, w.w2.shape[-1])]  # w1, w3, then w2 on the hidden rows
     assert np.array_equal(np.array(got), np.array(want))
+    kinds = _primitive_kinds(routed_experts(x, experts, weights, w, LIMIT, layout="gathered"), tmp_path)
+    assert "GatherQMM" in kinds and not {"ArgSort", "Gather"} & kinds  # the stand-in ran; nothing sorted
+    more = mx.random.normal((16, DIM))  # 32 pairs over 8 experts: sorted, so pairs of an expert run together
+    assert {"ArgSort", "Gather"} <= _primitive_kinds(routed_experts(more, *route(more, None, w, TOP_K, 1.5), w, LIMIT, layout="gathered"), tmp_path)
+    monkeypatch.setattr(gather_qmv, "fits", lambda k, n: False)  # where the kernel does not run: sorted
+    assert {"ArgSort", "Gather"} <= _primitive_kinds(routed_experts(x, experts, weights, w, LIMIT, layout="gathered"), tmp_path)
+
+
+def _primitive_kinds(out: mx.array, tmp_path) -> set[str]:
+    """The primitive kinds in the graph that makes `out` (mx.export_to_dot)."""
+    import re
+
+    mx.export_to_dot(str(tmp_path / "graph.dot"), out)
+    return set(re.findall(r'label ?= ?"([^"]*)"', (tmp_path / "graph.dot").read_text()))
 
 
 def test_dequantized_expert_groups_match_the_loop(monkeypatch):

@@ -1,6 +1,6 @@
 """Primitives (graph nodes) of one decode step, per forward stage, and the step's Python build time.
 
-python docs/bench/issue14_primitive_count.py MODEL_DIR [--batch 1 8] [--ctx 2048] [--steps 40] [--step-compile 0|1]   # one JSON line per batch
+python docs/bench/issue14_primitive_count.py MODEL_DIR [--batch 1 8] [--ctx 2048] [--steps 40] [--step-compile 0|1] [--dtype bfloat16]   # one JSON line per batch
 
 --step-compile sets engine/model/compiled.py's fixed-shape step compilation for this run (absent: as
 TESSERA_COMPILE_STEP says; the JSON line's `step_compile` records it). With it on, a layer's attention
@@ -111,10 +111,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--label", default="")
     p.add_argument("--step-compile", type=int, choices=(0, 1), default=None)
+    p.add_argument("--dtype", default=None, help="load the weights in this dtype (bfloat16: the casts a GPU model runs)")
     args = p.parse_args()
     if args.step_compile is not None:
         set_step_compile_enabled(bool(args.step_compile))
-    model = load_model(args.model_dir)
+    model = load_model(args.model_dir, dtype=args.dtype) if args.dtype else load_model(args.model_dir)
     for batch in args.batch:
         caches = [_filled(model, args.ctx, b, DecodeOptions(1024, 256, cache_fill="random")) for b in range(batch)]
         token_ids = [1] * batch

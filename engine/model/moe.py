@@ -6,7 +6,9 @@ The routed experts run in one of two layouts, chosen by the step's (token, slot)
 (a plain loop over experts) is what both must equal:
 
 - gathered (decode, short steps): pairs sorted by expert, `gather_mm` / `gather_qmm` with one row per
-  pair. No host sync; reads only the experts that are hit, which is what a decode step is bound by.
+  pair. No host sync; reads only the experts that are hit, which is what a decode step is bound by. On
+  CUDA with mxfp4 experts, kernels/gather_qmv.py's gemv instead, and in a decode step (at most one pair
+  per expert) without the sort (`_pairs_in_order`).
 - padded (prefill): pairs gathered into an [E, capacity, D] block and run as one batched matmul per
   projection (bf16: a strided-batched cuBLAS gemm through `mx.matmul`; quantized: `gather_qmm` with
   `capacity` rows per expert, which MLX's CUDA backend runs as a tiled quantized gemm instead of one
@@ -104,7 +106,7 @@ def _cpu_float(x: mx.array) -> mx.array:
 def _gather_linear(x: mx.array, w: Weight, experts: mx.array) -> mx.array:
     """x: [..., M, in], experts: [...] -> [..., M, out]: batch entry n through expert experts[n]
     (experts ascend when M = 1: the gathered layout)."""
-    if _takes_gather_qmv(x, w):
+    if x.ndim == 3 and x.shape[1] == 1 and x.shape[0] and _takes_gather_qmv(x.dtype, x.shape[-1], w):
         return gather_qmv_kernel(x.reshape(x.shape[0], x.shape[-1]), w.values, w.scales, experts)[:, None, :]
     if isinstance(w, QuantizedWeight) and x.shape[0] > GATHER_QMM_MAX_BATCH:
         pieces = range(0, x.shape[0], GATHER_QMM_MAX_BATCH)
@@ -117,12 +119,11 @@ def _gather_linear(x: mx.array, w: Weight, experts: mx.array) -> mx.array:
     return out.astype(x.dtype)
 
 
-def _takes_gather_qmv(x: mx.array, w: Weight) -> bool:
-    """One row per pair [P, 1, in] through mxfp4 experts, where kernels/gather_qmv.py's kernel runs (CUDA, the
-    V4 Flash widths; TESSERA_GATHER_QMV_KERNEL=0 turns it off)."""
+def _takes_gather_qmv(dtype: mx.Dtype, in_features: int, w: Weight) -> bool:
+    """Rows of this dtype and width, one per pair, through mxfp4 experts `w`, where kernels/gather_qmv.py's
+    kernel runs (CUDA, the V4 Flash widths; TESSERA_GATHER_QMV_KERNEL=0 turns it off)."""
     return (isinstance(w, QuantizedWeight) and w.mode == "mxfp4" and w.bits == 4 and w.group_size == 32
-            and w.biases is None and x.ndim == 3 and x.shape[1] == 1 and x.shape[0] > 0
-            and gather_qmv_supported(x.dtype, x.shape[-1], w.values))
+            and w.biases is None and gather_qmv_supported(dtype, in_features, w.values))
 
 
 def _batched_linear(x: mx.array, w: Weight) -> mx.array:
@@ -168,12 +169,31 @@ def syncs_host(num_tokens: int, w: MoEWeights, top_k: int) -> bool:
 
 
 def gathered_pairs(x: mx.array, flat: mx.array, order: mx.array, k: int, w: MoEWeights, limit: float) -> mx.array:
-    """-> [P, D]: pair order[i]'s output at row i (pairs expert-sorted)."""
+    """-> [P, D]: pair p's output at row p, computed with the pairs expert-sorted (order: argsort(flat)),
+    or in pair order where kernels/gather_qmv.py's kernel runs every projection (`_pairs_in_order`)."""
+    widths = ((w.w1, x.shape[-1]), (w.w3, x.shape[-1]), (w.w2, w.w2.shape[-1]))  # (weights, rows' width)
+    few_pairs = 0 < flat.shape[0] <= w.num_experts  # a decode step: experts rarely shared (`_pairs_in_order`)
+    if few_pairs and all(_takes_gather_qmv(x.dtype, width, m) for m, width in widths):
+        return _pairs_in_order(x, flat, k, w, limit)
     sorted_experts = flat[order].astype(mx.uint32)
     rows = x[order // k][:, None, :]  # [P, 1, D]
     hidden = _clamped_swiglu(_gather_linear(rows, w.w1, sorted_experts), _gather_linear(rows, w.w3, sorted_experts), limit)
     out = _gather_linear(hidden, w.w2, sorted_experts)[:, 0, :]  # [P, D] expert-sorted
     return out[mx.argsort(order)]
+
+
+def _pairs_in_order(x: mx.array, flat: mx.array, k: int, w: MoEWeights, limit: float) -> mx.array:
+    """x: [T, D], flat: [P = T·k] -> [P, D], pair p = (token p // k, slot p % k) through its expert, unsorted.
+    The kernel's rows do not depend on their neighbours, so sorting the pairs would change no bit; skipping
+    it saves a decode step's MoE two sorts, three gathers and a division per layer (kernels a GPU launches
+    one by one), leaving one copy (the repeat). Only for steps of at most one pair per expert: with more,
+    pairs that share an expert read it in turn, and the sorted order puts them next to each other, where
+    the second read finds the expert in the L2 cache."""
+    experts = flat.astype(mx.uint32)
+    rows = mx.repeat(x, k, axis=0)  # [P, D]
+    gate = gather_qmv_kernel(rows, w.w1.values, w.w1.scales, experts)  # [P, I]
+    up = gather_qmv_kernel(rows, w.w3.values, w.w3.scales, experts)
+    return gather_qmv_kernel(_clamped_swiglu(gate, up, limit), w.w2.values, w.w2.scales, experts)  # [P, D]
 
 
 @dataclass(frozen=True)
