@@ -336,3 +336,32 @@ def test_the_gathered_moe_runs_the_gather_qmv_kernel_when_it_is_on(gather_qmv_on
     want = np.array(moe_mod._gather_linear(x, w, experts).astype(mx.float32))
     assert got.shape == want.shape == (12, 1, 256)
     np.testing.assert_allclose(got, want, rtol=2**-6, atol=2**-6 * float(np.abs(want).max()))
+
+
+def test_a_decode_steps_pairs_in_order_give_the_sorted_pairs_bits(gather_qmv_on):
+    """engine/model/moe.py skips the expert sort for a decode step's pairs through the kernel
+    (`_pairs_in_order`): a row's result must not depend on where its pair sits, so both orders give the same
+    bits, pair by pair (V4 Flash's expert widths, 16 tokens at top-6 over 256 experts)."""
+    from tessera.engine.model import moe as moe_mod
+    from tessera.engine.model.moe import MoEWeights
+    from tessera.engine.model.quantized import QuantizedWeight
+
+    rng = np.random.default_rng(7)
+    experts_n, dim, inter, top_k, tokens = 256, 4096, 2048, 6, 16
+
+    def weight(n: int, k: int) -> QuantizedWeight:
+        return QuantizedWeight(*_mxfp4_experts(rng, experts_n, n, k, scale_spread=6), None, "mxfp4", 4, 32)
+
+    w = MoEWeights(router=None, correction_bias=None, tid2eid=None, w1=weight(inter, dim), w2=weight(dim, inter),
+                   w3=weight(inter, dim), shared_w1=None, shared_w2=None, shared_w3=None)
+    x = mx.array(rng.standard_normal((tokens, dim)).astype(np.float32) * 0.1).astype(mx.bfloat16)
+    flat = mx.array(rng.integers(0, experts_n, tokens * top_k).astype(np.int32))
+    calls = []
+    real = moe_mod._pairs_in_order
+    moe_mod._pairs_in_order = lambda *a: calls.append(1) or real(*a)
+    try:
+        in_order = moe_mod.gathered_pairs(x, flat, mx.argsort(flat), top_k, w, 7.0)  # 96 pairs <= 256 experts
+    finally:
+        moe_mod._pairs_in_order = real
+    assert calls == [1]
+    assert _same_bits(in_order, moe_mod._pairs_sorted(x, flat, mx.argsort(flat), top_k, w, 7.0))

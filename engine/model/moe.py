@@ -175,6 +175,11 @@ def gathered_pairs(x: mx.array, flat: mx.array, order: mx.array, k: int, w: MoEW
     few_pairs = 0 < flat.shape[0] <= w.num_experts  # a decode step: experts rarely shared (`_pairs_in_order`)
     if few_pairs and all(_takes_gather_qmv(x.dtype, width, m) for m, width in widths):
         return _pairs_in_order(x, flat, k, w, limit)
+    return _pairs_sorted(x, flat, order, k, w, limit)
+
+
+def _pairs_sorted(x: mx.array, flat: mx.array, order: mx.array, k: int, w: MoEWeights, limit: float) -> mx.array:
+    """-> [P, D]: pair p's output at row p, the pairs run expert-sorted (order: argsort(flat))."""
     sorted_experts = flat[order].astype(mx.uint32)
     rows = x[order // k][:, None, :]  # [P, 1, D]
     hidden = _clamped_swiglu(_gather_linear(rows, w.w1, sorted_experts), _gather_linear(rows, w.w3, sorted_experts), limit)
