@@ -3,30 +3,14 @@ path on the CPU at tiny sizes — the code path the GPU runs — and reports wha
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from tessera.engine.model.config import CSA, HCA, WINDOW
-from tessera.engine.tools.make_model import make_model
-
-ROOT = Path(__file__).resolve().parents[1]
-OVERRIDES = dict(layer_types=[WINDOW, CSA, HCA, CSA], num_hidden_layers=4, compress_rates={CSA: 4, HCA: 32})
+from tests.support.bench_script import run_bench_script, tiny_model
 
 
 def test_step_compile_script_measures_both_arms_in_alternating_rounds(tmp_path):
-    model_dir = make_model(tmp_path / "model", "tiny", seed=4, with_tokenizer=False, **OVERRIDES)
-    out = tmp_path / "step.jsonl"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # by path: the script finds its checkout itself
-    done = subprocess.run([sys.executable, str(ROOT / "docs/bench/issue14_step_compile.py"), str(model_dir), str(out),
-                           "--ctx", "100", "--chunk", "32", "--tile", "8", "--steps", "2", "--batch", "1", "3"],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
-    assert done.returncode == 0, done.stderr
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = run_bench_script("issue14_step_compile.py", tiny_model(tmp_path / "model"), tmp_path / "step.jsonl",
+                            "--ctx", "100", "--chunk", "32", "--tile", "8", "--steps", "2", "--batch", "1", "3")
     for batch in (1, 3):
         mine = [r for r in rows if r.get("batch") == batch]
         assert [r["what"] for r in mine][:3] == ["first_step", "primitives", "primitives"]

@@ -1,0 +1,31 @@
+"""A docs/bench script run the way the H200 runs it — by path, in its own process — on a tiny model with every
+attention kind, for the tests that check a script does what its docstring promises."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tessera.engine.model.config import CSA, HCA, WINDOW
+from tessera.engine.tools.make_model import make_model
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_OVERRIDES = dict(layer_types=[WINDOW, CSA, HCA, CSA], num_hidden_layers=4, compress_rates={CSA: 4, HCA: 32})
+
+
+def tiny_model(directory: Path) -> Path:
+    """A 4-layer tiny checkpoint: a window layer, CSA and HCA layers."""
+    return make_model(directory, "tiny", seed=4, with_tokenizer=False, **TINY_OVERRIDES)
+
+
+def run_bench_script(script: str, model_dir: Path, out: Path, *options: str) -> list[dict]:
+    """docs/bench/`script` MODEL OUT OPTIONS by path, without PYTHONPATH (a script finds its checkout itself);
+    it must succeed. -> OUT's JSON lines."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, str(ROOT / "docs/bench" / script), str(model_dir), str(out), *options],
+                          capture_output=True, text=True, timeout=600, cwd=out.parent, env=env)
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in out.read_text().splitlines()]
