@@ -8,6 +8,8 @@ A B C D D C B A (--rounds times; --arms picks a subset). Every arm takes greedy 
   read, so Python's graph building of one step runs while the device runs the other;
 - serving: `ModelRunner.execute` of decode plans (the server's step, sampler included), decode overlap off;
 - serving_overlap: the same with the decode overlap on (engine/serving/decode_overlap.py), what a server runs;
+- serial_thread, serving_thread, serving_overlap_thread: those arms with each decode layer handed to the
+  encode thread as soon as it is built (TESSERA_DECODE_ASYNC=thread, engine/model/encode_thread.py);
 - serving_overlap_qmm: serving_overlap with kernels/gather_qmv.py's mxfp4 gemv off for the arm (MLX's
   gather_qmm instead; as-loaded checkpoints, where the kernel applies). Session 11 ran this script when the
   kernel was off by default, with an arm "serving_overlap_qmv" that turned it on: the raw files'
@@ -99,8 +101,26 @@ def without_gather_qmv(arm):
     return steps_of
 
 
+def with_decode_async(mode: str, arm):
+    """`arm` with the decode steps' layers reaching the device as `mode` says (engine/model/decode_async.py)."""
+    def steps_of(model, caches, steps: int):
+        from tessera.engine.model import decode_async
+
+        saved = decode_async.decode_async_mode()
+        decode_async.set_decode_async_mode(mode)
+        try:
+            return arm(model, caches, steps)
+        finally:
+            decode_async.set_decode_async_mode(saved)
+
+    return steps_of
+
+
 ARMS = {"serial": serial_steps, "overlap": overlapped_steps, "serving": serving_steps(False),
-        "serving_overlap": serving_steps(True), "serving_overlap_qmm": without_gather_qmv(serving_steps(True))}
+        "serving_overlap": serving_steps(True), "serving_overlap_qmm": without_gather_qmv(serving_steps(True)),
+        "serial_thread": with_decode_async("thread", serial_steps),
+        "serving_thread": with_decode_async("thread", serving_steps(False)),
+        "serving_overlap_thread": with_decode_async("thread", serving_steps(True))}
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ each running sequence) because each segment has its own cache.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass
 from functools import cached_property
@@ -20,7 +21,8 @@ from tessera.engine.model.cache import SequenceCache
 from tessera.engine.model.compiled import StepCompiled, step_compile_enabled
 from tessera.engine.model.compressor import CompressorWeights
 from tessera.engine.model.config import HASH_MOE, ModelConfig
-from tessera.engine.model.decode_async import decode_async_enabled
+from tessera.engine.model.decode_async import decode_async_mode
+from tessera.engine.model.encode_thread import EncodeThread, encode_thread
 from tessera.engine.model.hyper import HyperWeights, expand, head_collapse, hyper_weights
 from tessera.engine.model.moe import MoEWeights, moe, syncs_host
 from tessera.engine.model.norms import rms_norm
@@ -77,6 +79,7 @@ class DeepseekV4:
         self.layers = {i: _layer_weights(weights, cfg, i) for i in self.layer_ids}
         self.dtype = weights["embed.weight"].dtype if "embed.weight" in weights else self.layers[self.layer_ids[0]].attn_norm.dtype
         self._compiled_layers = {i: _compile_layer(cfg, self.layers[i]) for i in self.layer_ids}
+        self._decoded = False  # a decode step ran here: the lazily evaluated weights are made (`_encode_thread_for`)
 
     def new_cache(self) -> SequenceCache:
         return SequenceCache.for_model(self.cfg, self.dtype)
@@ -98,13 +101,38 @@ class DeepseekV4:
         samples not yet on the host; the segments then give only the counts (their ids may be PENDING_TOKEN).
         """
         timer = timer or ForwardTrace(stage_sync=False)  # nobody reads the times: no stage syncs
-        token_ids = step_token_ids(segments) if device_token_ids is None else _checked(device_token_ids, segments)
-        streams = self.embed(segments, token_ids)
-        streams = self.run_layers(streams, segments, self.layer_ids, tile, timer, token_ids)
-        advance_caches(segments)
-        if isinstance(all_logits, bool):
-            return self.logits(streams if all_logits else last_rows(streams, segments), segments, all_logits)
-        return self.logits(streams[mx.array(head_rows(segments, all_logits))], segments, all_logits)
+        encoder = self._encode_thread_for(segments, timer)
+        if encoder:
+            # The thread can encode only graphs built on its stream (encode_thread.py): what this step reads
+            # and was built elsewhere (the caller's device tokens, a cache edited outside a step) is queued here.
+            mx.async_eval(*[a for s in segments for a in s.cache.arrays()], *([] if device_token_ids is None else [device_token_ids]))
+        with mx.stream(encoder.stream) if encoder else contextlib.nullcontext():
+            token_ids = step_token_ids(segments) if device_token_ids is None else _checked(device_token_ids, segments)
+            streams = self.embed(segments, token_ids)
+            streams = self.run_layers(streams, segments, self.layer_ids, tile, timer, token_ids, encoder)
+            advance_caches(segments)
+            if isinstance(all_logits, bool):
+                logits = self.logits(streams if all_logits else last_rows(streams, segments), segments, all_logits)
+            else:
+                logits = self.logits(streams[mx.array(head_rows(segments, all_logits))], segments, all_logits)
+        if encoder:
+            encoder.drain()  # nothing in flight on the thread once the caller may evaluate again
+        elif all(len(s.token_ids) == 1 for s in segments):
+            self._decoded = True
+        return logits
+
+    def _encode_thread_for(self, segments: Sequence[Segment], timer: ForwardTrace) -> EncodeThread | None:
+        """The encode thread, where this step's layers go to it (decode_async.py, mode "thread"): a decode
+        step whose graph building evaluates nothing. That excludes stage-synced traces, a padded MoE (it
+        reads its counts) and the first decode step of a model (it makes the lazily evaluated weights
+        of its layers and head)."""
+        if decode_async_mode() != "thread" or timer.stage_sync or not self._decoded:
+            return None
+        if any(len(s.token_ids) != 1 for s in segments):
+            return None
+        if any(syncs_host(len(segments), self.layers[i].ffn, self.cfg.num_experts_per_tok) for i in self.layer_ids):
+            return None
+        return encode_thread(mx.default_device())
 
     # The three parts of `forward`, public so that a pipeline stage (engine/parallel/) can run its
     # own layer range between them and pass the streams on.
@@ -118,10 +146,12 @@ class DeepseekV4:
         return mx.broadcast_to(embedded[:, None, :], (embedded.shape[0], self.cfg.hc_mult, embedded.shape[1]))
 
     def run_layers(self, streams: mx.array, segments: Sequence[Segment], layer_ids: range, tile: int | None = None,
-                   timer: ForwardTrace | None = None, token_ids: mx.array | None = None) -> mx.array:
+                   timer: ForwardTrace | None = None, token_ids: mx.array | None = None,
+                   encoder: EncodeThread | None = None) -> mx.array:
         """streams [T, hc, D] through `layer_ids` (a subset of this model's), appending to the segments'
         caches of those layers; the caches' token counts move only in `advance_caches`.
-        token_ids: `step_token_ids(segments)`, if the caller has it already."""
+        token_ids: `step_token_ids(segments)`, if the caller has it already. encoder: where each decode
+        layer goes once built (`forward` decides; the graph is built on its stream)."""
         timer = timer or ForwardTrace(stage_sync=False)
         token_ids = step_token_ids(segments) if token_ids is None else token_ids
         rope = StepRope(step_positions(segments))  # every layer's RoPE tables, built once per step
@@ -139,7 +169,9 @@ class DeepseekV4:
                 streams = self._layer(streams, token_ids, rope, slices, self.layers[i], i, tile, timer)
             if longest > 1:  # evaluating layer by layer bounds a prefill chunk's graph
                 timer.boundary("other", streams)
-            elif decode_async_enabled() and not timer.stage_sync:
+            elif encoder is not None:  # encoded on the thread while Python builds the next layer
+                encoder.submit([streams, *[a for s in slices for a in s.cache.arrays()]])
+            elif decode_async_mode() != "off" and not timer.stage_sync:
                 # Decode: the device may run this layer while Python builds the next (decode_async.py; off by default).
                 mx.async_eval(streams, *[a for s in slices for a in s.cache.arrays()])
             else:

@@ -20,6 +20,7 @@ from tessera.engine.model.config import CSA, HCA, WINDOW, ModelConfig
 from tessera.engine.model.deepseek_v4 import DeepseekV4, Segment
 from tessera.engine.model.dtypes import dtype_name
 from tessera.engine.model.trace import ForwardTrace
+from tessera.engine.model.decode_async import decode_async_mode
 from tessera.engine.serving.decode_overlap import OverlapCounts
 from tessera.engine.tools.cache_fill import fill_random
 from tessera.engine.tools.replay import random_tokens
@@ -210,6 +211,7 @@ def _report(model, ctx, batch, options, step_seconds, stage_totals, weights, cac
         "stage_sync": options.stage_sync,
         "compile": compile_enabled(),
         "compile_step": step_compile_enabled(),
+        "decode_async": decode_async_mode(),
         "cache_fill": options.cache_fill,
         "path": "model" if options.decode_overlap is None else "runner",
         "decode_overlap": options.decode_overlap,

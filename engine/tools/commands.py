@@ -413,6 +413,9 @@ def _register_bench(subparsers) -> None:
     dec.add_argument("--decode-overlap", choices=["on", "off"], default=None,
                      help="time the serving step (ModelRunner.execute of decode plans) with the decode overlap on or "
                           "off (engine/serving/decode_overlap.py) instead of the bare forward pass; not with --stage-sync")
+    dec.add_argument("--decode-async", choices=["off", "inline", "thread"], default=None,
+                     help="how a decode step's layers reach the device (engine/model/decode_async.py): whole step, "
+                          "each layer in this thread, or each layer on the encode thread; default: TESSERA_DECODE_ASYNC")
     dec.add_argument("--json", action="store_true")
     dec.set_defaults(func=_bench_decode)
     idx = sub.add_parser("indexer", help="indexer scoring throughput vs the device's bf16 matmul rate")
@@ -500,6 +503,10 @@ def _bench_decode(args) -> int:
         from tessera.engine.model.compiled import set_step_compile_enabled
 
         set_step_compile_enabled(args.compile_step == "on")
+    if args.decode_async is not None:
+        from tessera.engine.model.decode_async import set_decode_async_mode
+
+        set_decode_async_mode(args.decode_async)
     overlap = None if args.decode_overlap is None else args.decode_overlap == "on"
     try:
         options = DecodeOptions(chunk=args.chunk, tile=args.tile, steps=args.steps, stage_sync=args.stage_sync,
