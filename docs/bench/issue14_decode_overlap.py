@@ -10,6 +10,7 @@ A B C D D C B A (--rounds times; --arms picks a subset). Every arm takes greedy 
 - serving_overlap: the same with the decode overlap on (engine/serving/decode_overlap.py), what a server runs;
 - serial_thread, serving_thread, serving_overlap_thread: those arms with each decode layer handed to the
   encode thread as soon as it is built (TESSERA_DECODE_ASYNC=thread, engine/model/encode_thread.py);
+- serving_overlap_compiled: serving_overlap with the step's shape-stable parts compiled (TESSERA_COMPILE_STEP);
 - serving_overlap_qmm: serving_overlap with kernels/gather_qmv.py's mxfp4 gemv off for the arm (MLX's
   gather_qmm instead; as-loaded checkpoints, where the kernel applies). Session 11 ran this script when the
   kernel was off by default, with an arm "serving_overlap_qmv" that turned it on: the raw files'
@@ -116,11 +117,27 @@ def with_decode_async(mode: str, arm):
     return steps_of
 
 
+def with_step_compile(arm):
+    """`arm` with the decode step's shape-stable parts compiled (TESSERA_COMPILE_STEP, engine/model/compiled.py)."""
+    def steps_of(model, caches, steps: int):
+        from tessera.engine.model.compiled import set_step_compile_enabled, step_compile_enabled
+
+        saved = step_compile_enabled()
+        set_step_compile_enabled(True)
+        try:
+            return arm(model, caches, steps)
+        finally:
+            set_step_compile_enabled(saved)
+
+    return steps_of
+
+
 ARMS = {"serial": serial_steps, "overlap": overlapped_steps, "serving": serving_steps(False),
         "serving_overlap": serving_steps(True), "serving_overlap_qmm": without_gather_qmv(serving_steps(True)),
         "serial_thread": with_decode_async("thread", serial_steps),
         "serving_thread": with_decode_async("thread", serving_steps(False)),
-        "serving_overlap_thread": with_decode_async("thread", serving_steps(True))}
+        "serving_overlap_thread": with_decode_async("thread", serving_steps(True)),
+        "serving_overlap_compiled": with_step_compile(serving_steps(True))}
 
 
 def main() -> None:

@@ -1,0 +1,176 @@
+"""Is a decode step host-bound or device-bound? Its host time split, and the device's own time for it.
+
+python docs/bench/issue14_step_timeline.py MODEL OUT.jsonl [--ctx 65536] [--batch 1] [--steps 24] [--rounds 2]
+    [--arms off thread compiled compiled_thread] [--as-loaded]
+
+Arms, in the order A B … B A (--rounds times), each a mode of the same model-level greedy step:
+- off: the step built whole, then evaluated; thread: each layer handed to the encode thread
+  (TESSERA_DECODE_ASYNC=thread); compiled: TESSERA_COMPILE_STEP on; compiled_thread: both.
+
+Per step, two timings:
+1. The host's: `build_ms` (model.forward returned; in thread arms the drain included), `encode_ms`
+   (`mx.async_eval` of the sampled ids returned: MLX encoded what was left), `wait_ms` (the ids on the host).
+2. The device's alone (`device_ms`): the same step queued behind a spin kernel that holds the GPU for
+   `--spin-ms`, so the host builds and encodes the whole step while the device is busy; the ids then arrive
+   `spin + device` after the spin was queued. `device_ms` = that interval − the spin's own (measured alone,
+   median of 5). Only meaningful on a GPU (the spin is a CUDA kernel); the CPU runs the host timings only.
+
+Also one line `kernel_chain`: K independent tiny elementwise kernels (no fusion) — the host's encode cost
+per kernel and the device's time per kernel, measured the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run by path from anywhere: the repo root
+from tests.support.source_tree import use_source_tree  # noqa: E402
+
+use_source_tree()  # `tessera.*` = this checkout, unless it already is
+
+from docs.bench.probe_io import jsonl_emitter, load_probe_model  # noqa: E402
+from tessera.engine.model import decode_async  # noqa: E402
+from tessera.engine.model.compiled import set_step_compile_enabled, step_compile_enabled  # noqa: E402
+from tessera.engine.model.deepseek_v4 import Segment  # noqa: E402
+from tessera.engine.model.encode_thread import encode_thread  # noqa: E402
+from tessera.engine.tools.bench_decode import DecodeOptions, _filled  # noqa: E402
+
+ARMS = {"off": ("off", False), "thread": ("thread", False), "compiled": ("off", True), "compiled_thread": ("thread", True)}
+_SPIN = """
+    long long start = clock64();
+    long long cycles = (long long)budget[0];
+    while (clock64() - start < cycles) { }
+    out[0] = budget[0];
+"""
+
+
+def spin(cycles: float) -> mx.array:
+    """One CUDA thread busy for `cycles` clock cycles; returns a scalar to evaluate."""
+    kernel = mx.fast.cuda_kernel(name="probe_spin", input_names=["budget"], output_names=["out"], source=_SPIN)
+    (out,) = kernel(inputs=[mx.array([cycles], dtype=mx.float32)], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                    output_shapes=[(1,)], output_dtypes=[mx.float32])
+    return out
+
+
+def spin_ms(cycles: float) -> float:
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        mx.eval(spin(cycles))
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+def step(model, caches, ids: list[int]) -> tuple[mx.array, float, float]:
+    t0 = time.perf_counter()
+    logits = model.forward([Segment(c, [t]) for c, t in zip(caches, ids)])
+    t1 = time.perf_counter()
+    sampled = mx.argmax(mx.concatenate(logits), axis=-1)
+    mx.async_eval(sampled)
+    t2 = time.perf_counter()
+    return sampled, (t1 - t0) * 1000, (t2 - t1) * 1000
+
+
+def host_steps(model, caches, steps: int) -> list[dict]:
+    ids, rows = [1] * len(caches), []
+    for _ in range(steps):
+        sampled, build, encode = step(model, caches, ids)
+        t2 = time.perf_counter()
+        ids = sampled.tolist()
+        rows.append({"build_ms": build, "encode_ms": encode, "wait_ms": (time.perf_counter() - t2) * 1000})
+    return rows
+
+
+def device_steps(model, caches, steps: int, cycles: float, spin_alone_ms: float) -> list[float]:
+    # The spin goes on the stream the step's layers run on: the encode thread's in thread arms (the head and
+    # the sampler, on this thread's stream, wait for the layers).
+    threaded = decode_async.decode_async_mode() == "thread"
+    stream = encode_thread(mx.default_device()).stream if threaded else mx.default_stream(mx.default_device())
+    ids, out = [1] * len(caches), []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        with mx.stream(stream):
+            mx.async_eval(spin(cycles))  # the device is busy from here for spin_alone_ms
+        sampled, _, _ = step(model, caches, ids)
+        ids = sampled.tolist()
+        out.append((time.perf_counter() - t0) * 1000 - spin_alone_ms)
+    return out
+
+
+def kernel_chain(emit, k: int, cycles: float, spin_alone_ms: float) -> None:
+    x = mx.zeros((1, 4096), dtype=mx.bfloat16)
+    mx.eval(x)
+    for _ in range(3):
+        outs = [x + float(i) for i in range(k)]  # independent: no fusion, k kernels
+        t0 = time.perf_counter()
+        mx.async_eval(outs)
+        t1 = time.perf_counter()
+        mx.eval(outs)
+        t2 = time.perf_counter()
+        mx.async_eval(spin(cycles))
+        outs = [x + float(i) for i in range(k)]
+        mx.eval(outs)
+        t3 = time.perf_counter()
+    emit("kernel_chain", kernels=k, encode_us_per_kernel=(t1 - t0) / k * 1e6, host_done_ms=(t2 - t0) * 1000,
+         device_us_per_kernel=((t3 - t2) * 1000 - spin_alone_ms) / k * 1000)
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    emit = jsonl_emitter(args.out)
+    on_gpu = mx.default_device() == mx.gpu
+    cycles = args.spin_ms * 1.98e6  # the H200's SM clock, ~1.98 GHz; the spin is calibrated below anyway
+    spin_alone = spin_ms(cycles) if on_gpu else 0.0
+    emit("spin", requested_ms=args.spin_ms, measured_ms=spin_alone)
+    if on_gpu:
+        kernel_chain(emit, 500, cycles, spin_alone)
+    model = load_probe_model(args.model, args.as_loaded)
+    caches = [_filled(model, args.ctx, b, DecodeOptions(chunk=4096, tile=1024, cache_fill="random")) for b in range(args.batch)]
+    saved = decode_async.decode_async_mode(), step_compile_enabled()
+    try:
+        for arm in args.arms:  # warm every arm (a compiled arm's first step traces it)
+            _set(arm)
+            t0 = time.perf_counter()
+            host_steps(model, caches, 3)
+            emit("warm", arm=arm, seconds=time.perf_counter() - t0)
+        for arm in (args.arms + args.arms[::-1]) * args.rounds:
+            _set(arm)
+            host = host_steps(model, caches, args.steps)
+            device = device_steps(model, caches, args.steps, cycles, spin_alone) if on_gpu else []
+            med = {k: statistics.median(r[k] for r in host) for k in ("build_ms", "encode_ms", "wait_ms")}
+            emit("round", arm=arm, ctx=args.ctx, batch=args.batch, **med,
+                 host_step_ms=statistics.median(sum(r.values()) for r in host),
+                 device_ms=statistics.median(device) if device else None, steps=host, device_steps=device)
+    finally:
+        decode_async.set_decode_async_mode(saved[0])
+        set_step_compile_enabled(saved[1])
+
+
+def _set(arm: str) -> None:
+    mode, compiled = ARMS[arm]
+    decode_async.set_decode_async_mode(mode)
+    set_step_compile_enabled(compiled)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model")
+    p.add_argument("out")
+    p.add_argument("--ctx", type=int, default=65536)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--spin-ms", type=float, default=40.0)
+    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    p.add_argument("--as-loaded", action="store_true")
+    return p
+
+
+if __name__ == "__main__":
+    main()
