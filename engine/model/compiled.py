@@ -12,19 +12,25 @@ where nothing in the part reads from the device while its graph is built (the Mo
 does; it stays plain). Compiled and plain steps give the same bits on the CPU
 (tests/equivalence/test_step_compiled.py).
 
-Switch: TESSERA_COMPILE_STEP=1 turns the fixed-shape step compilation on (0, the default, off;
-independent of TESSERA_COMPILE, whose shapeless functions run inside the step's trace either way);
-`set_step_compile_enabled` flips it in a running process. Off by default: on the H200 a compiled
-batch-1 step at 65,536 took 0.74× the plain one (6.48 against 8.80 ms), but the first step took 61 s
-(tracing and compiling every fused kernel, on a machine with an empty MLX PTX cache), and every new
-decode batch size traces again (with it on, `tessera serve` pays that at start-up: engine/serving/
-warm_up.py). Compiled and plain steps give the same bits on the H200 too (docs/BENCHMARKS.md, "Session
-7 on the H200 … final lease", "Session 8 on the H200"). On the CPU it gives the same bits and no speed
-(docs/BENCHMARKS.md, "Issue 14, session 7: the decode step compiled").
+Switch: TESSERA_COMPILE_STEP=1 turns the fixed-shape step compilation on, 0 off; unset, it is on where the
+default device is a GPU and off on the CPU (independent of TESSERA_COMPILE, whose shapeless functions run
+inside the step's trace either way); `set_step_compile_enabled` flips it in a running process.
+- On a GPU: on the H200 the compiled step's host time is ~15 % lower (the device's own time is the same,
+  ~2.3 ms at 65,536), and the serving step with the decode overlap took 4.66 against 5.24 ms at batch 1
+  and 12.0 against 13.2 ms at batch 16 (16k, flash-width as loaded, A B B A in one process; every compiled
+  round faster). Compiled and plain steps give the same bits there, logits and caches, at batch 1 and 16
+  with the mxfp4 experts through kernels/gather_qmv.py (docs/BENCHMARKS.md, "Session 12 on the H200").
+  The cost is a trace per decode batch size: `tessera serve` pays it at start-up (engine/serving/warm_up.py:
+  1..max_num_seqs took 1.8 s with a warm PTX cache; on a fresh machine the first trace compiles the fused
+  kernels, ~50 s, on top of the ~100 s every first decode step spends compiling MLX's own kernels).
+- On the CPU it gives the same bits and no speed (docs/BENCHMARKS.md, "Issue 14, session 7: the decode step
+  compiled"), and MLX compiles each fused kernel with the host's C++ compiler at first use (~12 s for the
+  tiny preset's step): off unless asked for.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import mlx.core as mx
@@ -34,15 +40,19 @@ from tessera.kernels.shapeless import compile_enabled
 from tessera.kernels.switch import Switch
 
 STEP_ENV_VAR = "TESSERA_COMPILE_STEP"
-_step_switch = Switch(STEP_ENV_VAR, default=False)
+_step_switch: Switch | None = Switch(STEP_ENV_VAR) if STEP_ENV_VAR in os.environ else None  # None: by device
 
 
 def step_compile_enabled() -> bool:
+    if _step_switch is None:
+        return mx.default_device() == mx.gpu
     return _step_switch.enabled()
 
 
 def set_step_compile_enabled(enabled: bool) -> None:
-    """Turns the fixed-shape step compilation on or off for every later step."""
+    """Turns the fixed-shape step compilation on or off for every later step (whatever the device)."""
+    global _step_switch
+    _step_switch = _step_switch or Switch(STEP_ENV_VAR)
     _step_switch.set(enabled)
 
 

@@ -405,7 +405,7 @@ def _register_bench(subparsers) -> None:
                      help="compiled model functions (kernels/shapeless.py); default: TESSERA_COMPILE (on unless 0)")
     dec.add_argument("--compile-step", choices=["on", "off"], default=None,
                      help="the decode step's shape-stable parts compiled with fixed shapes (engine/model/compiled.py; "
-                          "the first warm-up step traces them: see warmup_step_ms); default: TESSERA_COMPILE_STEP (off unless 1)")
+                          "the first warm-up step traces them: see warmup_step_ms); default: TESSERA_COMPILE_STEP (unset: on with a GPU, off on the CPU)")
     dec.add_argument("--cache-fill", default="prefill", choices=["prefill", "random"],
                      help="prefill: run a random prompt of --ctx tokens first; random: give every layer's cache the "
                           "shapes a prefill in --chunk chunks leaves, filled with random rows, in seconds (decode "

@@ -131,4 +131,15 @@ def test_flipping_the_shapeless_switch_traces_afresh(model):
 
 @pytest.mark.parametrize("value,expected", [("0", "False"), ("1", "True"), (None, "False")])
 def test_environment_switch(value, expected):
+    """Unset, it follows the device: off on this CPU."""
     assert switch_in_fresh_process(compiled.STEP_ENV_VAR, value, "tessera.engine.model.compiled", "step_compile_enabled") == expected
+
+
+def test_unset_it_is_on_where_the_default_device_is_a_gpu(monkeypatch):
+    monkeypatch.setattr(compiled, "_step_switch", None)  # as a process without TESSERA_COMPILE_STEP starts
+    monkeypatch.setattr(compiled.mx, "default_device", lambda: mx.gpu)
+    assert compiled.step_compile_enabled()
+    monkeypatch.setattr(compiled.mx, "default_device", lambda: mx.cpu)
+    assert not compiled.step_compile_enabled()
+    compiled.set_step_compile_enabled(True)  # an explicit choice holds whatever the device
+    assert compiled.step_compile_enabled()
