@@ -5,6 +5,8 @@ user could see (the same logits bits as a model never warmed up); `build_engine`
 
 from __future__ import annotations
 
+import logging
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -99,9 +101,14 @@ def _built_model(served_dir, monkeypatch) -> DeepseekV4:
     return runners[0].model
 
 
-def test_build_engine_warms_up_batch_sizes_up_to_max_num_seqs_with_the_switch_on(served_dir, monkeypatch):
+def test_build_engine_warms_up_batch_sizes_up_to_max_num_seqs_with_the_switch_on(served_dir, monkeypatch, caplog):
     compiled.set_step_compile_enabled(True)
-    model = _built_model(served_dir, monkeypatch)
+    with caplog.at_level(logging.INFO, logger=factory.logger.name):
+        model = _built_model(served_dir, monkeypatch)
+    said = [r.getMessage() for r in caplog.records]
+    # Announced before it runs (minutes on a fresh GPU machine), and what it took after.
+    start = next(i for i, m in enumerate(said) if m.startswith("decode warm-up: one step at each batch size 1..2"))
+    assert any(m.startswith("decode warm-up took") for m in said[start + 1 :])
     # One trace per batch size (1 and 2) of every layer part and of the head.
     parts = [t for p in model._compiled_layers.values() for t in (p.attention_in.traces, p.ffn_half.traces)]
     assert parts == [2] * len(parts) and model._compiled_head.traces == 2

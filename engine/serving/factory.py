@@ -100,6 +100,9 @@ def warm_up_compiled_decode(model: DeepseekV4, max_num_seqs: int) -> DecodeWarmU
     so the first requests do not wait for it (engine/serving/warm_up.py); None when it is off (nothing to trace)."""
     if not step_compile_enabled():
         return None
+    # Said before, not only after: on a fresh GPU machine this compiles MLX's kernels, minutes of silence.
+    logger.info("decode warm-up: one step at each batch size 1..%d (the first compiles the kernels: up to a few "
+                "minutes on a fresh machine; TESSERA_COMPILE_STEP=0 skips it)", max_num_seqs)
     warm_up = warm_up_decode(model, range(1, max_num_seqs + 1))
     logger.info(warm_up.describe())
     return warm_up
