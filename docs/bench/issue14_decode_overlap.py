@@ -10,7 +10,8 @@ A B C D D C B A (--rounds times; --arms picks a subset). Every arm takes greedy 
 - serving_overlap: the same with the decode overlap on (engine/serving/decode_overlap.py), what a server runs;
 - serial_thread, serving_thread, serving_overlap_thread: those arms with each decode layer handed to the
   encode thread as soon as it is built (TESSERA_DECODE_ASYNC=thread, engine/model/encode_thread.py);
-- serving_overlap_compiled: serving_overlap with the step's shape-stable parts compiled (TESSERA_COMPILE_STEP);
+- serving_overlap_compiled, serving_overlap_plain: serving_overlap with the step's shape-stable parts compiled
+  or not (TESSERA_COMPILE_STEP; unset, on with a GPU since session 12, so serving_overlap there is compiled);
 - serving_overlap_qmm: serving_overlap with kernels/gather_qmv.py's mxfp4 gemv off for the arm (MLX's
   gather_qmm instead; as-loaded checkpoints, where the kernel applies). Session 11 ran this script when the
   kernel was off by default, with an arm "serving_overlap_qmv" that turned it on: the raw files'
@@ -40,7 +41,9 @@ from tests.support.source_tree import use_source_tree  # noqa: E402
 use_source_tree()  # `tessera.*` = this checkout, unless it already is
 
 from docs.bench.probe_io import jsonl_emitter, load_probe_model  # noqa: E402
+from tessera.engine.model import compiled, decode_async  # noqa: E402
 from tessera.engine.model.deepseek_v4 import PENDING_TOKEN, Segment  # noqa: E402
+from tessera.kernels import gather_qmv  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled, serving_step_seconds  # noqa: E402
 
 
@@ -88,48 +91,31 @@ def serving_steps(overlap: bool):
     return steps_of
 
 
-def without_gather_qmv(arm):
+def with_setting(get, put, value, arm):
+    """`arm` with a switch (read by `get`, set by `put`) at `value` for the arm, restored after it."""
     def steps_of(model, caches, steps: int):
-        from tessera.kernels import gather_qmv
-
-        saved = gather_qmv.kernel_enabled()
-        gather_qmv.set_kernel_enabled(False)
+        saved = get()
+        put(value)
         try:
             return arm(model, caches, steps)
         finally:
-            gather_qmv.set_kernel_enabled(saved)
+            put(saved)
 
     return steps_of
+
+
+def without_gather_qmv(arm):
+    return with_setting(gather_qmv.kernel_enabled, gather_qmv.set_kernel_enabled, False, arm)
 
 
 def with_decode_async(mode: str, arm):
-    """`arm` with the decode steps' layers reaching the device as `mode` says (engine/model/decode_async.py)."""
-    def steps_of(model, caches, steps: int):
-        from tessera.engine.model import decode_async
-
-        saved = decode_async.decode_async_mode()
-        decode_async.set_decode_async_mode(mode)
-        try:
-            return arm(model, caches, steps)
-        finally:
-            decode_async.set_decode_async_mode(saved)
-
-    return steps_of
+    """The decode steps' layers reaching the device as `mode` says (engine/model/decode_async.py)."""
+    return with_setting(decode_async.decode_async_mode, decode_async.set_decode_async_mode, mode, arm)
 
 
-def with_step_compile(arm):
-    """`arm` with the decode step's shape-stable parts compiled (TESSERA_COMPILE_STEP, engine/model/compiled.py)."""
-    def steps_of(model, caches, steps: int):
-        from tessera.engine.model.compiled import set_step_compile_enabled, step_compile_enabled
-
-        saved = step_compile_enabled()
-        set_step_compile_enabled(True)
-        try:
-            return arm(model, caches, steps)
-        finally:
-            set_step_compile_enabled(saved)
-
-    return steps_of
+def with_step_compile(enabled: bool, arm):
+    """The decode step's shape-stable parts compiled or not (TESSERA_COMPILE_STEP, engine/model/compiled.py)."""
+    return with_setting(compiled.step_compile_enabled, compiled.set_step_compile_enabled, enabled, arm)
 
 
 ARMS = {"serial": serial_steps, "overlap": overlapped_steps, "serving": serving_steps(False),
@@ -137,7 +123,8 @@ ARMS = {"serial": serial_steps, "overlap": overlapped_steps, "serving": serving_
         "serial_thread": with_decode_async("thread", serial_steps),
         "serving_thread": with_decode_async("thread", serving_steps(False)),
         "serving_overlap_thread": with_decode_async("thread", serving_steps(True)),
-        "serving_overlap_compiled": with_step_compile(serving_steps(True))}
+        "serving_overlap_compiled": with_step_compile(True, serving_steps(True)),
+        "serving_overlap_plain": with_step_compile(False, serving_steps(True))}
 
 
 def main() -> None:
