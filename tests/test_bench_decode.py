@@ -47,6 +47,17 @@ def test_bench_decode_without_stage_sync_claims_no_split(model_dir):
     assert r["batch"] == 1 and r["stage_ms"] == {} and r["stage_sync"] is False
 
 
+def test_bench_decode_splits_a_step_into_the_hosts_build_and_encode_and_the_wait(model_dir):
+    """Whether a step is host-bound: Python's build, MLX's encode, then the wait for the ids (the device's rest)."""
+    r = json.loads(_bench(model_dir, "--json").stdout.strip().splitlines()[-1])
+    split = r["host_split_ms"]
+    assert set(split) == {"build", "encode", "wait"} and split["build"] > 0 and min(split.values()) >= 0
+    assert sum(split.values()) <= max(r["step_ms"]) * 1.01  # medians of the parts of the same steps
+    synced = json.loads(_bench(model_dir, "--stage-sync", "--json").stdout.strip().splitlines()[-1])
+    served = json.loads(_bench(model_dir, "--decode-overlap", "on", "--json").stdout.strip().splitlines()[-1])
+    assert "host_split_ms" not in synced and "host_split_ms" not in served  # evaluates while building / the runner's step
+
+
 @pytest.mark.parametrize("flag,expected", [("off", False), ("on", True)])
 def test_bench_decode_compile_switch_is_honoured_and_reported(model_dir, flag, expected):
     out = _bench(model_dir, "--compile", flag, "--steps", "2", "--json")

@@ -55,29 +55,39 @@ def bench_decode(model: DeepseekV4, ctx: int, batch: int, options: DecodeOptions
     caches = [_filled(model, ctx, b, options) for b in range(batch)]
     next_ids = [(b + 1) % model.cfg.vocab_size for b in range(batch)]  # any first decode token will do
     stage_totals = {name: 0.0 for name in DECODE_STAGES}
-    overlap = {}
+    extra = {}  # what only one path reports
     if options.decode_overlap is not None:
         seconds, counts = serving_step_seconds(model, caches, next_ids, options.warmup + options.steps, options)
         warmup_seconds, step_seconds = seconds[: options.warmup], seconds[options.warmup :]
-        overlap = {"decode_overlap_counts": dataclasses.asdict(counts)}
+        extra = {"decode_overlap_counts": dataclasses.asdict(counts)}
     else:
         warmup_seconds = []  # the first step pays for first use: kernels compiled, compiled step parts traced
         for _ in range(options.warmup):
-            next_ids, seconds = _decode_step(model, caches, next_ids, ForwardTrace(stage_sync=False))
-            warmup_seconds.append(seconds)
-        step_seconds = []
+            next_ids, times = _decode_step(model, caches, next_ids, ForwardTrace(stage_sync=False))
+            warmup_seconds.append(times.total)
+        step_times = []
         for _ in range(options.steps):
             timer = ForwardTrace(stage_sync=options.stage_sync)
-            next_ids, seconds = _decode_step(model, caches, next_ids, timer)
-            step_seconds.append(seconds)
+            next_ids, times = _decode_step(model, caches, next_ids, timer)
+            step_times.append(times)
             for name, parts in DECODE_STAGES.items():
                 stage_totals[name] += sum(timer.as_dict().get(p, 0.0) for p in parts)
+        step_seconds = [t.total for t in step_times]
+        if not options.stage_sync:  # stage syncs evaluate while the graph is built: no split to read
+            extra = {"host_split_ms": _host_split(step_times)}
     # Cache rows are counted at the middle measured step (the cache grows by one token per step).
     cache_bytes = sum(cache_bytes_read(model.cfg, ctx + options.warmup + options.steps // 2, model.dtype.size) for _ in caches)
     weights = weights_bytes_touched(model, batch)
     bandwidth = copy_bandwidth(max(weights + cache_bytes, 2**26))
     report = _report(model, ctx, batch, options, step_seconds, stage_totals, weights, cache_bytes, bandwidth)
-    return {**report, "warmup_step_ms": [s * 1000 for s in warmup_seconds], **overlap}
+    return {**report, "warmup_step_ms": [s * 1000 for s in warmup_seconds], **extra}
+
+
+def _host_split(step_times: list[StepTimes]) -> dict[str, float]:
+    """Medians in ms of a step's build, encode and wait: with `wait` small against the other two the step is
+    host-bound (the device finishes soon after the host has handed it the last kernel; docs/BENCHMARKS.md,
+    "Session 12 on the H200")."""
+    return {name: statistics.median(getattr(t, name) for t in step_times) * 1000 for name in ("build", "encode", "wait")}
 
 
 CACHE_FILLS = ("prefill", "random")
@@ -100,15 +110,32 @@ def _prefill(model: DeepseekV4, tokens: list[int], options: DecodeOptions):
     return cache
 
 
-def _decode_step(model: DeepseekV4, caches: list, token_ids: list[int], timer: ForwardTrace) -> tuple[list[int], float]:
+@dataclass(frozen=True)
+class StepTimes:
+    """Where a decode step's seconds went, in the order they pass on the host."""
+
+    build: float  # Python building the step's graph (`model.forward` returned)
+    encode: float  # MLX encoding its kernels (`mx.async_eval` of the sampled ids returned)
+    wait: float  # the ids on the host: what the device still had to run once the host was done
+
+    @property
+    def total(self) -> float:
+        return self.build + self.encode + self.wait
+
+
+def _decode_step(model: DeepseekV4, caches: list, token_ids: list[int], timer: ForwardTrace) -> tuple[list[int], StepTimes]:
     """One batched step: every sequence's next token in one forward pass, greedy sampling; -> (the
-    sampled ids, seconds from building the graph to the ids on the host)."""
+    sampled ids, its times from building the graph to the ids on the host)."""
     start = time.perf_counter()
     logits = model.forward([Segment(c, [t]) for c, t in zip(caches, token_ids)], timer=timer)
-    sampled = mx.argmax(mx.concatenate(logits), axis=-1).tolist()
-    seconds = time.perf_counter() - start
+    built = time.perf_counter()
+    sampled = mx.argmax(mx.concatenate(logits), axis=-1)
+    mx.async_eval(sampled)
+    encoded = time.perf_counter()
+    ids = sampled.tolist()
+    times = StepTimes(built - start, encoded - built, time.perf_counter() - encoded)
     mx.eval([c.arrays() for c in caches])  # already evaluated with the logits; keeps the graphs short
-    return sampled, seconds
+    return ids, times
 
 
 def serving_step_seconds(model: DeepseekV4, caches: list, token_ids: list[int], num_steps: int,
