@@ -11,9 +11,11 @@ lease"). So:
   encoding still runs between the two builds. On the H200 it made a batch-1 step slower (+15 to +26 %),
   not faster: kept for measuring.
 - thread: the same layers go to an `EncodeThread` (encode_thread.py), which encodes layer i while this
-  thread builds layer i + 1, so the two halves of the host time overlap. `DeepseekV4.forward` decides
-  per step whether it applies (decode steps whose graph building reads nothing from the device) and
-  drains the thread before it returns.
+  thread builds layer i + 1, so that the two halves of the host time would overlap. `DeepseekV4.forward`
+  decides per step whether it applies (decode steps whose graph building reads nothing from the device)
+  and drains the thread before it returns. On the H200 they did not overlap: with the thread running,
+  building took about as long as building and encoding had taken together, and a step was no faster
+  (docs/BENCHMARKS.md, "Session 12 on the H200"). Kept for measuring, like inline.
 
 Only *when* arrays are evaluated changes, never what is computed: the same bits in every mode
 (tests/equivalence/test_decode_async.py).
