@@ -106,18 +106,20 @@ class DeepseekV4:
             # The thread can encode only graphs built on its stream (encode_thread.py): what this step reads
             # and was built elsewhere (the caller's device tokens, a cache edited outside a step) is queued here.
             mx.async_eval(*[a for s in segments for a in s.cache.arrays()], *([] if device_token_ids is None else [device_token_ids]))
-        with mx.stream(encoder.stream) if encoder else contextlib.nullcontext():
-            token_ids = step_token_ids(segments) if device_token_ids is None else _checked(device_token_ids, segments)
-            streams = self.embed(segments, token_ids)
-            streams = self.run_layers(streams, segments, self.layer_ids, tile, timer, token_ids, encoder)
-            advance_caches(segments)
-            if isinstance(all_logits, bool):
-                logits = self.logits(streams if all_logits else last_rows(streams, segments), segments, all_logits)
-            else:
-                logits = self.logits(streams[mx.array(head_rows(segments, all_logits))], segments, all_logits)
-        if encoder:
-            encoder.drain()  # nothing in flight on the thread once the caller may evaluate again
-        elif all(len(s.token_ids) == 1 for s in segments):
+        try:
+            with mx.stream(encoder.stream) if encoder else contextlib.nullcontext():
+                token_ids = step_token_ids(segments) if device_token_ids is None else _checked(device_token_ids, segments)
+                streams = self.embed(segments, token_ids)
+                streams = self.run_layers(streams, segments, self.layer_ids, tile, timer, token_ids, encoder)
+                advance_caches(segments)
+                if isinstance(all_logits, bool):
+                    logits = self.logits(streams if all_logits else last_rows(streams, segments), segments, all_logits)
+                else:
+                    logits = self.logits(streams[mx.array(head_rows(segments, all_logits))], segments, all_logits)
+        finally:
+            if encoder:  # nothing in flight on the thread once the caller may evaluate again, failed step or not
+                encoder.drain()
+        if not encoder and all(len(s.token_ids) == 1 for s in segments):
             self._decoded = True
         return logits
 

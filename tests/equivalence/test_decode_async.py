@@ -127,3 +127,17 @@ def test_stage_synced_decode_does_not_start_layers_early(model, monkeypatch):
 @pytest.mark.parametrize("value,expected", [("0", "off"), ("1", "inline"), ("thread", "thread"), (None, "off")])
 def test_environment_switch(value, expected):
     assert switch_in_fresh_process(decode_async.ENV_VAR, value, "tessera.engine.model.decode_async", "decode_async_mode") == expected
+
+
+def test_a_step_that_fails_while_built_leaves_nothing_on_the_thread(model, monkeypatch):
+    """The caller may evaluate (and the runner does, undoing the step) as soon as the failure reaches it."""
+    decode_async.set_decode_async_mode("thread")
+    caches = [_prefilled(model, n, seed) for seed, n in enumerate(LENGTHS[:2])]
+    mx.eval(model.forward([Segment(c, [1]) for c in caches]))  # the model has decoded: the thread applies
+    drained: list[int] = []
+    real_drain = encode_thread.EncodeThread.drain
+    monkeypatch.setattr(encode_thread.EncodeThread, "drain", lambda self: (drained.append(1), real_drain(self))[1])
+    monkeypatch.setattr(model, "logits", lambda *args: (_ for _ in ()).throw(RuntimeError("head failed")))
+    with pytest.raises(RuntimeError, match="head failed"):
+        model.forward([Segment(c, [2]) for c in caches])
+    assert drained == [1]
