@@ -17,6 +17,7 @@ from tessera.engine.model.moe import (
 )
 from tessera.engine.model.quantized import quantize
 from tests.equivalence.row_invariant_blas import row_invariant_blas
+from tests.support.graph_nodes import primitive_kinds
 
 EXPERTS, DIM, INTER, TOP_K, LIMIT = 8, 64, 32, 2, 7.0
 
@@ -176,11 +177,8 @@ def test_gathered_mxfp4_pairs_go_to_the_gather_qmv_kernel_where_it_runs(monkeypa
 
 
 def _primitive_kinds(out: mx.array, tmp_path) -> set[str]:
-    """The primitive kinds in the graph that makes `out` (mx.export_to_dot)."""
-    import re
-
-    mx.export_to_dot(str(tmp_path / "graph.dot"), out)
-    return set(re.findall(r'label ?= ?"([^"]*)"', (tmp_path / "graph.dot").read_text()))
+    """The primitive kinds in the graph that makes `out`."""
+    return set(primitive_kinds(out, tmp_path / "graph.dot"))
 
 
 def test_dequantized_expert_groups_match_the_loop(monkeypatch):

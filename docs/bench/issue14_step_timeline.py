@@ -12,8 +12,9 @@ Per step, two timings:
    (`mx.async_eval` of the sampled ids returned: MLX encoded what was left), `wait_ms` (the ids on the host).
 2. The device's alone (`device_ms`): the same step queued behind a spin kernel that holds the GPU for
    `--spin-ms`, so the host builds and encodes the whole step while the device is busy; the ids then arrive
-   `spin + device` after the spin was queued. `device_ms` = that interval − the spin's own (measured alone,
-   median of 5). Only meaningful on a GPU (the spin is a CUDA kernel); the CPU runs the host timings only.
+   `spin + device` after the spin was queued. `device_ms` = that interval − the spin's own (measured alone:
+   mlx_encode_cost.py's `spin_ms`; the session-12 run, before the two probes shared it, took the median of
+   all five calls, the first included). Only meaningful on a GPU (the spin is a CUDA kernel); the CPU runs the host timings only.
 
 Also one line `kernel_chain`: K independent tiny elementwise kernels (no fusion) — the host's encode cost
 per kernel and the device's time per kernel, measured the same way.
@@ -34,6 +35,7 @@ from tests.support.source_tree import use_source_tree  # noqa: E402
 
 use_source_tree()  # `tessera.*` = this checkout, unless it already is
 
+from docs.bench.mlx_encode_cost import spin, spin_ms  # noqa: E402
 from docs.bench.probe_io import jsonl_emitter, load_probe_model  # noqa: E402
 from tessera.engine.model import decode_async  # noqa: E402
 from tessera.engine.model.compiled import set_step_compile_enabled, step_compile_enabled  # noqa: E402
@@ -42,31 +44,6 @@ from tessera.engine.model.encode_thread import encode_thread  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled  # noqa: E402
 
 ARMS = {"off": ("off", False), "thread": ("thread", False), "compiled": ("off", True), "compiled_thread": ("thread", True)}
-_SPIN = """
-    long long start = clock64();
-    long long cycles = (long long)budget[0];
-    while (clock64() - start < cycles) { }
-    out[0] = budget[0];
-"""
-
-
-def spin(cycles: float) -> mx.array:
-    """One CUDA thread busy for `cycles` clock cycles; returns a scalar to evaluate."""
-    kernel = mx.fast.cuda_kernel(name="probe_spin", input_names=["budget"], output_names=["out"], source=_SPIN)
-    (out,) = kernel(inputs=[mx.array([cycles], dtype=mx.float32)], grid=(1, 1, 1), threadgroup=(1, 1, 1),
-                    output_shapes=[(1,)], output_dtypes=[mx.float32])
-    return out
-
-
-def spin_ms(cycles: float) -> float:
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        mx.eval(spin(cycles))
-        times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
-
-
 def step(model, caches, ids: list[int]) -> tuple[mx.array, float, float]:
     t0 = time.perf_counter()
     logits = model.forward([Segment(c, [t]) for c, t in zip(caches, ids)])

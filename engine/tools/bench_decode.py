@@ -17,10 +17,10 @@ import mlx.core as mx
 from tessera.kernels.shapeless import compile_enabled
 from tessera.engine.model.compiled import step_compile_enabled
 from tessera.engine.model.config import CSA, HCA, WINDOW, ModelConfig
+from tessera.engine.model.decode_async import decode_async_mode
 from tessera.engine.model.deepseek_v4 import DeepseekV4, Segment
 from tessera.engine.model.dtypes import dtype_name
 from tessera.engine.model.trace import ForwardTrace
-from tessera.engine.model.decode_async import decode_async_mode
 from tessera.engine.serving.decode_overlap import OverlapCounts
 from tessera.engine.tools.cache_fill import fill_random
 from tessera.engine.tools.replay import random_tokens
