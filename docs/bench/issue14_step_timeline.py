@@ -1,11 +1,12 @@
 """Is a decode step host-bound or device-bound? Its host time split, and the device's own time for it.
 
-python docs/bench/issue14_step_timeline.py MODEL OUT.jsonl [--ctx 65536] [--batch 1] [--steps 24] [--rounds 2]
+python docs/bench/issue14_step_timeline.py MODEL OUT.jsonl [--ctx 65536] [--batch 1 [16 …]] [--steps 24] [--rounds 2]
     [--arms off thread compiled compiled_thread] [--as-loaded]
 
 Arms, in the order A B … B A (--rounds times), each a mode of the same model-level greedy step:
 - off: the step built whole, then evaluated; thread: each layer handed to the encode thread
-  (TESSERA_DECODE_ASYNC=thread); compiled: TESSERA_COMPILE_STEP on; compiled_thread: both.
+  (TESSERA_DECODE_ASYNC=thread); compiled: TESSERA_COMPILE_STEP on; compiled_thread: both; compiled_qmv:
+  compiled with TESSERA_QMV_ROW_BLOCKS on (a batch's projections through MLX's gemv in blocks of ≤ 7 rows).
 
 Per step, two timings:
 1. The host's: `build_ms` (model.forward returned; in thread arms the drain included), `encode_ms`
@@ -15,6 +16,9 @@ Per step, two timings:
    `spin + device` after the spin was queued. `device_ms` = that interval − the spin's own (measured alone:
    mlx_encode_cost.py's `spin_ms`; the session-12 run, before the two probes shared it, took the median of
    all five calls, the first included). Only meaningful on a GPU (the spin is a CUDA kernel); the CPU runs the host timings only.
+
+With several `--batch` sizes, every round runs each of them in turn (the first sequences of one filled batch),
+so their times come from the same process and the same minutes.
 
 Also one line `kernel_chain`: K independent tiny elementwise kernels (no fusion) — the host's encode cost
 per kernel and the device's time per kernel, measured the same way.
@@ -41,9 +45,12 @@ from tessera.engine.model import decode_async  # noqa: E402
 from tessera.engine.model.compiled import set_step_compile_enabled, step_compile_enabled  # noqa: E402
 from tessera.engine.model.deepseek_v4 import Segment  # noqa: E402
 from tessera.engine.model.encode_thread import encode_thread  # noqa: E402
+from tessera.engine.model.quantized import qmv_row_blocks  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled  # noqa: E402
 
-ARMS = {"off": ("off", False), "thread": ("thread", False), "compiled": ("off", True), "compiled_thread": ("thread", True)}
+# arm -> (decode_async mode, step compile, quantized.qmv_row_blocks)
+ARMS = {"off": ("off", False, False), "thread": ("thread", False, False), "compiled": ("off", True, False),
+        "compiled_thread": ("thread", True, False), "compiled_qmv": ("off", True, True)}
 def step(model, caches, ids: list[int]) -> tuple[mx.array, float, float]:
     t0 = time.perf_counter()
     logits = model.forward([Segment(c, [t]) for c, t in zip(caches, ids)])
@@ -108,31 +115,35 @@ def main() -> None:
     if on_gpu:
         kernel_chain(emit, 500, cycles, spin_alone)
     model = load_probe_model(args.model, args.as_loaded)
-    caches = [_filled(model, args.ctx, b, DecodeOptions(chunk=4096, tile=1024, cache_fill="random")) for b in range(args.batch)]
-    saved = decode_async.decode_async_mode(), step_compile_enabled()
+    caches = [_filled(model, args.ctx, b, DecodeOptions(chunk=4096, tile=1024, cache_fill="random")) for b in range(max(args.batch))]
+    saved = decode_async.decode_async_mode(), step_compile_enabled(), qmv_row_blocks.enabled()
     try:
         for arm in args.arms:  # warm every arm (a compiled arm's first step traces it)
             _set(arm)
-            t0 = time.perf_counter()
-            host_steps(model, caches, 3)
-            emit("warm", arm=arm, seconds=time.perf_counter() - t0)
+            for batch in args.batch:
+                t0 = time.perf_counter()
+                host_steps(model, caches[:batch], 3)
+                emit("warm", arm=arm, batch=batch, seconds=time.perf_counter() - t0)
         for arm in (args.arms + args.arms[::-1]) * args.rounds:
             _set(arm)
-            host = host_steps(model, caches, args.steps)
-            device = device_steps(model, caches, args.steps, cycles, spin_alone) if on_gpu else []
-            med = {k: statistics.median(r[k] for r in host) for k in ("build_ms", "encode_ms", "wait_ms")}
-            emit("round", arm=arm, ctx=args.ctx, batch=args.batch, **med,
-                 host_step_ms=statistics.median(sum(r.values()) for r in host),
-                 device_ms=statistics.median(device) if device else None, steps=host, device_steps=device)
+            for batch in args.batch:
+                host = host_steps(model, caches[:batch], args.steps)
+                device = device_steps(model, caches[:batch], args.steps, cycles, spin_alone) if on_gpu else []
+                med = {k: statistics.median(r[k] for r in host) for k in ("build_ms", "encode_ms", "wait_ms")}
+                emit("round", arm=arm, ctx=args.ctx, batch=batch, **med,
+                     host_step_ms=statistics.median(sum(r.values()) for r in host),
+                     device_ms=statistics.median(device) if device else None, steps=host, device_steps=device)
     finally:
         decode_async.set_decode_async_mode(saved[0])
         set_step_compile_enabled(saved[1])
+        qmv_row_blocks.set(saved[2])
 
 
 def _set(arm: str) -> None:
-    mode, compiled = ARMS[arm]
+    mode, compiled, qmv = ARMS[arm]
     decode_async.set_decode_async_mode(mode)
     set_step_compile_enabled(compiled)
+    qmv_row_blocks.set(qmv)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -140,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("out")
     p.add_argument("--ctx", type=int, default=65536)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=int, nargs="+", default=[1], help="sequences per step; several: each in every round")
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--spin-ms", type=float, default=40.0)
