@@ -40,6 +40,7 @@ _switch = Switch(ENV_VAR, default=True)
 
 ROWS_PER_BLOCK = 32  # output rows of one pair per block
 UNROLL = 8  # rows whose loads are in flight together
+STAGE_X = True  # x read coalesced into shared memory, then each thread's group into registers
 GROUP = 32  # mxfp4: 32 elements share an E8M0 scale; one group is one 16-byte vector of codes
 
 
@@ -90,11 +91,19 @@ _SOURCE = r"""
     const float mag = e == 0 ? 0.5f * (c & 1) : ldexpf(1.0f + 0.5f * (c & 1), e - 1);
     lut[c] = (c & 8) ? -mag : mag;
   }
-  float xv[32];
-  const T* xg = x + (size_t)pair * K + g * 32;
-  #pragma unroll
-  for (int i = 0; i < 32; ++i) xv[i] = static_cast<float>(xg[i]);
+  __shared__ float xs[STAGE_X ? GROUPS * 33 : 1];  // group h's element i at h * 33 + i: reads hit 32 banks
+  const T* xrow = x + (size_t)pair * K;
+  if (STAGE_X) {  // coalesced: consecutive threads read consecutive elements
+    #pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int i = g + j * GROUPS;
+      xs[(i >> 5) * 33 + (i & 31)] = static_cast<float>(xrow[i]);
+    }
+  }
   __syncthreads();
+  float xv[32];
+  #pragma unroll
+  for (int i = 0; i < 32; ++i) xv[i] = STAGE_X ? xs[g * 33 + i] : static_cast<float>(xrow[g * 32 + i]);
   const size_t first = (size_t)experts[pair] * N + row0;  // the block's first weight row
   const uint4* codes = reinterpret_cast<const uint4*>(w) + first * GROUPS + g;
   const uint8_t* srow = scales + first * GROUPS + g;
@@ -131,7 +140,7 @@ _SOURCE = r"""
 """
 
 
-def gather_qmv_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array) -> mx.array:
+def gather_qmv_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array, stage_x: bool = STAGE_X) -> mx.array:
     """x: [P, K] bf16/fp16/fp32 on a CUDA device; values [E, N, K / 8] uint32, scales [E, N, K / 32] uint8
     (mxfp4); experts: [P] -> [P, N] in x's dtype (shapes as `fits` says)."""
     pairs, k = x.shape
@@ -140,7 +149,7 @@ def gather_qmv_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: 
     kernel = compiled_kernel("tessera_gather_qmv_mxfp4", ("x", "w", "scales", "experts"), ("out",), _SOURCE, "")
     (out,) = kernel(
         inputs=[x, values, scales, experts.astype(mx.uint32)],
-        template=[("T", x.dtype), ("K", k), ("N", n), ("ROWS", ROWS_PER_BLOCK), ("UNROLL", UNROLL)],
+        template=[("T", x.dtype), ("K", k), ("N", n), ("ROWS", ROWS_PER_BLOCK), ("UNROLL", UNROLL), ("STAGE_X", int(stage_x))],
         grid=(pairs * (n // ROWS_PER_BLOCK) * threads, 1, 1),  # threads, as mx.fast.cuda_kernel counts them
         threadgroup=(threads, 1, 1),
         output_shapes=[(pairs, n)],

@@ -29,7 +29,7 @@ from tessera.engine.model.quantized import QuantizedWeight  # noqa: E402
 
 EXPERTS, HIDDEN, INTER = 256, 4096, 2048  # overridden by --small (a CPU smoke run)
 SETTINGS = {"one_call": None, "qmv_pieces_7": 7}  # rows per gather_qmm call (None: all)
-KERNEL = "tessera_gather_qmv"  # kernels/gather_qmv.py (CUDA only)
+KERNELS = {"gather_qmv_x_staged": True, "gather_qmv_x_direct": False}  # kernels/gather_qmv.py (CUDA only)
 
 
 def _quantized(out_dim: int, in_dim: int) -> QuantizedWeight:
@@ -52,8 +52,8 @@ def _op_ms(x: mx.array, w: QuantizedWeight, experts: mx.array, setting: str, rep
     from tessera.kernels.gather_qmv import gather_qmv_kernel
 
     def run() -> mx.array:
-        if setting == KERNEL:
-            return gather_qmv_kernel(x[:, 0, :], w.values, w.scales, experts)
+        if setting in KERNELS:
+            return gather_qmv_kernel(x[:, 0, :], w.values, w.scales, experts, KERNELS[setting])
         return _gather_qmm(x, w, experts, SETTINGS[setting])
 
     times = []
@@ -71,7 +71,7 @@ def op_rounds(emit) -> None:
         x_up = mx.random.normal((pairs, 1, HIDDEN), dtype=mx.bfloat16)
         x_down = mx.random.normal((pairs, 1, INTER), dtype=mx.bfloat16)
         mx.eval(experts, x_up, x_down)
-        order = ["one_call", "qmv_pieces_7"] + ([KERNEL] if on_cuda() else [])
+        order = ["one_call", "qmv_pieces_7"] + (list(KERNELS) if on_cuda() else [])
         for name in order + order[::-1]:
             emit("op", setting=name, pairs=pairs, up_ms=_op_ms(x_up, up, experts, name),
                  down_ms=_op_ms(x_down, down, experts, name))
