@@ -8,7 +8,8 @@ or more sequences at top-6) a CuTe GEMM (qmm_sm80) whose row tiles each hold one
 Flash's expert shapes and 96 pairs (16 sequences), ~0.38 ms a projection for ~0.43 GB, ~1.1 TB/s.
 
 The kernel: a block per (pair, ROWS_PER_BLOCK output rows) of K / 32 threads, thread g owning the 32-element
-group g of every row: its 32 x values stay in registers for all the block's rows, and each row's group is
+group g of every row: its 32 x values stay in registers for all the block's rows (read once per block through
+shared memory, consecutive threads reading consecutive elements: `STAGE_X`), and each row's group is
 one 16-byte load (four uint32 of eight 4-bit E2M1 codes, low nibble first: MLX's mxfp4 layout). UNROLL
 rows' loads are issued before their sums. Codes are decoded through a 16-entry table in shared memory (one
 shared load per element), summed as code value × x in float32, the group's sum scaled by its E8M0 scale (a
@@ -21,7 +22,11 @@ whose sums are exact in float32 (tests/test_kernels_cuda.py).
 Measured on the H200 (docs/BENCHMARKS.md, "Session 11 on the H200"): a batch-16 decode step as loaded
 (flash-width, 16k) 9.1 ms against 10.7 with gather_qmm on one machine, no difference on a host-bound one;
 batch 1 unchanged. An earlier layout that staged x in shared memory (two shared loads per element) was
-8–12 % slower than this one and was removed. Still ~1.2 TB/s at 96 pairs, far from the copy rate.
+8–12 % slower than this one and was removed. Reading each thread's x group straight from global memory (lanes
+64 bytes apart: as many L1 requests as the weights) left the kernel at ~1.2 TB/s at 96 pairs; reading x
+coalesced first (`STAGE_X`, the default) took 13–15 % off at 96 pairs, 11 % at 48, 5 % at 16, none at 6
+(docs/BENCHMARKS.md, "Session 13 on the H200"): ~1.6 TB/s, still far from the copy rate. `stage_x=False`
+keeps the direct read for the probe's comparison (docs/bench/gather_qmm_rows_probe.py).
 
 Switch: TESSERA_GATHER_QMV_KERNEL=0 keeps MLX's gather_qmm (1, the default, uses the kernel where it
 applies: CUDA; mxfp4, group 32, no biases; one row per pair; K a multiple of 1024 up to 32,768 and an

@@ -5,8 +5,9 @@ python docs/bench/issue14_step_timeline.py MODEL OUT.jsonl [--ctx 65536] [--batc
 
 Arms, in the order A B … B A (--rounds times), each a mode of the same model-level greedy step:
 - off: the step built whole, then evaluated; thread: each layer handed to the encode thread
-  (TESSERA_DECODE_ASYNC=thread); compiled: TESSERA_COMPILE_STEP on; compiled_thread: both; compiled_qmv:
-  compiled with TESSERA_QMV_ROW_BLOCKS on (a batch's projections through MLX's gemv in blocks of ≤ 7 rows).
+  (TESSERA_DECODE_ASYNC=thread); compiled: TESSERA_COMPILE_STEP on; compiled_thread: both.
+  (Session 13's `compiled_qmv` arm, a batch's projections through MLX's gemv in blocks of ≤ 7 rows, ran at
+  commit db10e55; the switch it flipped was removed after the H200 measured it slower.)
 
 Per step, two timings:
 1. The host's: `build_ms` (model.forward returned; in thread arms the drain included), `encode_ms`
@@ -45,12 +46,9 @@ from tessera.engine.model import decode_async  # noqa: E402
 from tessera.engine.model.compiled import set_step_compile_enabled, step_compile_enabled  # noqa: E402
 from tessera.engine.model.deepseek_v4 import Segment  # noqa: E402
 from tessera.engine.model.encode_thread import encode_thread  # noqa: E402
-from tessera.engine.model.quantized import qmv_row_blocks  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled  # noqa: E402
 
-# arm -> (decode_async mode, step compile, quantized.qmv_row_blocks)
-ARMS = {"off": ("off", False, False), "thread": ("thread", False, False), "compiled": ("off", True, False),
-        "compiled_thread": ("thread", True, False), "compiled_qmv": ("off", True, True)}
+ARMS = {"off": ("off", False), "thread": ("thread", False), "compiled": ("off", True), "compiled_thread": ("thread", True)}
 def step(model, caches, ids: list[int]) -> tuple[mx.array, float, float]:
     t0 = time.perf_counter()
     logits = model.forward([Segment(c, [t]) for c, t in zip(caches, ids)])
@@ -116,7 +114,7 @@ def main() -> None:
         kernel_chain(emit, 500, cycles, spin_alone)
     model = load_probe_model(args.model, args.as_loaded)
     caches = [_filled(model, args.ctx, b, DecodeOptions(chunk=4096, tile=1024, cache_fill="random")) for b in range(max(args.batch))]
-    saved = decode_async.decode_async_mode(), step_compile_enabled(), qmv_row_blocks.enabled()
+    saved = decode_async.decode_async_mode(), step_compile_enabled()
     try:
         for arm in args.arms:  # warm every arm (a compiled arm's first step traces it)
             _set(arm)
@@ -136,14 +134,12 @@ def main() -> None:
     finally:
         decode_async.set_decode_async_mode(saved[0])
         set_step_compile_enabled(saved[1])
-        qmv_row_blocks.set(saved[2])
 
 
 def _set(arm: str) -> None:
-    mode, compiled, qmv = ARMS[arm]
+    mode, compiled = ARMS[arm]
     decode_async.set_decode_async_mode(mode)
     set_step_compile_enabled(compiled)
-    qmv_row_blocks.set(qmv)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -35,7 +35,6 @@ from typing import Callable
 
 import mlx.core as mx
 
-from tessera.engine.model.quantized import qmv_row_blocks
 from tessera.kernels import gather_qmv, row_gather, sinkhorn
 from tessera.kernels.shapeless import compile_enabled
 from tessera.kernels.switch import Switch
@@ -61,8 +60,7 @@ def _trace_switches() -> tuple[bool, ...]:
     """Every switch a step part reads while it is traced: a trace replays the choices it was traced
     with, so a flip in a running process (benchmarks) must reach a fresh trace, not a stale one."""
 
-    return (compile_enabled(), sinkhorn.kernel_enabled(), row_gather.kernel_enabled(), gather_qmv.kernel_enabled(),
-            qmv_row_blocks.enabled())
+    return (compile_enabled(), sinkhorn.kernel_enabled(), row_gather.kernel_enabled(), gather_qmv.kernel_enabled())
 
 
 class StepCompiled:

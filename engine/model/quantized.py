@@ -14,9 +14,6 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from tessera.kernels.cuda import on_cuda
-from tessera.kernels.switch import Switch
-
 # mode -> bits MLX packs per value
 MODES: dict[str, int] = {"mxfp4": 4, "mxfp8": 8, "affine4": 4, "affine8": 8}
 
@@ -99,32 +96,13 @@ def for_rows(w: Weight, rows: int, dtype: mx.Dtype) -> Weight:
     return w
 
 
-# MLX's CUDA backend multiplies fewer than 8 rows by a packed weight with its gemv kernel (qmv) and 8 or more
-# with a tiled gemm (qmm_sm80 on an H200), which sums each row in another order. With the switch on, a
-# projection of 8 to DENSE_MIN_ROWS - 1 rows on a CUDA device (a batched decode step) runs as blocks of at
-# most QMV_MAX_ROWS rows, each through qmv: a row's bits no longer depend on the batch size, and the
-# batch-16 step's projections take the kernel MLX made for decode (docs/BENCHMARKS.md, "Session 13").
-# TESSERA_QMV_ROW_BLOCKS=0|1 (default 0 until measured on the H200).
-QMV_MAX_ROWS = 7
-qmv_row_blocks = Switch("TESSERA_QMV_ROW_BLOCKS", default=False)
-
-
 def linear(x: mx.array, w: Weight) -> mx.array:
     """x: [..., in] -> [..., out] against w: [out, in] (plain or quantized; many rows of x dequantize
     a quantized w for this call, `for_rows`)."""
-    rows = x.size // x.shape[-1]
-    w = for_rows(w, rows, x.dtype)
-    if not isinstance(w, QuantizedWeight):
-        return x @ w.T
-    if x.ndim == 2 and QMV_MAX_ROWS < rows < DENSE_MIN_ROWS and qmv_row_blocks.enabled() and on_cuda():
-        blocks = -(-rows // QMV_MAX_ROWS)
-        edges = [rows * b // blocks for b in range(1, blocks)]  # near-equal blocks, each ≤ QMV_MAX_ROWS rows
-        return mx.concatenate([_quantized_matmul(part, w) for part in mx.split(x, edges, axis=0)])
-    return _quantized_matmul(x, w)
-
-
-def _quantized_matmul(x: mx.array, w: QuantizedWeight) -> mx.array:
-    return mx.quantized_matmul(x, w.values, w.scales, w.biases, transpose=True, group_size=w.group_size, bits=w.bits, mode=w.mode)
+    w = for_rows(w, x.size // x.shape[-1], x.dtype)
+    if isinstance(w, QuantizedWeight):
+        return mx.quantized_matmul(x, w.values, w.scales, w.biases, transpose=True, group_size=w.group_size, bits=w.bits, mode=w.mode)
+    return x @ w.T
 
 
 def grouped_linear(x: mx.array, w: Weight, groups: int) -> mx.array:
