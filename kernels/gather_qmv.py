@@ -29,8 +29,8 @@ coalesced first (`STAGE_X`, the default) took 13–15 % off at 96 pairs, 11 % at
 keeps the direct read for the probe's comparison (docs/bench/gather_qmm_rows_probe.py).
 
 Switch: TESSERA_GATHER_QMV_KERNEL=0 keeps MLX's gather_qmm (1, the default, uses the kernel where it
-applies: CUDA; mxfp4, group 32, no biases; one row per pair; K a multiple of 1024 up to 32,768 and an
-output width a multiple of ROWS_PER_BLOCK, `fits`).
+applies: CUDA; mxfp4, group 32, no biases; one row per pair; K a multiple of 1024 up to 11,264 (the
+shared memory `STAGE_X` needs) and an output width a multiple of ROWS_PER_BLOCK, `fits`).
 """
 
 from __future__ import annotations
@@ -66,9 +66,21 @@ def gather_qmv_reference(x: mx.array, values: mx.array, scales: mx.array, expert
     return out[:, 0, :]
 
 
+SHARED_MEMORY_LIMIT = 48 * 1024  # static __shared__ arrays beyond this do not compile
+
+
+def shared_memory_bytes(in_features: int, stage_x: bool = STAGE_X) -> int:
+    """The block's static shared memory: the code table, the warps' partial sums and, with STAGE_X, x as
+    float32 in rows of 33 (a padded row per group)."""
+    groups = in_features // GROUP
+    return 16 * 4 + (groups // 32) * ROWS_PER_BLOCK * 4 + (groups * 33 * 4 if stage_x else 4)
+
+
 def fits(in_features: int, out_features: int) -> bool:
-    """A block holds K / 32 threads (one per group, in whole warps, at most 1,024) and ROWS_PER_BLOCK rows."""
-    return in_features % 1024 == 0 and in_features // GROUP <= 1024 and out_features % ROWS_PER_BLOCK == 0
+    """A block holds K / 32 threads (one per group, in whole warps, at most 1,024) and ROWS_PER_BLOCK rows,
+    and its shared memory stays within the static limit (with STAGE_X: K up to 11,264)."""
+    return (in_features % 1024 == 0 and in_features // GROUP <= 1024 and out_features % ROWS_PER_BLOCK == 0
+            and shared_memory_bytes(in_features) <= SHARED_MEMORY_LIMIT)
 
 
 def is_supported(dtype: mx.Dtype, in_features: int, values: mx.array) -> bool:

@@ -1,7 +1,8 @@
-"""docs/bench's session-12 decode probes (docs/BENCHMARKS.md "Session 12 on the H200") run by path on the CPU at
-tiny sizes, as the H200 runs them, and report what their docstrings promise: issue14_step_timeline.py every arm
-in alternating rounds with the host's split (the device's own time needs a GPU: None here);
-compiled_step_bits.py the compiled and plain steps' difference (0.0 on the CPU) and the warm-up per batch size."""
+"""docs/bench's decode probes of sessions 12 and 13 (docs/BENCHMARKS.md "Session 12 on the H200", "Session 13 …")
+run by path on the CPU at tiny sizes, as the H200 runs them, and report what their docstrings promise:
+issue14_step_timeline.py every arm and batch size in alternating rounds with the host's split (the device's own
+time needs a GPU: None here); compiled_step_bits.py the compiled and plain steps' difference (0.0 on the CPU) and
+the warm-up per batch size; decode_encode_split.py each stage's encoding per batch size in A B B A rounds."""
 
 from __future__ import annotations
 
@@ -16,6 +17,27 @@ def test_step_timeline_reports_the_host_split_of_every_arm_in_alternating_rounds
     for r in rounds:
         assert len(r["steps"]) == 3 and r["build_ms"] > 0 and r["encode_ms"] >= 0 and r["wait_ms"] >= 0
         assert r["host_step_ms"] >= r["build_ms"] and r["device_ms"] is None
+
+
+def test_step_timeline_runs_every_batch_size_in_each_arm_of_a_round(tmp_path):
+    rows = run_bench_script("issue14_step_timeline.py", tiny_model(tmp_path / "model"), tmp_path / "timeline.jsonl",
+                            "--ctx", "100", "--steps", "2", "--rounds", "1", "--arms", "off", "--batch", "3", "1")
+    assert [(r["arm"], r["batch"]) for r in rows if r["what"] == "warm"] == [("off", 3), ("off", 1)]
+    assert [(r["arm"], r["batch"]) for r in rows if r["what"] == "round"] == [("off", 3), ("off", 1)] * 2
+
+
+def test_encode_split_times_every_stage_of_each_batch_size_in_alternating_rounds(tmp_path):
+    rows = run_bench_script("decode_encode_split.py", tiny_model(tmp_path / "model"), tmp_path / "split.jsonl",
+                            "--ctx", "100", "--steps", "2", "--rounds", "1", "--batch", "3", "1", "--compile-step", "off")
+    rounds = [r for r in rows if r["what"] == "round"]
+    assert [r["batch"] for r in rounds] == [3, 1, 1, 3]
+    for r in rounds:
+        assert len(r["steps"]) == 2
+        median = r["median_ms"]
+        # every stage mark of a decode layer was reached (a stage nobody marks would read 0 here)
+        for stage in ("other", "indexer_score", "topk", "attention", "moe", "head"):
+            assert median[stage] > 0, stage
+        assert median["build_ms"] > 0 and median["step_ms"] >= median["build_ms"] + median["moe"]
 
 
 def test_compiled_step_bits_compares_both_batch_sizes_and_times_the_warm_up(tmp_path):

@@ -335,3 +335,17 @@ def test_kernel_switch_defaults_are_what_the_h200_measured(module, function, env
     assert switch_in_fresh_process(env_var, None, module, function) == default
     flipped = "0" if default == "True" else "1"
     assert switch_in_fresh_process(env_var, flipped, module, function) == str(default != "True")
+
+
+def test_gather_qmv_takes_v4_flash_widths_and_no_width_its_shared_memory_cannot_hold():
+    """kernels/gather_qmv.py stages each pair's x row in shared memory (STAGE_X): a width whose staged row
+    does not fit the static limit must fall back to gather_qmm (a kernel that does not compile would fail
+    the step), and V4 Flash's expert widths (hidden 4096 in, moe 2048 in) must still take the kernel."""
+    from tessera.kernels import gather_qmv
+
+    assert gather_qmv.fits(4096, 2048) and gather_qmv.fits(2048, 4096)
+    for k in range(1024, 32769, 1024):
+        assert gather_qmv.fits(k, 2048) == (gather_qmv.shared_memory_bytes(k) <= gather_qmv.SHARED_MEMORY_LIMIT)
+    assert not gather_qmv.fits(12288, 2048) and gather_qmv.fits(11264, 2048)
+    # The staged row itself: K float32 values padded to 33 per group of 32.
+    assert gather_qmv.shared_memory_bytes(4096) - gather_qmv.shared_memory_bytes(4096, stage_x=False) == 128 * 33 * 4 - 4
