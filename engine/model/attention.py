@@ -35,6 +35,7 @@ from tessera.engine.model.rope import StepRope, apply_rope
 from tessera.engine.model.trace import ForwardTrace
 from tessera.kernels.indexer import indexer_scores, select_topk
 from tessera.kernels.sparse_attention import mixed_attention, shared_rows
+from tessera.kernels.switch import Switch
 
 
 # Query and output projections run on fixed blocks of this many rows of the step's batch, counted
@@ -60,6 +61,21 @@ ATTENTION_ROWS = 128
 # (docs/bench/issue14_batched_decode.py).
 BATCH_DECODE_ROWS = True
 
+# A decode step computes its input projections (q_a, kv, index head weights, the compressors' kv and gate)
+# as few stacked matmuls (attention_inputs.StackedInputs). TESSERA_STACKED_INPUTS=0 runs one matmul per
+# projection instead: the same bits on the CPU (a row's sums do not depend on the other output rows,
+# tests/equivalence/test_stacked_inputs.py); kept for A/B measurements on a GPU.
+_stacked_inputs = Switch("TESSERA_STACKED_INPUTS")
+
+
+def stacked_inputs_enabled() -> bool:
+    return _stacked_inputs.enabled()
+
+
+def set_stacked_inputs_enabled(enabled: bool) -> None:
+    """Takes effect on the next step built."""
+    _stacked_inputs.set(enabled)
+
 
 @dataclass(frozen=True)
 class _ChunkProjections:
@@ -68,6 +84,8 @@ class _ChunkProjections:
     q_residual: mx.array  # [T, q_lora]
     kv: mx.array  # [T, hd] (K = V)
     index_w: mx.array | None  # [T, IH]
+    compressor_in: tuple[mx.array, mx.array] | None = None  # the compressor's kv, gate [T, width] (stacked inputs)
+    index_compressor_in: tuple[mx.array, mx.array] | None = None  # the indexer compressor's, likewise
 
 
 def attention(
@@ -83,7 +101,9 @@ def attention(
     """x: [T, D] (normed block input), rope: the step's RoPE tables (its positions [T]) -> [T, D]."""
     cos, sin, neg_sin = rope.tables(cfg.rope_for(layer))
     w = _for_batch(w, x.shape[0], x.dtype)
-    chunk = _project_chunk(x, cos, sin, w, cfg, layer)
+    decode_step = all(seg.length == 1 for seg in segments)
+    use_stacked = decode_step and w.stacked_inputs is not None and stacked_inputs_enabled()
+    chunk = _project_chunk(x, cos, sin, w, cfg, layer, w.stacked_inputs.project(x) if use_stacked else None)
     queries = _QueryBlocks(chunk.q_residual, cos, sin, w, cfg, layer)
     output = _OutputBlocks(cos, neg_sin, w, cfg)
     decodes = [seg for seg in segments if seg.length == 1] if BATCH_DECODE_ROWS else []
@@ -117,7 +137,9 @@ def _decode_rows(x: mx.array, chunk: _ChunkProjections, queries: _QueryBlocks, d
         per_row = [queries.rows(r, r + 1) for r in offsets]
         q = mx.concatenate([p[0] for p in per_row])
         index_q = None if per_row[0][1] is None else mx.concatenate([p[1] for p in per_row])
-    return DecodeRows(decodes, take(x), take(chunk.kv), q, index_q, take(chunk.index_w))
+    pair = lambda p: None if p is None else (take(p[0]), take(p[1]))  # noqa: E731
+    return DecodeRows(decodes, take(x), take(chunk.kv), q, index_q, take(chunk.index_w),
+                      pair(chunk.compressor_in), pair(chunk.index_compressor_in))
 
 
 def _for_batch(w: AttentionWeights, rows: int, dtype: mx.Dtype) -> AttentionWeights:
@@ -134,15 +156,23 @@ def _for_batch(w: AttentionWeights, rows: int, dtype: mx.Dtype) -> AttentionWeig
 
 
 def _project_chunk(
-    x: mx.array, cos: mx.array, sin: mx.array, w: AttentionWeights, cfg: ModelConfig, layer: int
+    x: mx.array, cos: mx.array, sin: mx.array, w: AttentionWeights, cfg: ModelConfig, layer: int,
+    projected: dict[str, mx.array] | None = None,
 ) -> _ChunkProjections:
+    """`projected`: the input projections already computed (StackedInputs.project), else one matmul each here."""
     eps = cfg.rms_norm_eps
-    q_residual = rms_norm(linear(x, w.wq_a), w.q_norm, eps)  # [T, q_lora]
-    kv = apply_rope(rms_norm(linear(x, w.wkv), w.kv_norm, eps), cos, sin)  # [T, hd]
+    project = (lambda name, weight: projected[name]) if projected is not None else (lambda name, weight: linear(x, weight))  # noqa: E731
+    q_residual = rms_norm(project("wq_a", w.wq_a), w.q_norm, eps)  # [T, q_lora]
+    kv = apply_rope(rms_norm(project("wkv", w.wkv), w.kv_norm, eps), cos, sin)  # [T, hd]
     index_w = None
     if cfg.has_indexer(layer):
-        index_w = linear(x, w.index_weights_proj) * (cfg.index_n_heads**-0.5)  # [T, IH]
-    return _ChunkProjections(q_residual, kv, index_w)
+        index_w = project("index_weights_proj", w.index_weights_proj) * (cfg.index_n_heads**-0.5)  # [T, IH]
+    compressors = [None, None]
+    if projected is not None:
+        for i, name in enumerate(("compressor", "index_compressor")):
+            if name + ".wkv" in projected:
+                compressors[i] = (projected[name + ".wkv"], projected[name + ".wgate"])
+    return _ChunkProjections(q_residual, kv, index_w, *compressors)
 
 
 class _QueryBlocks:

@@ -109,9 +109,12 @@ def compress_decode(
     overlapping: bool,
     rope: RopeSpec,
     eps: float,
+    projected: tuple[mx.array, mx.array] | None = None,
 ) -> tuple[list[mx.array | None], list[CompressorFrontier]]:
     """x: [B, hidden], the next token of each of B sequences (frontiers[i] is sequence i's) -> (per
     sequence the row its token completed ([1, head_dim]) or None, the frontiers after the step).
+    `projected`: x's kv and gate projections [B, width] if the caller computed them (stacked with the
+    layer's other input projections, attention_inputs.StackedInputs), else they are computed here.
 
     The same rows and frontiers as `compress` on each token alone, in a number of graph ops that does
     not grow with B: the open groups of all B sequences live in one [B, ratio, width] array
@@ -120,7 +123,7 @@ def compress_decode(
     window, as in `compress`'s [n, ratio, ·] batch of windows). The new frontiers are rows of the
     step's arrays, which the next step of the same sequences takes back whole (cache.stacked)."""
     num = len(frontiers)
-    kv_new, gate_new = linear(x, weights.wkv), linear(x, weights.wgate)  # [B, width]
+    kv_new, gate_new = projected if projected is not None else (linear(x, weights.wkv), linear(x, weights.wgate))  # [B, width]
     slots = _stacked_slots(frontiers, ratio, kv_new.shape[1], weights.norm.shape[0], overlapping, kv_new.dtype)
     open_now = np.array([f.num_open for f in frontiers])
     at = mx.array(open_now.reshape(num, 1, 1))  # [B, 1, 1]: each token's slot

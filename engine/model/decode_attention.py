@@ -49,6 +49,8 @@ class DecodeRows:
     q: mx.array  # [B, H, hd]
     index_q: mx.array | None  # [B, IH, ID] (CSA)
     index_w: mx.array | None  # [B, IH] (CSA)
+    compressor_in: tuple[mx.array, mx.array] | None = None  # the compressor's kv, gate [B, width], if projected
+    index_compressor_in: tuple[mx.array, mx.array] | None = None  # the indexer compressor's (CSA), likewise
 
 
 def decode_attention(rows: DecodeRows, w: AttentionWeights, cfg: ModelConfig, layer: int, timer: ForwardTrace) -> mx.array:
@@ -109,14 +111,16 @@ def _emit_compressed(rows: DecodeRows, w: AttentionWeights, cfg: ModelConfig, la
     completed rows are appended to the caches before anything is scored (the tiling invariant)."""
     ratio, overlapping, rope, eps = cfg.compress_ratio(layer), cfg.is_overlapping(layer), cfg.rope_for(layer), cfg.rms_norm_eps
     caches = [s.cache for s in rows.segments]
-    emitted, after = compress_decode(rows.x, w.compressor, [c.compressor for c in caches], ratio, overlapping, rope, eps)
+    emitted, after = compress_decode(rows.x, w.compressor, [c.compressor for c in caches], ratio, overlapping, rope, eps,
+                                     rows.compressor_in)
     for cache, row, frontier in zip(caches, emitted, after):
         cache.compressor = frontier
         if row is not None:
             cache.compressed.append(row)
     if cfg.has_indexer(layer):
         frontiers = [c.indexer_compressor for c in caches]
-        emitted, after = compress_decode(rows.x, w.index_compressor, frontiers, ratio, overlapping, rope, eps)
+        emitted, after = compress_decode(rows.x, w.index_compressor, frontiers, ratio, overlapping, rope, eps,
+                                         rows.index_compressor_in)
         for cache, row, frontier in zip(caches, emitted, after):
             cache.indexer_compressor = frontier
             if row is not None:

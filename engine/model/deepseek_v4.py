@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from tessera.engine.model.attention import AttentionWeights, SegmentSlice, attention
+from tessera.engine.model.attention_inputs import with_stacked_inputs
 from tessera.engine.model.cache import SequenceCache
 from tessera.engine.model.compiled import StepCompiled, step_compile_enabled
 from tessera.engine.model.compressor import CompressorWeights
@@ -385,7 +386,7 @@ def _attention_weights(w: dict[str, mx.array], cfg: ModelConfig, i: int) -> Atte
         extra["index_compressor"] = _compressor(w, p + "indexer.compressor.")
         extra["index_wq_b"] = w[p + "indexer.wq_b.weight"]
         extra["index_weights_proj"] = w[p + "indexer.weights_proj.weight"]
-    return AttentionWeights(
+    attn, views = with_stacked_inputs(AttentionWeights(
         wq_a=w[p + "wq_a.weight"],
         q_norm=w[p + "q_norm.weight"],
         wq_b=w[p + "wq_b.weight"],
@@ -395,7 +396,18 @@ def _attention_weights(w: dict[str, mx.array], cfg: ModelConfig, i: int) -> Atte
         wo_b=w[p + "wo_b.weight"],
         sinks=w[p + "attn_sink"],
         **extra,
-    )
+    ))
+    for part, view in views.items():  # the checkpoint's arrays are dropped: the stacked copy is the only one
+        w[p + _INPUT_PROJECTION_NAMES[part]] = view
+    return attn
+
+
+# attention_inputs.INPUT_PROJECTIONS -> the checkpoint's name under `layers.N.attn.`
+_INPUT_PROJECTION_NAMES = {
+    "wq_a": "wq_a.weight", "wkv": "wkv.weight", "index_weights_proj": "indexer.weights_proj.weight",
+    "compressor.wkv": "compressor.wkv.weight", "compressor.wgate": "compressor.wgate.weight",
+    "index_compressor.wkv": "indexer.compressor.wkv.weight", "index_compressor.wgate": "indexer.compressor.wgate.weight",
+}
 
 
 def _moe_weights(w: dict[str, mx.array], cfg: ModelConfig, i: int) -> MoEWeights:

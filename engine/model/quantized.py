@@ -124,5 +124,44 @@ def _group_ids(groups: int) -> mx.array:
     return ids
 
 
+def format_key(w: Weight) -> tuple:
+    """Weights with equal keys can be stacked row-wise into one weight (`stacked_rows`): the same storage
+    (dtype, or quantization mode, bits, group size and biases) and the same input width."""
+    if isinstance(w, QuantizedWeight):
+        return ("quantized", w.mode, w.bits, w.group_size, w.biases is None, w.values.ndim, w.values.shape[-1])
+    return ("plain", w.dtype, w.ndim, w.shape[-1])
+
+
+def stacked_rows(ws: list[Weight]) -> Weight:
+    """Weights [out_i, in] of one `format_key` -> one [Σ out_i, in] (their rows in order; evaluated). Stacking
+    along the output axis keeps every quantization group (they run along the input axis), and each output
+    row's sum is the one the weight alone gives it (a row's dot product does not depend on the others)."""
+    if len({format_key(w) for w in ws}) != 1:
+        raise ValueError("weights of different formats or input widths cannot be stacked")
+    first = ws[0]
+    if isinstance(first, QuantizedWeight):
+        cat = lambda field: None if getattr(first, field) is None else mx.concatenate([getattr(w, field) for w in ws])  # noqa: E731
+        out: Weight = QuantizedWeight(cat("values"), cat("scales"), cat("biases"), first.mode, first.bits, first.group_size)
+    else:
+        out = mx.concatenate(ws)
+    mx.eval(_arrays(out))
+    return out
+
+
+def row_range(w: Weight, start: int, stop: int) -> Weight:
+    """Rows [start, stop) of w [out, in]: a view sharing w's memory (rows of a row-major array are contiguous)."""
+    if isinstance(w, QuantizedWeight):
+        rows = lambda a: None if a is None else a[start:stop]  # noqa: E731
+        out: Weight = QuantizedWeight(rows(w.values), rows(w.scales), rows(w.biases), w.mode, w.bits, w.group_size)
+    else:
+        out = w[start:stop]
+    mx.eval(_arrays(out))
+    return out
+
+
+def _arrays(w: Weight) -> list[mx.array]:
+    return w.arrays() if isinstance(w, QuantizedWeight) else [w]
+
+
 def dequantized(w: Weight, dtype: mx.Dtype) -> mx.array:
     return w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w.astype(dtype)
