@@ -277,3 +277,62 @@ def test_a_pending_token_counts_towards_min_tokens_and_draws_the_same_tokens():
     after = sample(logits, params, appended, [RequestRng(p.seed) for p in params])
     assert ahead == after
     assert not {s.token_id for s in ahead[0::2]} & set(stop)  # output 4 of 4 minimum: no stop token
+
+
+def _chosen_alone(logits_row: mx.array, params: SamplingParams, history: TokenHistory, rng: RequestRng):
+    """The per-row path every non-plain row takes (`_choose` after `restrict`), evaluated."""
+    from tessera.engine.serving.sampler import _choose, restrict
+
+    row = _choose(restrict(logits_row.astype(mx.float32), params, history, None), params, history, rng)
+    mx.eval([a for a in row if a is not None])
+    return [None if a is None else np.array(a) for a in row]
+
+
+@pytest.mark.parametrize("logprobs", [None, 0, 3])
+def test_plain_greedy_rows_chosen_together_give_each_row_alone_bit_for_bit(logprobs):
+    """Greedy rows that nothing adjusts are chosen as one block (sampler._greedy_rows); the others, beside them
+    in the same batch, one by one. Every row equals the per-row path on that row alone: token (ties to the
+    lowest id), its logprob and the top-n, to the bit."""
+    from tessera.engine.serving.sampler import sample_lazily
+
+    vocab, rows = 300, 9
+    logits = mx.random.normal((rows, vocab), key=mx.random.key(3)) * 4
+    logits = logits.at[2, 17].add(50.0).at[2, 40].add(50.0 + float(logits[2, 17] - logits[2, 40]))  # a tie
+    greedy = SamplingParams(temperature=0.0, logprobs=logprobs)
+    params = [greedy] * rows
+    params[4] = SamplingParams(temperature=0.0, logprobs=logprobs, presence_penalty=1.5)  # adjusted: alone
+    params[6] = SamplingParams(temperature=0.8, seed=5, logprobs=logprobs)  # random: alone
+    params[7] = SamplingParams(temperature=0.0, logprobs=None if logprobs else 2)  # another block
+    histories = [TokenHistory([1, 2]) for _ in range(rows)]
+    for h in histories:
+        h.append(int(mx.argmax(logits[4]).item()))  # the penalty has something to act on
+    got = sample_lazily(logits, params, histories, [RequestRng(9) for _ in range(rows)])
+    mx.eval([a for row in got for a in row if a is not None])
+    for i in range(rows):
+        want = _chosen_alone(logits[i], params[i], histories[i], RequestRng(9))
+        have = [None if a is None else np.array(a) for a in got[i]]
+        assert [None if a is None else a.shape for a in have] == [None if a is None else a.shape for a in want], i
+        assert all(a is None and b is None or np.array_equal(a, b) for a, b in zip(have, want)), i
+    assert int(np.array(got[2][0])[0]) == 17  # the tie went to the lower id
+
+
+# Views: no kernel on a GPU (each row's [1, ...] piece of the block is a Slice or a Split output).
+VIEW_KINDS = {"Slice", "Split", "Squeeze", "Reshape", "ExpandDims", "Broadcast", "BroadcastAxes"}
+
+
+def test_a_batch_of_plain_greedy_rows_launches_a_fixed_number_of_kernels(tmp_path):
+    """Sampling 16 plain greedy rows builds as many non-view graph nodes as sampling 4 (one argmax, and one
+    log-sum-exp, top-n and gathers with logprobs), not a few per row."""
+    from tessera.engine.serving.sampler import row_arrays, sample_lazily
+    from tests.support.graph_nodes import primitive_kinds
+
+    def nodes(rows: int, logprobs: int | None) -> int:
+        logits = mx.random.normal((rows, 500), key=mx.random.key(rows))
+        mx.eval(logits)
+        params = [SamplingParams(temperature=0.0, logprobs=logprobs)] * rows
+        got = sample_lazily(logits, params, [TokenHistory([1]) for _ in range(rows)], [RequestRng(1) for _ in range(rows)])
+        kinds = primitive_kinds(row_arrays(got), tmp_path / "sample.dot")
+        return sum(v for k, v in kinds.items() if k not in VIEW_KINDS)
+
+    for logprobs in (None, 2):
+        assert nodes(16, logprobs) == nodes(4, logprobs) > 0, logprobs
