@@ -159,7 +159,8 @@ def _greedy_rows(logits: mx.array, members: list[int], num_top: int | None) -> l
     """`_choose` for plain greedy rows `members` of logits [B, V] asking `num_top` logprobs (None: none), as a
     few ops for all of them instead of a few per row: a batch-16 decode step's sampling in ~10 graph nodes, not
     ~60 (~160 with logprobs). Each row's ops are the per-row path's on a [1, V] row of a [G, V] block: the same
-    argmax and the same per-row log-sum-exp (tests/test_sampler.py compares them bit for bit)."""
+    argmax and the same per-row log-sum-exp (tests/test_sampler.py compares them bit for bit on the CPU; a GPU
+    has not run it yet: its reduction kernels are per row, and the tokens are an argmax either way)."""
     block = logits if members == list(range(logits.shape[0])) else logits[mx.array(members)]  # [G, V]
     tokens = mx.argmax(block, axis=-1)  # [G]; ties: the lowest id
     if num_top is None:
