@@ -161,7 +161,10 @@ def _project_chunk(
 ) -> _ChunkProjections:
     """`projected`: the input projections already computed (StackedInputs.project), else one matmul each here."""
     eps = cfg.rms_norm_eps
-    project = (lambda name, weight: projected[name]) if projected is not None else (lambda name, weight: linear(x, weight))  # noqa: E731
+
+    def project(name: str, weight) -> mx.array:
+        return projected[name] if projected is not None else linear(x, weight)
+
     q_residual = rms_norm(project("wq_a", w.wq_a), w.q_norm, eps)  # [T, q_lora]
     kv = apply_rope(rms_norm(project("wkv", w.wkv), w.kv_norm, eps), cos, sin)  # [T, hd]
     index_w = None
