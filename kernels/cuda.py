@@ -14,6 +14,8 @@ from tessera.kernels.switch import Switch
 # kernels/row_gather.py). 1, the default, uses them.
 decode_batch_kernels = Switch("TESSERA_DECODE_BATCH_KERNELS")
 
+SHARED_MEMORY_LIMIT = 48 * 1024  # a kernel's static __shared__ arrays beyond this do not compile
+
 
 def on_cuda() -> bool:
     return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()

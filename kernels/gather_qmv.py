@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from tessera.kernels.cuda import compiled_kernel, on_cuda
+from tessera.kernels.cuda import SHARED_MEMORY_LIMIT, compiled_kernel, on_cuda
 from tessera.kernels.switch import Switch
 
 ENV_VAR = "TESSERA_GATHER_QMV_KERNEL"
@@ -64,9 +64,6 @@ def gather_qmv_reference(x: mx.array, values: mx.array, scales: mx.array, expert
     out = mx.gather_qmm(x[:, None, :], values, scales, None, rhs_indices=experts, transpose=True,
                         group_size=GROUP, bits=4, mode="mxfp4")  # [P, 1, N]
     return out[:, 0, :]
-
-
-SHARED_MEMORY_LIMIT = 48 * 1024  # static __shared__ arrays beyond this do not compile
 
 
 def shared_memory_bytes(in_features: int, stage_x: bool = STAGE_X) -> int:

@@ -18,7 +18,9 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from tessera.kernels.cuda import compiled_kernel, decode_batch_kernels, input_slots, on_cuda
+from tessera.kernels.cuda import (
+    SHARED_MEMORY_LIMIT, compiled_kernel, decode_batch_kernels, input_slots, on_cuda,
+)
 
 QUERIES_PER_BLOCK = 32  # two m16 tiles
 KEYS_PER_WARP = 32  # four n8 tiles
@@ -215,7 +217,6 @@ def indexer_scores_batched_kernel(
     return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
 
-SHARED_MEMORY_LIMIT = 48 * 1024  # static __shared__ arrays beyond this do not compile
 
 
 def shared_memory_bytes(heads: int, d: int) -> int:

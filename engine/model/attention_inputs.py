@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import mlx.core as mx
 
@@ -27,6 +28,11 @@ class StackedGroup:
     parts: tuple[str, ...]  # INPUT_PROJECTIONS names, in row order
     widths: tuple[int, ...]  # each part's output width
 
+    @cached_property
+    def edges(self) -> list[int]:
+        """Where the parts meet in the stacked output's last axis (made once, not in every step)."""
+        return list(itertools.accumulate(self.widths[:-1]))
+
 
 @dataclass(frozen=True)
 class StackedInputs:
@@ -42,8 +48,7 @@ class StackedInputs:
         out: dict[str, mx.array] = {}
         for group in self.groups:
             y = linear(x, group.weight)  # [T, Σ widths]
-            edges = list(itertools.accumulate(group.widths[:-1]))
-            out.update(zip(group.parts, mx.split(y, edges, axis=-1) if edges else [y]))
+            out.update(zip(group.parts, mx.split(y, group.edges, axis=-1) if group.edges else [y]))
         return out
 
 
@@ -68,7 +73,7 @@ def with_stacked_inputs(w: AttentionWeights) -> tuple[AttentionWeights, dict[str
     """w with its input projections stacked by storage format, and each projection's field now a view of its
     group's rows (one copy of the weights, not two) -> (that AttentionWeights, {INPUT_PROJECTIONS name: the
     view}, for the caller to rebind whatever else held the old arrays so they are freed)."""
-    present = {name: _field(w, name) for name in INPUT_PROJECTIONS if _field(w, name) is not None}
+    present = {name: projection_weight(w, name) for name in INPUT_PROJECTIONS if projection_weight(w, name) is not None}
     by_format: dict[tuple, list[str]] = {}
     for name, weight in present.items():
         by_format.setdefault(format_key(weight), []).append(name)
@@ -90,7 +95,8 @@ def with_stacked_inputs(w: AttentionWeights) -> tuple[AttentionWeights, dict[str
     return out, views
 
 
-def _field(w: AttentionWeights, path: str) -> Weight | None:
+def projection_weight(w: AttentionWeights, path: str) -> Weight | None:
+    """The weight at an INPUT_PROJECTIONS path (`compressor.wkv`: w.compressor.wkv), None where w has none."""
     owner, _, name = path.rpartition(".")
     holder = getattr(w, owner) if owner else w
     return None if holder is None else getattr(holder, name)

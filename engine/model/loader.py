@@ -34,7 +34,7 @@ from tessera.engine.model.dtypes import DTYPES
 from tessera.engine.model.official_format import (
     dequantize_fp4, dequantize_fp8, fp4_scale_shape, fp8_scale_shape, mxfp4_from_packed, mxfp8_from_blocks,
 )
-from tessera.engine.model.quantized import QuantizedWeight, Weight
+from tessera.engine.model.quantized import QuantizedWeight, Weight, weight_arrays
 from tessera.engine.model.random_weights import RANDOM_WEIGHTS_FILE, RandomWeightsSpec, random_official_weights, read_spec
 from tessera.engine.model.safetensors_file import RawTensor, SafetensorsError, open_tensors
 from tessera.engine.model.weights import canonical_name, expected_shapes, expert_key, layer_of, stacked_expert_names
@@ -85,7 +85,7 @@ def load_model(model_dir: Path, dtype: str | None = None, progress: bool = True,
         weights = dict(_random_weights(Path(model_dir), cfg, spec, opts, wanted))
     else:
         weights = dict(_converted(_open_all(_weight_files(Path(model_dir))), cfg, opts, wanted))
-    mx.eval([a for w in weights.values() for a in _arrays(w)])
+    mx.eval([a for w in weights.values() for a in weight_arrays(w)])
     return DeepseekV4(cfg, weights, layers)
 
 
@@ -205,7 +205,7 @@ def _converted(raw: dict[str, RawTensor], cfg: ModelConfig, opts: LoadOptions,
         w = _finish(_tensor(raw, name, shape, opts.weights_dtype), opts)
         done += raw[name].data.nbytes
         if show and (i % 64 == 0 or done == total):
-            mx.eval(_arrays(w))  # bounds the host copies in flight
+            mx.eval(weight_arrays(w))  # bounds the host copies in flight
             _progress_bar(done, total)
         key = expert_key(name)
         if key is None:
@@ -216,15 +216,11 @@ def _converted(raw: dict[str, RawTensor], cfg: ModelConfig, opts: LoadOptions,
         group[key[1]] = w
         if len(group) == cfg.n_routed_experts:
             stacked = _stack([group[e] for e in sorted(group)])
-            mx.eval(_arrays(stacked))
+            mx.eval(weight_arrays(stacked))
             del experts[key[0]]
             yield key[0], stacked
     if show:
         print(file=sys.stderr)
-
-
-def _arrays(w: Weight) -> list[mx.array]:
-    return w.arrays() if isinstance(w, QuantizedWeight) else [w]
 
 
 def _finish(w: Weight, opts: LoadOptions) -> Weight:

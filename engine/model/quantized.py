@@ -144,7 +144,7 @@ def stacked_rows(ws: list[Weight]) -> Weight:
         out: Weight = QuantizedWeight(cat("values"), cat("scales"), cat("biases"), first.mode, first.bits, first.group_size)
     else:
         out = mx.concatenate(ws)
-    mx.eval(_arrays(out))
+    mx.eval(weight_arrays(out))
     return out
 
 
@@ -155,11 +155,12 @@ def row_range(w: Weight, start: int, stop: int) -> Weight:
         out: Weight = QuantizedWeight(rows(w.values), rows(w.scales), rows(w.biases), w.mode, w.bits, w.group_size)
     else:
         out = w[start:stop]
-    mx.eval(_arrays(out))
+    mx.eval(weight_arrays(out))
     return out
 
 
-def _arrays(w: Weight) -> list[mx.array]:
+def weight_arrays(w: Weight) -> list[mx.array]:
+    """The arrays holding a weight (a quantized one's values, scales and biases)."""
     return w.arrays() if isinstance(w, QuantizedWeight) else [w]
 
 

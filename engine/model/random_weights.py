@@ -38,7 +38,7 @@ from tessera.engine.model.init_rules import init_rule
 from tessera.engine.model.official_format import (
     BLOCK, FP4_GROUP, MX_GROUP, check_fp4_shape, check_fp8_shape, fp4_base_exponent, fp8_scale_shape, storage,
 )
-from tessera.engine.model.quantized import QuantizedWeight, Weight
+from tessera.engine.model.quantized import QuantizedWeight, Weight, weight_arrays
 from tessera.engine.model.weights import expected_shapes, expert_key
 
 RANDOM_WEIGHTS_FILE = "random_weights.json"
@@ -89,7 +89,7 @@ def random_official_weights(cfg: ModelConfig, seed: int, wanted: Callable[[str],
             name = key[0]
         else:
             w = random_tensor(name, shape, cfg, _key(seed, name))
-        mx.eval(w.arrays() if isinstance(w, QuantizedWeight) else w)
+        mx.eval(weight_arrays(w))
         yield name, w
 
 

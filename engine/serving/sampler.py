@@ -148,10 +148,9 @@ def sample_lazily(
 def _plain_greedy(params: SamplingParams, history: TokenHistory, mask: bytes | None, num_pending: int) -> bool:
     """A greedy row whose logits nothing adjusts (no bias, penalty, grammar mask or pending min_tokens): its
     token is the argmax of the model's row itself, so such rows are chosen together (`_greedy_rows`)."""
-    holding_stops = (params.min_tokens and params.stop_token_ids
-                     and history.num_output_tokens + num_pending < params.min_tokens)
-    return (_is_greedy(params) and mask is None and not holding_stops and not params.logit_bias
-            and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0)
+    return (_is_greedy(params) and mask is None and not _holds_stop_tokens(params, history, num_pending)
+            and not params.logit_bias and params.repetition_penalty == 1.0
+            and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0)
 
 
 def _greedy_rows(logits: mx.array, members: list[int], num_top: int | None) -> list[LazyRow]:
@@ -204,8 +203,7 @@ def restrict(row: mx.array, params: SamplingParams, history: TokenHistory, mask:
     """Disallowed tokens become -inf: those outside `mask`, and stop tokens before `min_tokens` (counting
     `num_pending` tokens sampled but not in `history` yet). row: [V]."""
     allowed = None if mask is None else unpack_mask(mask, row.shape[0])  # [V] bool
-    num_outputs = history.num_output_tokens + num_pending
-    if params.min_tokens and num_outputs < params.min_tokens and params.stop_token_ids:
+    if _holds_stop_tokens(params, history, num_pending):
         allowed = np.ones(row.shape[0], dtype=bool) if allowed is None else allowed.copy()
         stop_ids = np.array([t for t in params.stop_token_ids if 0 <= t < row.shape[0]], dtype=np.int64)
         kept = allowed.copy()
@@ -214,6 +212,12 @@ def restrict(row: mx.array, params: SamplingParams, history: TokenHistory, mask:
     if allowed is None:
         return row
     return mx.where(mx.array(allowed), row, -mx.inf)
+
+
+def _holds_stop_tokens(params: SamplingParams, history: TokenHistory, num_pending: int) -> bool:
+    """min_tokens still keeps the stop tokens out (counting `num_pending` tokens not in `history` yet)."""
+    return bool(params.min_tokens and params.stop_token_ids
+                and history.num_output_tokens + num_pending < params.min_tokens)
 
 
 def unpack_mask(mask: bytes, vocab_size: int) -> np.ndarray:

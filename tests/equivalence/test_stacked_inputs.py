@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from tessera.engine.model import attention
-from tessera.engine.model.attention_inputs import INPUT_PROJECTIONS
+from tessera.engine.model.attention_inputs import INPUT_PROJECTIONS, projection_weight
 from tessera.engine.model.config import CSA, HCA, WINDOW
 from tessera.engine.model.deepseek_v4 import Segment
 from tessera.engine.model.loader import load_model
-from tessera.engine.model.quantized import QuantizedWeight
+from tessera.engine.model.quantized import QuantizedWeight, weight_arrays
 from tessera.engine.tools.make_model import make_model
 from tessera.engine.tools.replay import random_tokens
 from tests.equivalence.row_invariant_blas import row_invariant_blas
@@ -82,7 +82,7 @@ def test_each_storage_format_is_one_stacked_weight_and_the_only_copy(model):
         attn = layer.attn
         groups = attn.stacked_inputs.groups
         parts = [p for g in groups for p in g.parts]
-        assert sorted(parts, key=INPUT_PROJECTIONS.index) == [n for n in INPUT_PROJECTIONS if _part(attn, n) is not None]
+        assert sorted(parts, key=INPUT_PROJECTIONS.index) == [n for n in INPUT_PROJECTIONS if projection_weight(attn, n) is not None]
         # official: mxfp8 q_a and kv in one group, the bf16 rest in another; plain: one float32 group
         assert len(groups) == (1 if model.cfg.layer_types[i] == WINDOW or not official else 2)
         p = f"layers.{i}.attn."
@@ -91,7 +91,7 @@ def test_each_storage_format_is_one_stacked_weight_and_the_only_copy(model):
             start = 0
             for name, width in zip(group.parts, group.widths):
                 rows = _arrays(group.weight, start, start + width)
-                assert all(mx.array_equal(r, v).item() for r, v in zip(rows, _arrays(_part(attn, name))))
+                assert all(mx.array_equal(r, v).item() for r, v in zip(rows, _arrays(projection_weight(attn, name))))
                 start += width
             assert start == _arrays(group.weight)[0].shape[0]
 
@@ -120,12 +120,11 @@ def test_environment_switch(value, expected):
                                    "stacked_inputs_enabled") == expected
 
 
-def _part(attn, name: str):
+def projection_weight(attn, name: str):
     owner, _, field = name.rpartition(".")
     holder = getattr(attn, owner) if owner else attn
     return None if holder is None else getattr(holder, field)
 
 
 def _arrays(w, start: int = 0, stop: int | None = None) -> list[mx.array]:
-    arrays = w.arrays() if isinstance(w, QuantizedWeight) else [w]
-    return [a[start:stop] for a in arrays]
+    return [a[start:stop] for a in weight_arrays(w)]
