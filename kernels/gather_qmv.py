@@ -46,6 +46,7 @@ _switch = Switch(ENV_VAR, default=True)
 ROWS_PER_BLOCK = 32  # output rows of one pair per block
 UNROLL = 8  # rows whose loads are in flight together
 STAGE_X = True  # x read coalesced into shared memory, then each thread's group into registers
+DECODE_BITS = False  # codes decoded by bit moves into half2 (no table read) instead of the shared table
 GROUP = 32  # mxfp4: 32 elements share an E8M0 scale; one group is one 16-byte vector of codes
 
 
@@ -86,6 +87,8 @@ def is_supported(dtype: mx.Dtype, in_features: int, values: mx.array) -> bool:
     return (_switch.enabled() and on_cuda() and values.ndim == 3 and fits(in_features, values.shape[1])
             and dtype in (mx.bfloat16, mx.float16, mx.float32))
 
+
+_HEADER = "#include <cuda_fp16.h>\n"
 
 _SOURCE = r"""
   // x [P, K] T; w [E, N, K / 8] uint32; scales [E, N, K / 32] uint8; experts [P] uint32 -> out [P, N] T.
@@ -135,10 +138,24 @@ _SOURCE = r"""
       float sum = 0.0f;
       #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        #pragma unroll
-        for (int b = 0; b < 8; ++b) sum = fmaf(lut[(words[j] >> (4 * b)) & 0xF], xv[8 * j + b], sum);
+        if (DECODE_BITS) {  // codes b and b + 4 of the word as one half2, then summed in element order
+          float v[8];
+          #pragma unroll
+          for (int b = 0; b < 4; ++b) {
+            const uint32_t t = words[j] >> (4 * b);
+            const uint32_t h2 = ((t << 9) & 0x0E000E00u) | ((t << 12) & 0x80008000u);
+            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+            v[b] = f.x;
+            v[b + 4] = f.y;
+          }
+          #pragma unroll
+          for (int b = 0; b < 8; ++b) sum = fmaf(v[b], xv[8 * j + b], sum);
+        } else {
+          #pragma unroll
+          for (int b = 0; b < 8; ++b) sum = fmaf(lut[(words[j] >> (4 * b)) & 0xF], xv[8 * j + b], sum);
+        }
       }
-      float acc = sum * ldexpf(1.0f, e[u] - 127);
+      float acc = sum * ldexpf(1.0f, e[u] - (DECODE_BITS ? 113 : 127));  // bits: codes decoded at 2^-14
       #pragma unroll
       for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, offset);
       if (lane == 0) partial[warp][r0 + u] = acc;
@@ -154,17 +171,21 @@ _SOURCE = r"""
 """
 
 
-def gather_qmv_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array, stage_x: bool = STAGE_X) -> mx.array:
+def gather_qmv_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array, stage_x: bool = STAGE_X,
+                      decode_bits: bool | None = None, rows: int = ROWS_PER_BLOCK, unroll: int = UNROLL) -> mx.array:
     """x: [P, K] bf16/fp16/fp32 on a CUDA device; values [E, N, K / 8] uint32, scales [E, N, K / 32] uint8
-    (mxfp4); experts: [P] -> [P, N] in x's dtype (shapes as `fits` says)."""
+    (mxfp4); experts: [P] -> [P, N] in x's dtype (shapes as `fits` says). The keywords are the layout's
+    settings, for the probe's comparison (docs/bench/gather_qmm_rows_probe.py)."""
     pairs, k = x.shape
     n = values.shape[1]
     threads = k // GROUP
-    kernel = compiled_kernel("tessera_gather_qmv_mxfp4", ("x", "w", "scales", "experts"), ("out",), _SOURCE, "")
+    decode_bits = DECODE_BITS if decode_bits is None else decode_bits
+    kernel = compiled_kernel("tessera_gather_qmv_mxfp4", ("x", "w", "scales", "experts"), ("out",), _SOURCE, _HEADER)
     (out,) = kernel(
         inputs=[x, values, scales, experts.astype(mx.uint32)],
-        template=[("T", x.dtype), ("K", k), ("N", n), ("ROWS", ROWS_PER_BLOCK), ("UNROLL", UNROLL), ("STAGE_X", int(stage_x))],
-        grid=(pairs * (n // ROWS_PER_BLOCK) * threads, 1, 1),  # threads, as mx.fast.cuda_kernel counts them
+        template=[("T", x.dtype), ("K", k), ("N", n), ("ROWS", rows), ("UNROLL", unroll), ("STAGE_X", int(stage_x)),
+                  ("DECODE_BITS", int(decode_bits))],
+        grid=(pairs * (n // rows) * threads, 1, 1),  # threads, as mx.fast.cuda_kernel counts them
         threadgroup=(threads, 1, 1),
         output_shapes=[(pairs, n)],
         output_dtypes=[x.dtype],

@@ -1,10 +1,12 @@
 """Do compiled decode steps (TESSERA_COMPILE_STEP) give the plain steps' bits on this device, at real widths?
-And what does the server's start-up warm-up of every decode batch size cost?
+Do stacked input projections (TESSERA_STACKED_INPUTS, `--switch stacked_inputs`)? And what does the server's
+start-up warm-up of every decode batch size cost?
 
-python docs/bench/compiled_step_bits.py MODEL OUT.jsonl [--ctx 16384] [--batches 1 16] [--steps 6] [--warm-up 16]
+python docs/bench/compiled_step_bits.py MODEL OUT.jsonl [--switch compile|stacked_inputs] [--ctx 16384]
+    [--batches 1 16] [--steps 6] [--warm-up 16]
 
 For each batch size B: B caches of `ctx` random rows (engine/tools/cache_fill.py, seeded per sequence), `steps`
-greedy decode steps with the step compile off; the same caches made again, the same steps with it on. One line
+greedy decode steps with the switch off; the same caches made again, the same steps with it on. One line
 per B: the largest difference of the logits and of the caches (0.0 = the same bits) and whether the tokens
 match. tests/equivalence/test_step_compiled.py checks this on the CPU at tiny widths, where
 kernels/gather_qmv.py's kernel does not apply; this runs the checkpoint as loaded (mxfp4 experts through the
@@ -29,14 +31,18 @@ from tests.support.source_tree import use_source_tree  # noqa: E402
 use_source_tree()  # `tessera.*` = this checkout, unless it already is
 
 from docs.bench.probe_io import jsonl_emitter, load_probe_model  # noqa: E402
+from tessera.engine.model import attention  # noqa: E402
 from tessera.engine.model.compiled import set_step_compile_enabled  # noqa: E402
 from tessera.engine.model.deepseek_v4 import Segment  # noqa: E402
 from tessera.engine.serving.warm_up import warm_up_decode  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled  # noqa: E402
 
 
-def decode(model, ctx: int, batch: int, steps: int, compiled: bool):
-    set_step_compile_enabled(compiled)
+SWITCHES = {"compile": set_step_compile_enabled, "stacked_inputs": attention._stacked_inputs.set}
+
+
+def decode(model, ctx: int, batch: int, steps: int, switch: str, on: bool):
+    SWITCHES[switch](on)
     caches = [_filled(model, ctx, b, DecodeOptions(chunk=4096, tile=1024, cache_fill="random")) for b in range(batch)]
     ids, logits, tokens = [1] * batch, [], []
     for _ in range(steps):
@@ -55,6 +61,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
     p.add_argument("out")
+    p.add_argument("--switch", choices=sorted(SWITCHES), default="compile")
     p.add_argument("--ctx", type=int, default=16384)
     p.add_argument("--batches", type=int, nargs="*", default=[1, 16])
     p.add_argument("--steps", type=int, default=6)
@@ -64,9 +71,10 @@ def main() -> None:
     model = load_probe_model(args.model, as_loaded=True)
     for batch in args.batches:
         t0 = time.perf_counter()
-        plain_logits, plain_tokens, plain_caches = decode(model, args.ctx, batch, args.steps, compiled=False)
-        compiled_logits, compiled_tokens, compiled_caches = decode(model, args.ctx, batch, args.steps, compiled=True)
-        emit("bits", batch=batch, ctx=args.ctx, steps=args.steps, tokens_equal=plain_tokens == compiled_tokens,
+        plain_logits, plain_tokens, plain_caches = decode(model, args.ctx, batch, args.steps, args.switch, on=False)
+        compiled_logits, compiled_tokens, compiled_caches = decode(model, args.ctx, batch, args.steps, args.switch, on=True)
+        SWITCHES[args.switch](args.switch == "stacked_inputs")  # back to each switch's GPU default
+        emit("bits", switch=args.switch, batch=batch, ctx=args.ctx, steps=args.steps, tokens_equal=plain_tokens == compiled_tokens,
              logits_max_abs_diff=max_diff(plain_logits, compiled_logits),
              caches_max_abs_diff=max_diff(plain_caches, compiled_caches), seconds=time.perf_counter() - t0)
     if args.warm_up:

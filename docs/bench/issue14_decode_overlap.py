@@ -41,7 +41,7 @@ from tests.support.source_tree import use_source_tree  # noqa: E402
 use_source_tree()  # `tessera.*` = this checkout, unless it already is
 
 from docs.bench.probe_io import jsonl_emitter, load_probe_model  # noqa: E402
-from tessera.engine.model import compiled, decode_async  # noqa: E402
+from tessera.engine.model import attention, compiled, decode_async  # noqa: E402
 from tessera.engine.model.deepseek_v4 import PENDING_TOKEN, Segment  # noqa: E402
 from tessera.kernels import gather_qmv  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled, serving_step_seconds  # noqa: E402
@@ -113,6 +113,11 @@ def with_decode_async(mode: str, arm):
     return with_setting(decode_async.decode_async_mode, decode_async.set_decode_async_mode, mode, arm)
 
 
+def _set_decode_bits(on: bool) -> None:
+    """kernels/gather_qmv.py's code decoding (its default read at each call)."""
+    gather_qmv.DECODE_BITS = on
+
+
 def with_step_compile(enabled: bool, arm):
     """The decode step's shape-stable parts compiled or not (TESSERA_COMPILE_STEP, engine/model/compiled.py)."""
     return with_setting(compiled.step_compile_enabled, compiled.set_step_compile_enabled, enabled, arm)
@@ -125,6 +130,12 @@ ARMS = {"serial": serial_steps, "overlap": overlapped_steps, "serving": serving_
         "serving_overlap_thread": with_decode_async("thread", serving_steps(True)),
         "serving_overlap_compiled": with_step_compile(True, serving_steps(True)),
         "serving_overlap_plain": with_step_compile(False, serving_steps(True))}
+ARMS["serving_overlap_unstacked"] = with_setting(attention.stacked_inputs_enabled, attention._stacked_inputs.set, False,
+                                                 ARMS["serving_overlap"])
+ARMS["serving_overlap_qmv_table"] = with_setting(lambda: gather_qmv.DECODE_BITS, _set_decode_bits, False,
+                                                 ARMS["serving_overlap"])
+ARMS["serving_overlap_qmv_bits"] = with_setting(lambda: gather_qmv.DECODE_BITS, _set_decode_bits, True,
+                                                ARMS["serving_overlap"])
 
 
 def main() -> None:
