@@ -62,8 +62,8 @@ def bench_decode(model: DeepseekV4, ctx: int, batch: int, options: DecodeOptions
         extra = {"decode_overlap_counts": dataclasses.asdict(counts)}
     else:
         warmup_seconds = []  # the first step pays for first use: kernels compiled, compiled step parts traced
-        for _ in range(options.warmup):
-            next_ids, times = _decode_step(model, caches, next_ids, ForwardTrace(stage_sync=False))
+        for _ in range(options.warmup):  # as the measured steps run (a stage-synced step runs its parts plain)
+            next_ids, times = _decode_step(model, caches, next_ids, ForwardTrace(stage_sync=options.stage_sync))
             warmup_seconds.append(times.total)
         step_times = []
         for _ in range(options.steps):
