@@ -46,6 +46,7 @@ _switch = Switch(ENV_VAR, default=True)
 ROWS_PER_BLOCK = 32  # output rows of one pair per block
 UNROLL = 8  # rows whose loads are in flight together
 STAGE_X = True  # x read coalesced into shared memory, then each thread's group into registers
+PREFETCH = False  # the next UNROLL rows' loads issued before this UNROLL's sums
 DECODE_BITS = False  # codes decoded by bit moves into half2 (no table read) instead of the shared table
 GROUP = 32  # mxfp4: 32 elements share an E8M0 scale; one group is one 16-byte vector of codes
 
@@ -124,13 +125,22 @@ _SOURCE = r"""
   const size_t first = (size_t)experts[pair] * N + row0;  // the block's first weight row
   const uint4* codes = reinterpret_cast<const uint4*>(w) + first * GROUPS + g;
   const uint8_t* srow = scales + first * GROUPS + g;
+  uint4 q[UNROLL], qn[UNROLL];
+  int e[UNROLL], en[UNROLL];
+  #pragma unroll
+  for (int u = 0; u < UNROLL; ++u) {  // every load of the batch in flight before the first sum
+    q[u] = codes[(size_t)u * GROUPS];
+    e[u] = srow[(size_t)u * GROUPS];
+  }
+  #pragma unroll
   for (int r0 = 0; r0 < ROWS; r0 += UNROLL) {
-    uint4 q[UNROLL];
-    int e[UNROLL];
-    #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {  // every load of the batch in flight before the first sum
-      q[u] = codes[(size_t)(r0 + u) * GROUPS];
-      e[u] = srow[(size_t)(r0 + u) * GROUPS];
+    const bool more = r0 + UNROLL < ROWS;
+    if (PREFETCH && more) {  // the next batch's loads in flight while this batch is summed
+      #pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        qn[u] = codes[(size_t)(r0 + UNROLL + u) * GROUPS];
+        en[u] = srow[(size_t)(r0 + UNROLL + u) * GROUPS];
+      }
     }
     #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
@@ -160,6 +170,13 @@ _SOURCE = r"""
       for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, offset);
       if (lane == 0) partial[warp][r0 + u] = acc;
     }
+    if (more) {
+      #pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        q[u] = PREFETCH ? qn[u] : codes[(size_t)(r0 + UNROLL + u) * GROUPS];
+        e[u] = PREFETCH ? en[u] : srow[(size_t)(r0 + UNROLL + u) * GROUPS];
+      }
+    }
   }
   __syncthreads();
   if (g < ROWS) {
@@ -172,7 +189,8 @@ _SOURCE = r"""
 
 
 def gather_qmv_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array, stage_x: bool = STAGE_X,
-                      decode_bits: bool | None = None, rows: int = ROWS_PER_BLOCK, unroll: int = UNROLL) -> mx.array:
+                      decode_bits: bool | None = None, rows: int = ROWS_PER_BLOCK, unroll: int = UNROLL,
+                      prefetch: bool = PREFETCH) -> mx.array:
     """x: [P, K] bf16/fp16/fp32 on a CUDA device; values [E, N, K / 8] uint32, scales [E, N, K / 32] uint8
     (mxfp4); experts: [P] -> [P, N] in x's dtype (shapes as `fits` says). The keywords are the layout's
     settings, for the probe's comparison (docs/bench/gather_qmm_rows_probe.py)."""
@@ -184,7 +202,7 @@ def gather_qmv_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: 
     (out,) = kernel(
         inputs=[x, values, scales, experts.astype(mx.uint32)],
         template=[("T", x.dtype), ("K", k), ("N", n), ("ROWS", rows), ("UNROLL", unroll), ("STAGE_X", int(stage_x)),
-                  ("DECODE_BITS", int(decode_bits))],
+                  ("DECODE_BITS", int(decode_bits)), ("PREFETCH", int(prefetch))],
         grid=(pairs * (n // rows) * threads, 1, 1),  # threads, as mx.fast.cuda_kernel counts them
         threadgroup=(threads, 1, 1),
         output_shapes=[(pairs, n)],

@@ -309,8 +309,9 @@ def test_gather_qmv_decoding_codes_by_bits_gives_the_tables_bits(dtype, gather_q
     x = mx.array(rng.standard_normal((24, 4096)).astype(np.float32)).astype(dtype)
     experts = mx.array(rng.integers(0, 8, 24).astype(np.uint32))
     table = gather_qmv_kernel(x, values, scales, experts, decode_bits=False)
-    for layout in (dict(), dict(rows=64), dict(unroll=16)):
+    for layout in (dict(), dict(rows=64), dict(unroll=16), dict(prefetch=True)):
         assert _same_bits(gather_qmv_kernel(x, values, scales, experts, decode_bits=True, **layout), table), layout
+    assert _same_bits(gather_qmv_kernel(x, values, scales, experts, decode_bits=False, prefetch=True), table)
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])

@@ -35,6 +35,8 @@ KERNELS = {
     "gather_qmv_bits": dict(decode_bits=True),
     "gather_qmv_bits_rows64": dict(decode_bits=True, rows=64),
     "gather_qmv_bits_unroll16": dict(decode_bits=True, unroll=16),
+    "gather_qmv_table_prefetch": dict(decode_bits=False, prefetch=True),
+    "gather_qmv_bits_prefetch": dict(decode_bits=True, prefetch=True),
 }
 
 
