@@ -51,6 +51,12 @@ DECODE_BITS = False  # codes decoded by bit moves into half2 (no table read) ins
 GROUP = 32  # mxfp4: 32 elements share an E8M0 scale; one group is one 16-byte vector of codes
 
 
+def layout() -> tuple[bool, bool]:
+    """The module-wide layout settings a call reads (DECODE_BITS, PREFETCH): part of a compiled step's
+    trace key (engine/model/compiled.py), since a trace keeps the kernel it was traced with."""
+    return DECODE_BITS, PREFETCH
+
+
 def kernel_enabled() -> bool:
     return _switch.enabled()
 
@@ -190,7 +196,7 @@ _SOURCE = r"""
 
 def gather_qmv_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array, stage_x: bool = STAGE_X,
                       decode_bits: bool | None = None, rows: int = ROWS_PER_BLOCK, unroll: int = UNROLL,
-                      prefetch: bool = PREFETCH) -> mx.array:
+                      prefetch: bool | None = None) -> mx.array:
     """x: [P, K] bf16/fp16/fp32 on a CUDA device; values [E, N, K / 8] uint32, scales [E, N, K / 32] uint8
     (mxfp4); experts: [P] -> [P, N] in x's dtype (shapes as `fits` says). The keywords are the layout's
     settings, for the probe's comparison (docs/bench/gather_qmm_rows_probe.py)."""
@@ -198,6 +204,7 @@ def gather_qmv_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: 
     n = values.shape[1]
     threads = k // GROUP
     decode_bits = DECODE_BITS if decode_bits is None else decode_bits
+    prefetch = PREFETCH if prefetch is None else prefetch
     kernel = compiled_kernel("tessera_gather_qmv_mxfp4", ("x", "w", "scales", "experts"), ("out",), _SOURCE, _HEADER)
     (out,) = kernel(
         inputs=[x, values, scales, experts.astype(mx.uint32)],

@@ -118,6 +118,10 @@ def _set_decode_bits(on: bool) -> None:
     gather_qmv.DECODE_BITS = on
 
 
+def _set_prefetch(on: bool) -> None:
+    gather_qmv.PREFETCH = on
+
+
 def with_step_compile(enabled: bool, arm):
     """The decode step's shape-stable parts compiled or not (TESSERA_COMPILE_STEP, engine/model/compiled.py)."""
     return with_setting(compiled.step_compile_enabled, compiled.set_step_compile_enabled, enabled, arm)
@@ -136,6 +140,8 @@ ARMS["serving_overlap_qmv_table"] = with_setting(lambda: gather_qmv.DECODE_BITS,
                                                  ARMS["serving_overlap"])
 ARMS["serving_overlap_qmv_bits"] = with_setting(lambda: gather_qmv.DECODE_BITS, _set_decode_bits, True,
                                                 ARMS["serving_overlap"])
+ARMS["serving_overlap_qmv_prefetch"] = with_setting(lambda: gather_qmv.PREFETCH, _set_prefetch, True,
+                                                    ARMS["serving_overlap"])
 
 
 def main() -> None:
