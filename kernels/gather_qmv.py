@@ -26,7 +26,11 @@ batch 1 unchanged. An earlier layout that staged x in shared memory (two shared 
 64 bytes apart: as many L1 requests as the weights) left the kernel at ~1.2 TB/s at 96 pairs; reading x
 coalesced first (`STAGE_X`, the default) took 13–15 % off at 96 pairs, 11 % at 48, 5 % at 16, none at 6
 (docs/BENCHMARKS.md, "Session 13 on the H200"): ~1.6 TB/s, still far from the copy rate. `stage_x=False`
-keeps the direct read for the probe's comparison (docs/bench/gather_qmm_rows_probe.py).
+keeps the direct read for the probe's comparison (docs/bench/gather_qmm_rows_probe.py). Tried in session 14
+and not kept, each giving this kernel's bits: codes decoded by bit moves into half2 instead of the table
+(no shared load, ~10 % fewer instructions), the next rows' loads issued before this batch's sums, 16 rows
+in flight, 64 rows a block — none faster at 6–96 pairs, 64 rows a block 1.6× slower (commit 6aba040 and the
+next two; docs/BENCHMARKS.md, "Session 14 on the H200").
 
 Switch: TESSERA_GATHER_QMV_KERNEL=0 keeps MLX's gather_qmm (1, the default, uses the kernel where it
 applies: CUDA; mxfp4, group 32, no biases; one row per pair; K a multiple of 1024 up to 11,264 (the
@@ -46,15 +50,7 @@ _switch = Switch(ENV_VAR, default=True)
 ROWS_PER_BLOCK = 32  # output rows of one pair per block
 UNROLL = 8  # rows whose loads are in flight together
 STAGE_X = True  # x read coalesced into shared memory, then each thread's group into registers
-PREFETCH = False  # the next UNROLL rows' loads issued before this UNROLL's sums
-DECODE_BITS = False  # codes decoded by bit moves into half2 (no table read) instead of the shared table
 GROUP = 32  # mxfp4: 32 elements share an E8M0 scale; one group is one 16-byte vector of codes
-
-
-def layout() -> tuple[bool, bool]:
-    """The module-wide layout settings a call reads (DECODE_BITS, PREFETCH): part of a compiled step's
-    trace key (engine/model/compiled.py), since a trace keeps the kernel it was traced with."""
-    return DECODE_BITS, PREFETCH
 
 
 def kernel_enabled() -> bool:
@@ -95,8 +91,6 @@ def is_supported(dtype: mx.Dtype, in_features: int, values: mx.array) -> bool:
             and dtype in (mx.bfloat16, mx.float16, mx.float32))
 
 
-_HEADER = "#include <cuda_fp16.h>\n"
-
 _SOURCE = r"""
   // x [P, K] T; w [E, N, K / 8] uint32; scales [E, N, K / 32] uint8; experts [P] uint32 -> out [P, N] T.
   constexpr int GROUPS = K / 32;  // = threads per block: one 16-byte group of each row per thread
@@ -131,22 +125,13 @@ _SOURCE = r"""
   const size_t first = (size_t)experts[pair] * N + row0;  // the block's first weight row
   const uint4* codes = reinterpret_cast<const uint4*>(w) + first * GROUPS + g;
   const uint8_t* srow = scales + first * GROUPS + g;
-  uint4 q[UNROLL], qn[UNROLL];
-  int e[UNROLL], en[UNROLL];
-  #pragma unroll
-  for (int u = 0; u < UNROLL; ++u) {  // every load of the batch in flight before the first sum
-    q[u] = codes[(size_t)u * GROUPS];
-    e[u] = srow[(size_t)u * GROUPS];
-  }
-  #pragma unroll
   for (int r0 = 0; r0 < ROWS; r0 += UNROLL) {
-    const bool more = r0 + UNROLL < ROWS;
-    if (PREFETCH && more) {  // the next batch's loads in flight while this batch is summed
-      #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        qn[u] = codes[(size_t)(r0 + UNROLL + u) * GROUPS];
-        en[u] = srow[(size_t)(r0 + UNROLL + u) * GROUPS];
-      }
+    uint4 q[UNROLL];
+    int e[UNROLL];
+    #pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {  // every load of the batch in flight before the first sum
+      q[u] = codes[(size_t)(r0 + u) * GROUPS];
+      e[u] = srow[(size_t)(r0 + u) * GROUPS];
     }
     #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
@@ -154,34 +139,13 @@ _SOURCE = r"""
       float sum = 0.0f;
       #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        if (DECODE_BITS) {  // codes b and b + 4 of the word as one half2, then summed in element order
-          float v[8];
-          #pragma unroll
-          for (int b = 0; b < 4; ++b) {
-            const uint32_t t = words[j] >> (4 * b);
-            const uint32_t h2 = ((t << 9) & 0x0E000E00u) | ((t << 12) & 0x80008000u);
-            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
-            v[b] = f.x;
-            v[b + 4] = f.y;
-          }
-          #pragma unroll
-          for (int b = 0; b < 8; ++b) sum = fmaf(v[b], xv[8 * j + b], sum);
-        } else {
-          #pragma unroll
-          for (int b = 0; b < 8; ++b) sum = fmaf(lut[(words[j] >> (4 * b)) & 0xF], xv[8 * j + b], sum);
-        }
+        #pragma unroll
+        for (int b = 0; b < 8; ++b) sum = fmaf(lut[(words[j] >> (4 * b)) & 0xF], xv[8 * j + b], sum);
       }
-      float acc = sum * ldexpf(1.0f, e[u] - (DECODE_BITS ? 113 : 127));  // bits: codes decoded at 2^-14
+      float acc = sum * ldexpf(1.0f, e[u] - 127);
       #pragma unroll
       for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, offset);
       if (lane == 0) partial[warp][r0 + u] = acc;
-    }
-    if (more) {
-      #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        q[u] = PREFETCH ? qn[u] : codes[(size_t)(r0 + UNROLL + u) * GROUPS];
-        e[u] = PREFETCH ? en[u] : srow[(size_t)(r0 + UNROLL + u) * GROUPS];
-      }
     }
   }
   __syncthreads();
@@ -194,23 +158,17 @@ _SOURCE = r"""
 """
 
 
-def gather_qmv_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array, stage_x: bool = STAGE_X,
-                      decode_bits: bool | None = None, rows: int = ROWS_PER_BLOCK, unroll: int = UNROLL,
-                      prefetch: bool | None = None) -> mx.array:
+def gather_qmv_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array, stage_x: bool = STAGE_X) -> mx.array:
     """x: [P, K] bf16/fp16/fp32 on a CUDA device; values [E, N, K / 8] uint32, scales [E, N, K / 32] uint8
-    (mxfp4); experts: [P] -> [P, N] in x's dtype (shapes as `fits` says). The keywords are the layout's
-    settings, for the probe's comparison (docs/bench/gather_qmm_rows_probe.py)."""
+    (mxfp4); experts: [P] -> [P, N] in x's dtype (shapes as `fits` says)."""
     pairs, k = x.shape
     n = values.shape[1]
     threads = k // GROUP
-    decode_bits = DECODE_BITS if decode_bits is None else decode_bits
-    prefetch = PREFETCH if prefetch is None else prefetch
-    kernel = compiled_kernel("tessera_gather_qmv_mxfp4", ("x", "w", "scales", "experts"), ("out",), _SOURCE, _HEADER)
+    kernel = compiled_kernel("tessera_gather_qmv_mxfp4", ("x", "w", "scales", "experts"), ("out",), _SOURCE, "")
     (out,) = kernel(
         inputs=[x, values, scales, experts.astype(mx.uint32)],
-        template=[("T", x.dtype), ("K", k), ("N", n), ("ROWS", rows), ("UNROLL", unroll), ("STAGE_X", int(stage_x)),
-                  ("DECODE_BITS", int(decode_bits)), ("PREFETCH", int(prefetch))],
-        grid=(pairs * (n // rows) * threads, 1, 1),  # threads, as mx.fast.cuda_kernel counts them
+        template=[("T", x.dtype), ("K", k), ("N", n), ("ROWS", ROWS_PER_BLOCK), ("UNROLL", UNROLL), ("STAGE_X", int(stage_x))],
+        grid=(pairs * (n // ROWS_PER_BLOCK) * threads, 1, 1),  # threads, as mx.fast.cuda_kernel counts them
         threadgroup=(threads, 1, 1),
         output_shapes=[(pairs, n)],
         output_dtypes=[x.dtype],

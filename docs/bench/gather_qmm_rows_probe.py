@@ -1,6 +1,6 @@
 """Quantized experts at decode batch sizes: one gather_qmm call for all gathered rows (one row per pair)
 against pieces of 7 rows — MLX's CUDA GatherQMM runs its gemv kernel (qmv) only below 8 rows, a tensor-core
-GEMM tile per row above — and, on CUDA, kernels/gather_qmv.py's kernel in each layout, in one process, A B C C B A. The op alone at V4 Flash's expert shapes (256 experts,
+GEMM tile per row above — and, on CUDA, kernels/gather_qmv.py's kernel, in one process, A B C C B A. The op alone at V4 Flash's expert shapes (256 experts,
 mxfp4, 4096 -> 2048 and 2048 -> 4096, bf16 rows): 6, 16, 48, 96 pairs (a decode step of 1, ~3, 8, 16
 sequences), ms per call. One JSON line per measurement to OUT. (Session 10's run also timed decode steps
 with the pieces inside engine/model/moe.py, a switch since removed: commit 0bef5c8.)
@@ -29,15 +29,7 @@ from tessera.engine.model.quantized import QuantizedWeight  # noqa: E402
 
 EXPERTS, HIDDEN, INTER = 256, 4096, 2048  # overridden by --small (a CPU smoke run)
 SETTINGS = {"one_call": None, "qmv_pieces_7": 7}  # rows per gather_qmm call (None: all)
-# kernels/gather_qmv.py's layouts (CUDA only): its keyword settings
-KERNELS = {
-    "gather_qmv_table": dict(decode_bits=False),
-    "gather_qmv_bits": dict(decode_bits=True),
-    "gather_qmv_bits_rows64": dict(decode_bits=True, rows=64),
-    "gather_qmv_bits_unroll16": dict(decode_bits=True, unroll=16),
-    "gather_qmv_table_prefetch": dict(decode_bits=False, prefetch=True),
-    "gather_qmv_bits_prefetch": dict(decode_bits=True, prefetch=True),
-}
+KERNELS = {"gather_qmv_x_staged": True, "gather_qmv_x_direct": False}  # kernels/gather_qmv.py (CUDA only)
 
 
 def _quantized(out_dim: int, in_dim: int) -> QuantizedWeight:
@@ -61,7 +53,7 @@ def _op_ms(x: mx.array, w: QuantizedWeight, experts: mx.array, setting: str, rep
 
     def run() -> mx.array:
         if setting in KERNELS:
-            return gather_qmv_kernel(x[:, 0, :], w.values, w.scales, experts, **KERNELS[setting])
+            return gather_qmv_kernel(x[:, 0, :], w.values, w.scales, experts, KERNELS[setting])
         return _gather_qmm(x, w, experts, SETTINGS[setting])
 
     times = []
@@ -72,15 +64,6 @@ def _op_ms(x: mx.array, w: QuantizedWeight, experts: mx.array, setting: str, rep
     return statistics.median(times[3:])
 
 
-def _emit_same_bits(emit, pairs: int, x: mx.array, w: QuantizedWeight, experts: mx.array) -> None:
-    """Whether every layout gives the first one's bits (they sum in the same order)."""
-    from tessera.kernels.gather_qmv import gather_qmv_kernel
-
-    outs = {name: gather_qmv_kernel(x[:, 0, :], w.values, w.scales, experts, **kw) for name, kw in KERNELS.items()}
-    first = next(iter(outs.values()))
-    emit("bits", pairs=pairs, same_as_table={name: bool(mx.array_equal(out, first).item()) for name, out in outs.items()})
-
-
 def op_rounds(emit) -> None:
     up, down = _quantized(INTER, HIDDEN), _quantized(HIDDEN, INTER)
     for pairs in (6, 16, 48, 96):
@@ -88,9 +71,7 @@ def op_rounds(emit) -> None:
         x_up = mx.random.normal((pairs, 1, HIDDEN), dtype=mx.bfloat16)
         x_down = mx.random.normal((pairs, 1, INTER), dtype=mx.bfloat16)
         mx.eval(experts, x_up, x_down)
-        order = ["one_call"] + (list(KERNELS) if on_cuda() else ["qmv_pieces_7"])
-        if on_cuda():
-            _emit_same_bits(emit, pairs, x_up, up, experts)
+        order = ["one_call", "qmv_pieces_7"] + (list(KERNELS) if on_cuda() else [])
         for name in order + order[::-1]:
             emit("op", setting=name, pairs=pairs, up_ms=_op_ms(x_up, up, experts, name),
                  down_ms=_op_ms(x_down, down, experts, name))

@@ -113,15 +113,6 @@ def with_decode_async(mode: str, arm):
     return with_setting(decode_async.decode_async_mode, decode_async.set_decode_async_mode, mode, arm)
 
 
-def _set_decode_bits(on: bool) -> None:
-    """kernels/gather_qmv.py's code decoding (its default read at each call)."""
-    gather_qmv.DECODE_BITS = on
-
-
-def _set_prefetch(on: bool) -> None:
-    gather_qmv.PREFETCH = on
-
-
 def with_step_compile(enabled: bool, arm):
     """The decode step's shape-stable parts compiled or not (TESSERA_COMPILE_STEP, engine/model/compiled.py)."""
     return with_setting(compiled.step_compile_enabled, compiled.set_step_compile_enabled, enabled, arm)
@@ -136,12 +127,7 @@ ARMS = {"serial": serial_steps, "overlap": overlapped_steps, "serving": serving_
         "serving_overlap_plain": with_step_compile(False, serving_steps(True))}
 ARMS["serving_overlap_unstacked"] = with_setting(attention.stacked_inputs_enabled, attention._stacked_inputs.set, False,
                                                  ARMS["serving_overlap"])
-ARMS["serving_overlap_qmv_table"] = with_setting(lambda: gather_qmv.DECODE_BITS, _set_decode_bits, False,
-                                                 ARMS["serving_overlap"])
-ARMS["serving_overlap_qmv_bits"] = with_setting(lambda: gather_qmv.DECODE_BITS, _set_decode_bits, True,
-                                                ARMS["serving_overlap"])
-ARMS["serving_overlap_qmv_prefetch"] = with_setting(lambda: gather_qmv.PREFETCH, _set_prefetch, True,
-                                                    ARMS["serving_overlap"])
+
 
 
 def main() -> None:
