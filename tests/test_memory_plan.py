@@ -160,10 +160,10 @@ def test_plan_cli_rejects_a_bad_budget():
 
 
 def test_plan_counts_a_layers_dequantized_projections_for_quantized_prefill(tmp_path):
-    """Steps of >= DENSE_MIN_ROWS rows compute on a transient dequantized copy of a layer's quantized
+    """Steps of >= dense_min_rows() rows compute on a transient dequantized copy of a layer's quantized
     projections (engine/model/quantized.py): the plan counts it — the loader's own quantized set —
     for a quantized model only, and only when the chunk reaches that many rows."""
-    from tessera.engine.model.quantized import DENSE_MIN_ROWS, QuantizedWeight
+    from tessera.engine.model.quantized import QuantizedWeight, dense_min_rows
     from tessera.engine.serving.runner import ModelRunner
 
     d = make_model(tmp_path / "official", "tiny", seed=1, with_tokenizer=False, fmt="official")
@@ -171,9 +171,9 @@ def test_plan_counts_a_layers_dequantized_projections_for_quantized_prefill(tmp_
     per_layer = [sum(w.dequantize().nbytes for name, w in model.weights.items() if isinstance(w, QuantizedWeight)
                      and name.startswith(f"layers.{i}.") and ".experts." not in name)
                  for i in range(model.cfg.num_hidden_layers)]
-    plan = plan_for(d, None, 4096, DENSE_MIN_ROWS, 64, "float32", weights_format="official")
+    plan = plan_for(d, None, 4096, dense_min_rows(), 64, "float32", weights_format="official")
     assert [b.nbytes for b in plan.chunk_activations if b.name == "dequantized_weights"] == [max(per_layer)]
-    short = plan_for(d, None, 4096, DENSE_MIN_ROWS - 1, 64, "float32", weights_format="official")
+    short = plan_for(d, None, 4096, dense_min_rows() - 1, 64, "float32", weights_format="official")
     assert all(b.name != "dequantized_weights" for b in short.chunk_activations)
     assert all(b.name != "dequantized_weights" for b in plan_for(d, None, 4096, 512, 64, "float32").chunk_activations)
 

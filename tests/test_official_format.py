@@ -17,7 +17,8 @@ from tessera.engine.model.loader import CheckpointError, load_model
 from tessera.engine.model.official_format import (
     dequantize_fp4, dequantize_fp8, mxfp4_from_packed, mxfp8_from_blocks, quantize_fp8, random_fp4, storage,
 )
-from tessera.engine.model.quantized import DENSE_MIN_ROWS, QuantizedWeight, linear, quantize
+from tessera.engine.model import quantized
+from tessera.engine.model.quantized import QuantizedWeight, dense_min_rows, linear, quantize
 from tessera.engine.model.safetensors_file import open_tensors, read_header, write_file
 from tessera.engine.tools.make_model import make_model, preset_config
 from tessera.engine.tools.official_checkpoint import write_official_checkpoint
@@ -181,14 +182,61 @@ def test_weights_dtype_dequantizes_at_load_with_equal_logits(official_dir):
 def test_many_rows_run_dense_on_the_dequantized_weight_and_few_rows_run_quantized_matmul(mode):
     mx.random.seed(0)
     w = quantize(mx.random.normal((96, 128)), mode, 32)
-    x = mx.random.normal((DENSE_MIN_ROWS, 128))
+    threshold = dense_min_rows()
+    x = mx.random.normal((threshold, 128))
     dense = x @ w.dequantize(mx.float32).T
     packed = lambda rows: mx.quantized_matmul(rows, w.values, w.scales, w.biases, transpose=True,  # noqa: E731
                                               group_size=w.group_size, bits=w.bits, mode=w.mode)
     # the two paths round differently, so bit equality says which one ran
     assert not mx.array_equal(dense, packed(x)) and mx.abs(dense - packed(x)).max().item() < 1e-4
     assert mx.array_equal(linear(x, w), dense)
-    assert mx.array_equal(linear(x[: DENSE_MIN_ROWS - 1], w), packed(x[: DENSE_MIN_ROWS - 1]))
+    assert mx.array_equal(linear(x[: threshold - 1], w), packed(x[: threshold - 1]))
+
+
+@pytest.mark.parametrize("value, rows", [(None, 256), ("8", 8), ("1", 1)])
+def test_the_dense_threshold_comes_from_the_environment(value, rows, monkeypatch):
+    if value is None:
+        monkeypatch.delenv(quantized.DENSE_MIN_ROWS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(quantized.DENSE_MIN_ROWS_ENV, value)
+    assert quantized._rows_from_env() == rows
+
+
+@pytest.mark.parametrize("value", ["0", "-8", "eight", "8.5", ""])
+def test_a_bad_dense_threshold_is_refused_naming_the_variable(value, monkeypatch):
+    monkeypatch.setenv(quantized.DENSE_MIN_ROWS_ENV, value)
+    with pytest.raises(ValueError, match="TESSERA_DENSE_MIN_ROWS must be a positive integer"):
+        quantized._rows_from_env()
+    with pytest.raises(ValueError, match="at least 1"):
+        quantized.set_dense_min_rows(0)
+
+
+def test_a_lowered_threshold_sends_a_decode_batch_through_the_dense_path(tmp_path):
+    """TESSERA_DENSE_MIN_ROWS=8: a decode step of 16 sequences runs the attention and shared-expert projections
+    on dequantized weights (other bits than quantized_matmul's, within rounding); a step of 4 keeps the
+    packed path (the default's bits)."""
+    from tessera.engine.model.deepseek_v4 import Segment
+    from tessera.engine.model.loader import load_model
+    from tessera.engine.tools.make_model import make_model
+    from tessera.engine.tools.replay import random_tokens
+
+    model = load_model(make_model(tmp_path / "m", "tiny", seed=5, with_tokenizer=False, fmt="official"), dtype="float32")
+
+    def step(batch: int, threshold: int) -> np.ndarray:
+        caches = [model.new_cache() for _ in range(batch)]
+        for b, c in enumerate(caches):  # prompts of 40 rows: packed at the default threshold
+            mx.eval(model.forward([Segment(c, random_tokens(model.cfg.vocab_size, 40, b))]))
+        saved = dense_min_rows()
+        quantized.set_dense_min_rows(threshold)
+        try:
+            return np.array(mx.concatenate(model.forward([Segment(c, [3]) for c in caches])))
+        finally:
+            quantized.set_dense_min_rows(saved)
+
+    packed16, dense16 = step(16, 256), step(16, 8)
+    assert not np.array_equal(packed16, dense16), "the dense path never ran"
+    np.testing.assert_allclose(dense16, packed16, atol=1e-4 * float(np.abs(packed16).max()))
+    assert np.array_equal(step(4, 256), step(4, 8))
 
 
 def _copy(src, dst):

@@ -17,17 +17,17 @@ def official_dir(tmp_path_factory):
 
 
 def test_bench_runs_the_served_rule_the_qmm_only_path_and_bf16(official_dir, monkeypatch):
-    seen: list[tuple[bool, int]] = []  # (model computes on quantized weights, DENSE_MIN_ROWS during the run)
+    seen: list[tuple[bool, int]] = []  # (model computes on quantized weights, dense_min_rows() during the run)
     timed = quant_bench._timed
 
     def spy(model, *args):
-        seen.append((isinstance(model.weights["layers.0.attn.wq_b.weight"], QuantizedWeight), quantized.DENSE_MIN_ROWS))
+        seen.append((isinstance(model.weights["layers.0.attn.wq_b.weight"], QuantizedWeight), quantized.dense_min_rows()))
         return timed(model, *args)
 
     monkeypatch.setattr(quant_bench, "_timed", spy)
     out = quant_bench.bench(official_dir, ctx=300, chunk=300, decode=3, rounds=2)
     rule = out["dense_min_rows"]
-    assert rule == quantized.DENSE_MIN_ROWS and 300 >= rule  # the prefill chunk takes the dense path
+    assert rule == quantized.dense_min_rows() and 300 >= rule  # the prefill chunk takes the dense path
     timed_runs = seen[3:]  # after one warm-up per setting
     assert sorted(set(timed_runs)) == [(False, rule), (True, rule), (True, quant_bench.NEVER_DENSE)]
     assert len(timed_runs) == 6

@@ -41,7 +41,7 @@ from tests.support.source_tree import use_source_tree  # noqa: E402
 use_source_tree()  # `tessera.*` = this checkout, unless it already is
 
 from docs.bench.probe_io import jsonl_emitter, load_probe_model  # noqa: E402
-from tessera.engine.model import attention, compiled, decode_async  # noqa: E402
+from tessera.engine.model import attention, compiled, decode_async, quantized  # noqa: E402
 from tessera.engine.model.deepseek_v4 import PENDING_TOKEN, Segment  # noqa: E402
 from tessera.kernels import gather_qmv  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled, serving_step_seconds  # noqa: E402
@@ -125,6 +125,8 @@ ARMS = {"serial": serial_steps, "overlap": overlapped_steps, "serving": serving_
         "serving_overlap_thread": with_decode_async("thread", serving_steps(True)),
         "serving_overlap_compiled": with_step_compile(True, serving_steps(True)),
         "serving_overlap_plain": with_step_compile(False, serving_steps(True))}
+ARMS["serving_overlap_dense8"] = with_setting(quantized.dense_min_rows, quantized.set_dense_min_rows, 8,
+                                              ARMS["serving_overlap"])  # TESSERA_DENSE_MIN_ROWS=8
 ARMS["serving_overlap_unstacked"] = with_setting(attention.stacked_inputs_enabled, attention._stacked_inputs.set, False,
                                                  ARMS["serving_overlap"])
 

@@ -14,7 +14,7 @@ batch, attention in ATTENTION_ROWS blocks of the segment (`attention_blocks`). O
 its algorithm (tile shape, split-K / stream-K reduction order) from the whole problem — batch count
 and rows included — so the same row computed in a 197-row and in a 3001-row batch can differ in the
 last bits (docs/BENCHMARKS.md, "Issue 12"). The indexer kernels are per row by construction.
-Whether a quantized projection runs dense or quantized (engine/model/quantized.py, DENSE_MIN_ROWS)
+Whether a quantized projection runs dense or quantized (engine/model/quantized.py, dense_min_rows)
 is likewise decided once by the batch's rows (`_for_batch`), never by a tile's or a block's.
 """
 
@@ -30,7 +30,7 @@ from tessera.engine.model.compressor import compress
 from tessera.engine.model.config import CSA, HCA, WINDOW, ModelConfig
 from tessera.engine.model.decode_attention import DecodeRows, decode_attention
 from tessera.engine.model.norms import rms_norm, unweighted_rms_norm
-from tessera.engine.model.quantized import DENSE_MIN_ROWS, for_rows, grouped_linear, linear
+from tessera.engine.model.quantized import dense_min_rows, for_rows, grouped_linear, linear
 from tessera.engine.model.rope import StepRope, apply_rope
 from tessera.engine.model.trace import ForwardTrace
 from tessera.kernels.indexer import indexer_scores, select_topk
@@ -145,9 +145,9 @@ def _decode_rows(x: mx.array, chunk: _ChunkProjections, queries: _QueryBlocks, d
 def _for_batch(w: AttentionWeights, rows: int, dtype: mx.Dtype) -> AttentionWeights:
     """The block-projected weights in the form the whole batch uses (quantized.for_rows by its rows):
     a large batch dequantizes each once and its PROJECTION_ROWS blocks share the copy, and every
-    row takes the same path however the batch is tiled. Below DENSE_MIN_ROWS (decode) for_rows keeps
+    row takes the same path however the batch is tiled. Below dense_min_rows() (decode) for_rows keeps
     every weight as it is: `w` itself, with no per-layer copy of the weights record."""
-    if rows < DENSE_MIN_ROWS:
+    if rows < dense_min_rows():
         return w
     return replace(
         w, wq_b=for_rows(w.wq_b, rows, dtype), wo_a=for_rows(w.wo_a, rows, dtype), wo_b=for_rows(w.wo_b, rows, dtype),

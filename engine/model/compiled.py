@@ -35,6 +35,7 @@ from typing import Callable
 
 import mlx.core as mx
 
+from tessera.engine.model.quantized import dense_min_rows
 from tessera.kernels import gather_qmv, row_gather, sinkhorn
 from tessera.kernels.shapeless import compile_enabled
 from tessera.kernels.switch import Switch
@@ -60,7 +61,8 @@ def _trace_switches() -> tuple[bool, ...]:
     """Every switch a step part reads while it is traced: a trace replays the choices it was traced
     with, so a flip in a running process (benchmarks) must reach a fresh trace, not a stale one."""
 
-    return (compile_enabled(), sinkhorn.kernel_enabled(), row_gather.kernel_enabled(), gather_qmv.kernel_enabled())
+    return (compile_enabled(), sinkhorn.kernel_enabled(), row_gather.kernel_enabled(), gather_qmv.kernel_enabled(),
+            dense_min_rows())
 
 
 class StepCompiled:

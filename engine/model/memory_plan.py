@@ -20,7 +20,7 @@ from tessera.engine.model.config import CSA, HCA, V4_FLASH, WINDOW, ModelConfig,
 from tessera.engine.model.dtypes import DTYPES
 from tessera.engine.model.moe import PADDED_MAX_ROWS_PER_PAIR
 from tessera.engine.model.official_format import storage
-from tessera.engine.model.quantized import DENSE_MIN_ROWS
+from tessera.engine.model.quantized import dense_min_rows
 from tessera.engine.model.weights import expected_shapes, layer_of
 
 GiB = 2**30
@@ -217,10 +217,11 @@ def chunk_buffers(cfg: ModelConfig, chunk: int, b: int) -> list[Buffer]:
 
 
 def dequantized_buffers(cfg: ModelConfig, chunk: int, b: int) -> list[Buffer]:
-    """A step of >= DENSE_MIN_ROWS rows runs a layer's FP8-class projections (attention and shared
+    """A step of >= dense_min_rows() rows runs a layer's FP8-class projections (attention and shared
     expert) on a dequantized copy made for that step (engine/model/quantized.py); counted as the
     largest layer's, all live at once (an upper bound: attention's copies die before the MoE's)."""
-    if chunk < DENSE_MIN_ROWS:
+    threshold = dense_min_rows()
+    if chunk < threshold:
         return []
     per_layer: dict[int, int] = {}
     for name, shape in expected_shapes(cfg).items():
@@ -229,7 +230,7 @@ def dequantized_buffers(cfg: ModelConfig, chunk: int, b: int) -> list[Buffer]:
             per_layer[layer] = per_layer.get(layer, 0) + prod(shape)
     largest = max(per_layer.values(), default=0)
     return [Buffer("dequantized_weights", largest * b,
-                   f"one layer's FP8-class projections × dtype (steps of ≥ {DENSE_MIN_ROWS} rows)")]
+                   f"one layer's FP8-class projections × dtype (steps of ≥ {threshold} rows)")]
 
 
 def cache_bytes_by_part(cfg: ModelConfig, ctx: int, chunk: int | None, b: int,

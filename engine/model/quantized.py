@@ -4,10 +4,12 @@ A `QuantizedWeight` is MLX's packed form (`mx.quantize`'s output): `values` uint
 (uint8 E8M0 for `mxfp4`/`mxfp8`; float for `affine`), `biases` (affine only). `linear(x, w)` is
 `x @ w.T` for a plain array and `mx.quantized_matmul` for a quantized one, so the model code does
 not branch on the format. A projection over many rows (prefill) dequantizes the weight for that batch
-and runs a dense matmul instead (`DENSE_MIN_ROWS`).
+and runs a dense matmul instead (`dense_min_rows`, TESSERA_DENSE_MIN_ROWS).
 """
 
 from __future__ import annotations
+
+import os
 
 from dataclasses import dataclass
 from functools import lru_cache
@@ -64,7 +66,7 @@ class QuantizedWeight:
 
 Weight = mx.array | QuantizedWeight
 
-# A projection over at least this many rows dequantizes its weight (transiently: for one batch, never a
+# A projection over at least dense_min_rows() rows dequantizes its weight (transiently: for one batch, never a
 # resident float copy) and runs a dense matmul; fewer rows (decode, short chunks) run quantized_matmul on
 # the packed weight. quantized_matmul reads ~2-4x fewer bytes, which is what decode is bound by, but with
 # many rows the product is compute-bound and the quantized gemm kernels are slower than the dense one
@@ -75,7 +77,38 @@ Weight = mx.array | QuantizedWeight
 # different order, so a quantized model's row computed in a step below and in one above the threshold
 # (a short last chunk, a resumed prefix, decode beside a large prefill) differs by ~1e-6 of the largest output (float32) —
 # bit-identity across batch compositions holds for plain weights only (a GPU gemm's never does anyway).
-DENSE_MIN_ROWS = 256
+#
+# TESSERA_DENSE_MIN_ROWS=N (environment, a positive integer) moves the threshold. On an H200, MLX 0.32's
+# CUDA quantized matmul runs a gemv below 8 rows and from 8 rows a GEMM (qmm_sm80) that tiles the output in
+# 128-column blocks without splitting K: a decode batch of 16 rows ran q_a+kv on 12 thread blocks at
+# ~0.06 TB/s, and all its mxfp8 projections took ~2.8 ms of a step's ~9.6 ms of kernel time (ncu,
+# docs/BENCHMARKS.md, "Session 14 on the H200"). N=8 sends such batches through a per-step dequantized
+# copy and cuBLAS instead; not yet timed on a GPU (`quant_bench --matmul` is the op-level A/B).
+DENSE_MIN_ROWS_ENV = "TESSERA_DENSE_MIN_ROWS"
+DEFAULT_DENSE_MIN_ROWS = 256
+
+
+def _rows_from_env() -> int:
+    value = os.environ.get(DENSE_MIN_ROWS_ENV, str(DEFAULT_DENSE_MIN_ROWS))
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{DENSE_MIN_ROWS_ENV} must be a positive integer (rows), got {value!r}")
+    return int(value)
+
+
+_dense_min_rows = _rows_from_env()
+
+
+def dense_min_rows() -> int:
+    """Rows from which a projection dequantizes its weight for the step (TESSERA_DENSE_MIN_ROWS, default 256)."""
+    return _dense_min_rows
+
+
+def set_dense_min_rows(rows: int) -> None:
+    """Moves the threshold for every later step (benchmarks' A B B A comparisons)."""
+    global _dense_min_rows
+    if rows < 1:
+        raise ValueError(f"dense_min_rows must be at least 1, got {rows}")
+    _dense_min_rows = int(rows)
 
 
 def quantize(w: mx.array, mode: str, group_size: int) -> QuantizedWeight:
@@ -89,9 +122,9 @@ def quantize(w: mx.array, mode: str, group_size: int) -> QuantizedWeight:
 
 def for_rows(w: Weight, rows: int, dtype: mx.Dtype) -> Weight:
     """The weight a projection over a batch of `rows` rows computes with: dequantized to `dtype` at
-    DENSE_MIN_ROWS rows or more, else as it is. The result is lazy and lives as long as the caller
+    `dense_min_rows()` rows or more, else as it is. The result is lazy and lives as long as the caller
     holds it (one layer's step)."""
-    if isinstance(w, QuantizedWeight) and rows >= DENSE_MIN_ROWS:
+    if isinstance(w, QuantizedWeight) and rows >= _dense_min_rows:
         return w.dequantize(dtype)
     return w
 

@@ -2,7 +2,7 @@
 and decode seconds, in alternating order (Q D D Q …) in one process so drift cancels.
 
 Run: `python -m tessera.engine.tools.quant_bench MODEL_DIR --ctx 4096 --decode 32 --rounds 2`. Three settings:
-"quantized" (as served: prefill chunks of >= DENSE_MIN_ROWS rows run the attention and shared-expert
+"quantized" (as served: prefill chunks of >= dense_min_rows() rows run the attention and shared-expert
 projections dense on transiently dequantized weights, decode runs quantized_matmul), "quantized_qmm"
 (quantized_matmul at every row count, the rule switched off) and "bf16" (every weight dequantized at
 load). Per-layer figures subtract the head (a [1, D] × [vocab, D] bf16 matmul per decode step,
@@ -11,7 +11,7 @@ layer count.
 
 `--matmul PRESET` (no model directory) times single projections of a preset's widths instead, by row
 count: quantized_matmul vs dequantize-per-call + matmul vs a resident dense weight, and the routed
-experts' gather_qmm vs gather_mm — the numbers behind DENSE_MIN_ROWS. `--matmul tiny` runs on a CPU.
+experts' gather_qmm vs gather_mm — the numbers behind dense_min_rows (TESSERA_DENSE_MIN_ROWS). `--matmul tiny` runs on a CPU.
 """
 
 from __future__ import annotations
@@ -43,12 +43,13 @@ def _dequantized_model(model: DeepseekV4, dtype: mx.Dtype) -> DeepseekV4:
 
 
 def _run(model: DeepseekV4, tokens: list[int], ctx: int, chunk: int, decode: int, dense_min_rows: int) -> dict:
-    """dense_min_rows: quantized.DENSE_MIN_ROWS for this run (restored after)."""
-    saved, quantized_module.DENSE_MIN_ROWS = quantized_module.DENSE_MIN_ROWS, dense_min_rows
+    """dense_min_rows: quantized.dense_min_rows() for this run (restored after)."""
+    saved = quantized_module.dense_min_rows()
+    quantized_module.set_dense_min_rows(dense_min_rows)
     try:
         return _timed(model, tokens, ctx, chunk, decode)
     finally:
-        quantized_module.DENSE_MIN_ROWS = saved
+        quantized_module.set_dense_min_rows(saved)
 
 
 def _timed(model: DeepseekV4, tokens: list[int], ctx: int, chunk: int, decode: int) -> dict:
@@ -77,13 +78,13 @@ def _head_seconds(model: DeepseekV4, repeat: int = 20) -> float:
     return (time.perf_counter() - t0) / repeat
 
 
-NEVER_DENSE = 1 << 62  # DENSE_MIN_ROWS for "quantized_qmm": quantized_matmul at every row count
+NEVER_DENSE = 1 << 62  # dense_min_rows for "quantized_qmm": quantized_matmul at every row count
 
 
 def bench(model_dir: Path, ctx: int, chunk: int, decode: int, rounds: int) -> dict:
     quantized = load_model(model_dir, dtype="bfloat16", progress=False)
     plain = _dequantized_model(quantized, mx.bfloat16)
-    rule = quantized_module.DENSE_MIN_ROWS
+    rule = quantized_module.dense_min_rows()
     settings = {"quantized": (quantized, rule), "quantized_qmm": (quantized, NEVER_DENSE), "bf16": (plain, rule)}
     tokens = random_tokens(quantized.cfg.vocab_size, ctx + decode, 0)
     for model, rows in settings.values():  # compile / warm every path (a 256-row chunk takes the dense one)
@@ -160,11 +161,13 @@ def _expert_times(cfg, rows: int, dtype: mx.Dtype, repeat: int) -> dict:
 def matmul_bench(preset: str, rows_list: list[int], repeat: int) -> dict:
     cfg = preset_config(preset)
     dtype = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
-    projections = {"wq_b": (cfg.num_attention_heads * cfg.head_dim, cfg.q_lora_rank),
+    # wq_a+wkv: a decode step's stacked input projection (attention_inputs.StackedInputs), the narrowest output
+    projections = {"wq_a+wkv": (cfg.q_lora_rank + cfg.head_dim, cfg.hidden_size),
+                   "wq_b": (cfg.num_attention_heads * cfg.head_dim, cfg.q_lora_rank),
                    "wo_b": (cfg.hidden_size, cfg.o_groups * cfg.o_lora_rank),
                    "shared_w1": (cfg.moe_intermediate_size, cfg.hidden_size)}
     out: dict = {"preset": preset, "dtype": str(dtype), "device": str(mx.default_device()), "repeat": repeat,
-                 "dense_min_rows": quantized_module.DENSE_MIN_ROWS, "rows": {}}
+                 "dense_min_rows": quantized_module.dense_min_rows(), "rows": {}}
     for rows in rows_list:
         entry = {name: _projection_times(shape, "mxfp8", rows, dtype, repeat) for name, shape in projections.items()}
         entry["experts_w1"] = _expert_times(cfg, rows, dtype, repeat)

@@ -81,13 +81,13 @@ def test_decode(case):
 
 @row_invariant_blas
 def test_dense_prefill_path_matches_the_reference_and_tiles_bit_exactly(case, monkeypatch):
-    """Chunks of >= DENSE_MIN_ROWS rows run dense matmuls on transiently dequantized weights (decode
+    """Chunks of >= dense_min_rows() rows run dense matmuls on transiently dequantized weights (decode
     stays quantized). Lowered thresholds put the tiny model on that path, with several projection
     blocks per chunk: still within 1e-4 of transformers, and tiled == untiled bit for bit."""
     spec, model, tokens, ref = case
     n = spec["num_tokens"]
     all_quantized = tessera_logits(model, tokens, n, 64, None)
-    monkeypatch.setattr(quantized, "DENSE_MIN_ROWS", 24)
+    monkeypatch.setattr(quantized, "_dense_min_rows", 24)
     monkeypatch.setattr(attention, "PROJECTION_ROWS", 16)
     untiled = tessera_logits(model, tokens, n, 64, None)
     tiled = tessera_logits(model, tokens, n, 64, 7)

@@ -129,6 +129,24 @@ def test_flipping_the_shapeless_switch_traces_afresh(model):
     assert all(a == a0 + 1 and f == f0 + 1 for (a, f), (a0, f0) in zip(_traces(model), before))
 
 
+def test_moving_the_dense_threshold_traces_afresh(model):
+    """The FFN half's shared expert is traced on the packed or the dequantized weights by the batch's rows
+    (quantized.dense_min_rows): a threshold moved in a running process reaches a new trace of that part."""
+    from tessera.engine.model import quantized
+
+    compiled.set_step_compile_enabled(True)
+    caches = [_prefilled(model, 12, seed=6)]
+    step = lambda: mx.eval(model.forward([Segment(caches[0], [1])]))  # noqa: E731
+    step()
+    before, saved = _traces(model), quantized.dense_min_rows()
+    quantized.set_dense_min_rows(1)
+    try:
+        step()
+    finally:
+        quantized.set_dense_min_rows(saved)
+    assert all(f == f0 + 1 for (_, f), (_, f0) in zip(_traces(model), before))
+
+
 @pytest.mark.parametrize("value,expected", [("0", "False"), ("1", "True"), (None, "False")])
 def test_environment_switch(value, expected):
     """Unset, it follows the device: off on this CPU."""
