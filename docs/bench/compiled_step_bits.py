@@ -32,17 +32,19 @@ use_source_tree()  # `tessera.*` = this checkout, unless it already is
 
 from docs.bench.probe_io import jsonl_emitter, load_probe_model  # noqa: E402
 from tessera.engine.model import attention  # noqa: E402
-from tessera.engine.model.compiled import set_step_compile_enabled  # noqa: E402
+from tessera.engine.model.compiled import set_step_compile_enabled, step_compile_enabled  # noqa: E402
 from tessera.engine.model.deepseek_v4 import Segment  # noqa: E402
 from tessera.engine.serving.warm_up import warm_up_decode  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled  # noqa: E402
 
 
-SWITCHES = {"compile": set_step_compile_enabled, "stacked_inputs": attention._stacked_inputs.set}
+# --switch name -> (read it, set it)
+SWITCHES = {"compile": (step_compile_enabled, set_step_compile_enabled),
+            "stacked_inputs": (attention.stacked_inputs_enabled, attention._stacked_inputs.set)}
 
 
 def decode(model, ctx: int, batch: int, steps: int, switch: str, on: bool):
-    SWITCHES[switch](on)
+    SWITCHES[switch][1](on)
     caches = [_filled(model, ctx, b, DecodeOptions(chunk=4096, tile=1024, cache_fill="random")) for b in range(batch)]
     ids, logits, tokens = [1] * batch, [], []
     for _ in range(steps):
@@ -69,14 +71,16 @@ def main() -> None:
     args = p.parse_args()
     emit = jsonl_emitter(args.out)
     model = load_probe_model(args.model, as_loaded=True)
+    read, put = SWITCHES[args.switch]
+    saved = read()
     for batch in args.batches:
         t0 = time.perf_counter()
-        plain_logits, plain_tokens, plain_caches = decode(model, args.ctx, batch, args.steps, args.switch, on=False)
-        compiled_logits, compiled_tokens, compiled_caches = decode(model, args.ctx, batch, args.steps, args.switch, on=True)
-        SWITCHES[args.switch](args.switch == "stacked_inputs")  # back to each switch's GPU default
-        emit("bits", switch=args.switch, batch=batch, ctx=args.ctx, steps=args.steps, tokens_equal=plain_tokens == compiled_tokens,
-             logits_max_abs_diff=max_diff(plain_logits, compiled_logits),
-             caches_max_abs_diff=max_diff(plain_caches, compiled_caches), seconds=time.perf_counter() - t0)
+        off_logits, off_tokens, off_caches = decode(model, args.ctx, batch, args.steps, args.switch, on=False)
+        on_logits, on_tokens, on_caches = decode(model, args.ctx, batch, args.steps, args.switch, on=True)
+        emit("bits", switch=args.switch, batch=batch, ctx=args.ctx, steps=args.steps, tokens_equal=off_tokens == on_tokens,
+             logits_max_abs_diff=max_diff(off_logits, on_logits),
+             caches_max_abs_diff=max_diff(off_caches, on_caches), seconds=time.perf_counter() - t0)
+    put(saved)
     if args.warm_up:
         set_step_compile_enabled(True)
         warm = warm_up_decode(model, range(1, args.warm_up + 1))

@@ -15,7 +15,12 @@ A B C D D C B A (--rounds times; --arms picks a subset). Every arm takes greedy 
 - serving_overlap_qmm: serving_overlap with kernels/gather_qmv.py's mxfp4 gemv off for the arm (MLX's
   gather_qmm instead; as-loaded checkpoints, where the kernel applies). Session 11 ran this script when the
   kernel was off by default, with an arm "serving_overlap_qmv" that turned it on: the raw files'
-  serving_overlap is the kernel off there, serving_overlap_qmv on.
+  serving_overlap is the kernel off there, serving_overlap_qmv on;
+- serving_overlap_unstacked: serving_overlap with a layer's input projections one matmul each
+  (TESSERA_STACKED_INPUTS=0); serving_overlap_dense8: with TESSERA_DENSE_MIN_ROWS=8 (decode batches of 8 or
+  more sequences run the attention and shared-expert projections on per-step dequantized copies).
+  Session 14's raw file also holds serving_overlap_qmv_bits and serving_overlap_qmv_prefetch, gather_qmv
+  layouts since removed.
 
 A step's time is the interval between two tokens reaching the host. One JSON line per round to OUT.
 
@@ -129,7 +134,6 @@ ARMS["serving_overlap_dense8"] = with_setting(quantized.dense_min_rows, quantize
                                               ARMS["serving_overlap"])  # TESSERA_DENSE_MIN_ROWS=8
 ARMS["serving_overlap_unstacked"] = with_setting(attention.stacked_inputs_enabled, attention._stacked_inputs.set, False,
                                                  ARMS["serving_overlap"])
-
 
 
 def main() -> None:

@@ -219,7 +219,9 @@ def chunk_buffers(cfg: ModelConfig, chunk: int, b: int) -> list[Buffer]:
 def dequantized_buffers(cfg: ModelConfig, chunk: int, b: int) -> list[Buffer]:
     """A step of >= dense_min_rows() rows runs a layer's FP8-class projections (attention and shared
     expert) on a dequantized copy made for that step (engine/model/quantized.py); counted as the
-    largest layer's, all live at once (an upper bound: attention's copies die before the MoE's)."""
+    largest layer's, all live at once (an upper bound: attention's copies die before the MoE's). No step has
+    more rows than the chunk (decodes included: the scheduler keeps max_num_seqs <= prefill_chunk), so a chunk
+    below the threshold means no step makes the copy."""
     threshold = dense_min_rows()
     if chunk < threshold:
         return []
