@@ -18,7 +18,8 @@ A B C D D C B A (--rounds times; --arms picks a subset). Every arm takes greedy 
   serving_overlap is the kernel off there, serving_overlap_qmv on;
 - serving_overlap_unstacked: serving_overlap with a layer's input projections one matmul each
   (TESSERA_STACKED_INPUTS=0); serving_overlap_dense8: with TESSERA_DENSE_MIN_ROWS=8 (decode batches of 8 or
-  more sequences run the attention and shared-expert projections on per-step dequantized copies).
+  more sequences run the attention and shared-expert projections on per-step dequantized copies; on the H200
+  the op bench had them slower than the quantized GEMM at 16 rows, docs/BENCHMARKS.md "Session 14").
   Session 14's raw file also holds serving_overlap_qmv_bits and serving_overlap_qmv_prefetch, gather_qmv
   layouts since removed.
 

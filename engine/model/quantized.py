@@ -78,12 +78,12 @@ Weight = mx.array | QuantizedWeight
 # (a short last chunk, a resumed prefix, decode beside a large prefill) differs by ~1e-6 of the largest output (float32) —
 # bit-identity across batch compositions holds for plain weights only (a GPU gemm's never does anyway).
 #
-# TESSERA_DENSE_MIN_ROWS=N (environment, a positive integer) moves the threshold. On an H200, MLX 0.32's
-# CUDA quantized matmul runs a gemv below 8 rows and from 8 rows a GEMM (qmm_sm80) that tiles the output in
-# 128-column blocks without splitting K: a decode batch of 16 rows ran q_a+kv on 12 thread blocks at
-# ~0.06 TB/s, and all its mxfp8 projections took ~2.8 ms of a step's ~9.6 ms of kernel time (ncu,
-# docs/BENCHMARKS.md, "Session 14 on the H200"). N=8 sends such batches through a per-step dequantized
-# copy and cuBLAS instead; not yet timed on a GPU (`quant_bench --matmul` is the op-level A/B).
+# TESSERA_DENSE_MIN_ROWS=N (environment, a positive integer) moves the threshold, for a device whose
+# quantized matmul is the slow path at fewer rows: on the CPU the dense path was ahead from ~16 rows
+# (docs/BENCHMARKS.md, "Issue 13"). Not on an H200: there MLX 0.32's mxfp8 GEMM (qmm_sm80, from 8 rows) is
+# slow at decode batch sizes (~2.8 ms of a batch-16 step's ~9.6 ms of kernel time), but its CUDA dequantize
+# is slower still: dequantize + matmul lost to quantized_matmul at 16 rows for every projection
+# (`quant_bench --matmul`, docs/BENCHMARKS.md, "Session 14 on the H200"), so 256 stays there.
 DENSE_MIN_ROWS_ENV = "TESSERA_DENSE_MIN_ROWS"
 DEFAULT_DENSE_MIN_ROWS = 256
 
