@@ -6,6 +6,7 @@ the warm-up per batch size; decode_encode_split.py each stage's encoding per bat
 
 from __future__ import annotations
 
+from tests.equivalence.row_invariant_blas import row_invariant_blas
 from tests.support.bench_script import run_bench_script, tiny_model
 
 
@@ -48,3 +49,12 @@ def test_compiled_step_bits_compares_both_batch_sizes_and_times_the_warm_up(tmp_
     assert all(r["tokens_equal"] and r["logits_max_abs_diff"] == 0.0 and r["caches_max_abs_diff"] == 0.0 for r in bits)
     (warm,) = [r for r in rows if r["what"] == "warm_up"]
     assert sorted(int(b) for b in warm["seconds"]) == [1, 2, 3, 4] and warm["total_seconds"] > 0
+
+
+@row_invariant_blas  # stacked and separate projections are matmuls of other widths
+def test_compiled_step_bits_compares_the_stacked_input_projections_when_asked(tmp_path):
+    rows = run_bench_script("compiled_step_bits.py", tiny_model(tmp_path / "model"), tmp_path / "bits.jsonl",
+                            "--switch", "stacked_inputs", "--ctx", "100", "--batches", "2", "--steps", "2")
+    (bits,) = [r for r in rows if r["what"] == "bits"]
+    assert bits["switch"] == "stacked_inputs" and bits["batch"] == 2
+    assert bits["tokens_equal"] and bits["logits_max_abs_diff"] == 0.0 and bits["caches_max_abs_diff"] == 0.0
