@@ -217,8 +217,6 @@ def indexer_scores_batched_kernel(
     return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
 
-
-
 def shared_memory_bytes(heads: int, d: int) -> int:
     """The block's static shared memory: one head's padded bf16 query tile + every head weight."""
     return QUERIES_PER_BLOCK * (d + PAD) * 2 + QUERIES_PER_BLOCK * heads * 4

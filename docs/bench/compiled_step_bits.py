@@ -40,7 +40,7 @@ from tessera.engine.tools.bench_decode import DecodeOptions, _filled  # noqa: E4
 
 # --switch name -> (read it, set it)
 SWITCHES = {"compile": (step_compile_enabled, set_step_compile_enabled),
-            "stacked_inputs": (attention.stacked_inputs_enabled, attention._stacked_inputs.set)}
+            "stacked_inputs": (attention.stacked_inputs_enabled, attention.set_stacked_inputs_enabled)}
 
 
 def decode(model, ctx: int, batch: int, steps: int, switch: str, on: bool):

@@ -133,7 +133,7 @@ ARMS = {"serial": serial_steps, "overlap": overlapped_steps, "serving": serving_
         "serving_overlap_plain": with_step_compile(False, serving_steps(True))}
 ARMS["serving_overlap_dense8"] = with_setting(quantized.dense_min_rows, quantized.set_dense_min_rows, 8,
                                               ARMS["serving_overlap"])  # TESSERA_DENSE_MIN_ROWS=8
-ARMS["serving_overlap_unstacked"] = with_setting(attention.stacked_inputs_enabled, attention._stacked_inputs.set, False,
+ARMS["serving_overlap_unstacked"] = with_setting(attention.stacked_inputs_enabled, attention.set_stacked_inputs_enabled, False,
                                                  ARMS["serving_overlap"])
 
 

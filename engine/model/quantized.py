@@ -10,7 +10,6 @@ and runs a dense matmul instead (`dense_min_rows`, TESSERA_DENSE_MIN_ROWS).
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass
 from functools import lru_cache
 

@@ -158,8 +158,8 @@ def _greedy_rows(logits: mx.array, members: list[int], num_top: int | None) -> l
     few kernels for all of them instead of a few per row (each row keeps only views of the block's results):
     a batch-16 decode step's sampling launches 1 kernel instead of 16 (~8 instead of ~100 with logprobs).
     Each row's ops are the per-row path's on a [1, V] row of a [G, V] block: the same argmax and the same
-    per-row log-sum-exp (tests/test_sampler.py compares them bit for bit on the CPU; a GPU has not run it
-    yet: its reduction kernels are per row, and the tokens are an argmax either way)."""
+    per-row log-sum-exp (tests/test_sampler.py compares them bit for bit; it passes on the CPU and on the H200,
+    docs/BENCHMARKS.md "Session 14 on the H200")."""
     block = logits if members == list(range(logits.shape[0])) else logits[mx.array(members)]  # [G, V]
     tokens = mx.argmax(block, axis=-1)  # [G]; ties: the lowest id
     if num_top is None:

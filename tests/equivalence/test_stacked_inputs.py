@@ -120,11 +120,5 @@ def test_environment_switch(value, expected):
                                    "stacked_inputs_enabled") == expected
 
 
-def projection_weight(attn, name: str):
-    owner, _, field = name.rpartition(".")
-    holder = getattr(attn, owner) if owner else attn
-    return None if holder is None else getattr(holder, field)
-
-
 def _arrays(w, start: int = 0, stop: int | None = None) -> list[mx.array]:
     return [a[start:stop] for a in weight_arrays(w)]
