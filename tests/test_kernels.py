@@ -322,10 +322,33 @@ def test_take_rows_is_the_row_gather_and_stays_on_mlx_off_cuda():
     assert not row_gather.is_supported(odd, idx)
 
 
+def test_mxfp8_qmv_decodes_e4m3_as_mlx_dequantizes_it():
+    """kernels/mxfp8_qmv.py's premise: an E4M3 code c laid into fp16 bits as (c & 0x7F) << 7 | (c & 0x80) << 8
+    is the code's value times 2^-8 exactly (normal and subnormal alike), checked here against MLX's own
+    mxfp8 dequantize for every finite code; and V4 Flash's mxfp8 projection widths take the kernel."""
+    from tessera.kernels import mxfp8_qmv
+
+    codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], dtype=np.uint8)  # 0x7F, 0xFF: NaN
+    padded = np.zeros(256, dtype=np.uint8)
+    padded[: codes.size] = codes
+    values = mx.array(padded.view(np.uint32).reshape(1, 64))
+    mlx_values = np.array(mx.dequantize(values, mx.full((1, 8), 127, dtype=mx.uint8), None, group_size=32, bits=8,
+                                        mode="mxfp8").astype(mx.float32))[0, : codes.size]
+    half_bits = ((codes.astype(np.uint16) & 0x7F) << 7) | ((codes.astype(np.uint16) & 0x80) << 8)
+    assert np.array_equal(half_bits.view(np.float16).astype(np.float32) * 256.0, mlx_values)
+    # q_a+kv, q_b, wo_a (per group), wo_b, shared w1/w3, shared w2, index wq_b: [out, in]
+    for out_features, in_features in [(1536, 4096), (32768, 1024), (1024, 4096), (4096, 8192), (2048, 4096),
+                                      (4096, 2048), (8192, 1024)]:
+        assert mxfp8_qmv.fits(in_features, out_features)
+    assert not mxfp8_qmv.fits(4096 + 128, 1536) and not mxfp8_qmv.fits(4096, 1537)
+    assert [mxfp8_qmv.row_bucket(r) for r in (1, 2, 4, 5, 8, 9, 16)] == [1, 4, 4, 8, 8, 16, 16]
+
+
 @pytest.mark.parametrize("module, function, env_var, default", [
     ("tessera.kernels.moe_padded", "combine_kernel_enabled", "TESSERA_MOE_COMBINE_KERNEL", "True"),
     ("tessera.kernels.moe_padded", "index_kernel_enabled", "TESSERA_MOE_INDEX_KERNEL", "True"),
     ("tessera.kernels.row_gather", "batch_gather_enabled", "TESSERA_DECODE_BATCH_GATHER", "False"),
+    ("tessera.kernels.mxfp8_qmv", "kernel_enabled", "TESSERA_MXFP8_QMV_KERNEL", "True"),
 ])
 def test_kernel_switch_defaults_are_what_the_h200_measured(module, function, env_var, default):
     """On where the kernel passed its CUDA tests and paid on the H200 (the MoE's combine and index

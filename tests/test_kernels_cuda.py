@@ -365,3 +365,99 @@ def test_a_decode_steps_pairs_in_order_give_the_sorted_pairs_bits(gather_qmv_on)
         moe_mod._pairs_in_order = real
     assert calls == [1]
     assert _same_bits(in_order, moe_mod._pairs_sorted(x, flat, mx.argsort(flat), top_k, w, 7.0))
+
+
+# --- mxfp8 projections, a decode batch's rows (kernels/mxfp8_qmv.py) ------------------------------------
+
+@pytest.fixture
+def mxfp8_qmv_on():
+    from tessera.kernels import mxfp8_qmv
+
+    saved = mxfp8_qmv.kernel_enabled()
+    mxfp8_qmv.set_kernel_enabled(True)
+    yield
+    mxfp8_qmv.set_kernel_enabled(saved)
+
+
+_E4M3_FINITE = np.array([c for c in range(256) if c & 0x7F != 0x7F], dtype=np.uint8)  # every code but NaN
+# Exponent fields 6..9 (magnitudes 0.5 … 15) and zero: with scales 2^±1 and integer x in [-8, 8], every
+# product is a multiple of 2^-5 below 2^7, so sums over K ≤ 4096 stay exact in float32.
+_E4M3_NARROW = np.array([0] + [s << 7 | e << 3 | m for s in (0, 1) for e in range(6, 10) for m in range(8)], dtype=np.uint8)
+
+
+def _mxfp8_weight(rng: np.random.Generator, groups: int, n: int, k: int, codes: np.ndarray, scale_spread: int):
+    """Packed mxfp8 [G, N, K] made directly from E4M3 codes (MLX's layout: four codes a uint32, element 0 in
+    the low byte) and E8M0 scales 127 ± scale_spread."""
+    values = rng.choice(codes, (groups, n, k)).view(np.uint32)  # [G, N, K / 4]
+    scales = rng.integers(127 - scale_spread, 128 + scale_spread, (groups, n, k // 32)).astype(np.uint8)
+    return mx.array(values), mx.array(scales)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("groups, rows, n, k", [(1, 2, 512, 512), (1, 16, 1536, 4096), (8, 5, 64, 4096), (1, 9, 256, 1024)])
+def test_mxfp8_qmv_kernel_equals_the_reference_on_exact_inputs(dtype, groups, rows, n, k, mxfp8_qmv_on):
+    """Sums exact in float32 (`_E4M3_NARROW`): the kernel's order differs from MLX's, the bits may not."""
+    from tessera.kernels.mxfp8_qmv import mxfp8_qmv_kernel, mxfp8_qmv_reference
+
+    rng = np.random.default_rng(groups + rows + n + k)
+    values, scales = _mxfp8_weight(rng, groups, n, k, _E4M3_NARROW, scale_spread=1)
+    x = mx.array(rng.integers(-8, 9, (groups, rows, k)).astype(np.float32)).astype(dtype)
+    got = mxfp8_qmv_kernel(x, values, scales)
+    assert got.dtype == dtype and got.shape == (groups, rows, n)
+    assert _same_bits(got, mxfp8_qmv_reference(x, values, scales))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_mxfp8_qmv_kernel_decodes_every_e4m3_code_and_scale(dtype, mxfp8_qmv_on):
+    """One-hot x rows pick single weights: each output is one dequantized weight, so every finite code
+    (subnormals, both zeros, the largest) and scales 2^±8 must come out as MLX dequantizes them."""
+    from tessera.kernels.mxfp8_qmv import mxfp8_qmv_kernel, mxfp8_qmv_reference
+
+    rng = np.random.default_rng(11)
+    values, scales = _mxfp8_weight(rng, 1, 512, 512, _E4M3_FINITE, scale_spread=8)
+    hot = rng.choice(512, 16, replace=False)
+    x = np.zeros((1, 16, 512), dtype=np.float32)
+    x[0, np.arange(16), hot] = 1.0
+    x = mx.array(x).astype(dtype)
+    assert _same_bits(mxfp8_qmv_kernel(x, values, scales), mxfp8_qmv_reference(x, values, scales))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_mxfp8_qmv_kernel_is_close_to_the_reference_and_a_rows_bits_do_not_depend_on_the_batch(dtype, mxfp8_qmv_on):
+    """Normal x at the stacked q_a+kv width of V4 Flash: within the output's rounding of MLX's quantized
+    matmul; and each row gets the same bits at every batch size (1, 4, 8 and 16 accumulators a weight row)."""
+    from tessera.kernels.mxfp8_qmv import mxfp8_qmv_kernel, mxfp8_qmv_reference
+
+    rng = np.random.default_rng(12)
+    values, scales = _mxfp8_weight(rng, 1, 1536, 4096, _E4M3_FINITE, scale_spread=8)
+    x = mx.array(rng.standard_normal((1, 16, 4096)).astype(np.float32)).astype(dtype)
+    full = mxfp8_qmv_kernel(x, values, scales)
+    got = np.array(full.astype(mx.float32))
+    want = np.array(mxfp8_qmv_reference(x, values, scales).astype(mx.float32))
+    np.testing.assert_allclose(got, want, rtol=2.0**-7, atol=2.0**-10 * float(np.abs(want).max()))
+    for rows in (1, 2, 3, 7, 8, 13):
+        assert _same_bits(mxfp8_qmv_kernel(x[:, :rows], values, scales), full[:, :rows]), rows
+
+
+def test_projections_take_the_mxfp8_qmv_kernel_for_a_decode_batchs_rows(mxfp8_qmv_on, monkeypatch):
+    """engine/model/quantized.py: `linear` and `grouped_linear` over 2..16 rows of an mxfp8 weight run the
+    kernel, within rounding of MLX's quantized matmul; one row and the switch off keep MLX's."""
+    from tessera.engine.model import quantized
+    from tessera.kernels import mxfp8_qmv
+
+    w = quantized.quantize(mx.random.normal((1024, 4096), key=mx.random.key(1)).astype(mx.bfloat16) * 0.02, "mxfp8", 32)
+    calls = []
+    real = mxfp8_qmv.mxfp8_qmv_kernel
+    monkeypatch.setattr(mxfp8_qmv, "mxfp8_qmv_kernel", lambda *a: calls.append(a[0].shape) or real(*a))
+    x = mx.random.normal((16, 1, 4096), key=mx.random.key(2)).astype(mx.bfloat16)
+    got = np.array(quantized.linear(x, w).astype(mx.float32))
+    grouped = np.array(quantized.grouped_linear(x.reshape(8, 2, 4096), w, 8).astype(mx.float32))
+    _ = quantized.linear(x[:1], w)
+    assert calls == [(1, 16, 4096), (8, 2, 4096)]
+    mxfp8_qmv.set_kernel_enabled(False)
+    want = np.array(quantized.linear(x, w).astype(mx.float32))
+    want_grouped = np.array(quantized.grouped_linear(x.reshape(8, 2, 4096), w, 8).astype(mx.float32))
+    assert calls == [(1, 16, 4096), (8, 2, 4096)]
+    assert got.shape == want.shape == (16, 1, 1024) and grouped.shape == want_grouped.shape == (8, 2, 128)
+    np.testing.assert_allclose(got, want, rtol=2**-6, atol=2**-6 * float(np.abs(want).max()))
+    np.testing.assert_allclose(grouped, want_grouped, rtol=2**-6, atol=2**-6 * float(np.abs(want_grouped).max()))

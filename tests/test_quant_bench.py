@@ -40,6 +40,6 @@ def test_matmul_bench_times_every_path_per_row_count():
     out = quant_bench.matmul_bench("tiny", [1, 256], repeat=1)
     for rows in (1, 256):
         for name in ("wq_b", "wo_b", "shared_w1"):
-            assert set(out["rows"][rows][name]) == {"quantized_matmul_s", "dequantize_then_matmul_s", "resident_dense_s"}
+            assert set(out["rows"][rows][name]) == {"quantized_matmul_s", "linear_s", "dequantize_then_matmul_s", "resident_dense_s"}
             assert all(v > 0 for v in out["rows"][rows][name].values())
         assert out["rows"][rows]["experts_w1"]["gather_qmm_s"] > 0

@@ -15,6 +15,8 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from tessera.kernels import mxfp8_qmv
+
 # mode -> bits MLX packs per value
 MODES: dict[str, int] = {"mxfp4": 4, "mxfp8": 8, "affine4": 4, "affine8": 8}
 
@@ -130,8 +132,13 @@ def for_rows(w: Weight, rows: int, dtype: mx.Dtype) -> Weight:
 
 def linear(x: mx.array, w: Weight) -> mx.array:
     """x: [..., in] -> [..., out] against w: [out, in] (plain or quantized; many rows of x dequantize
-    a quantized w for this call, `for_rows`)."""
-    w = for_rows(w, x.size // x.shape[-1], x.dtype)
+    a quantized w for this call, `for_rows`; a decode batch's few rows through an mxfp8 w on CUDA take
+    kernels/mxfp8_qmv.py)."""
+    rows = x.size // x.shape[-1]
+    w = for_rows(w, rows, x.dtype)
+    if isinstance(w, QuantizedWeight) and _takes_mxfp8_qmv(x.dtype, rows, w):
+        out = mxfp8_qmv.mxfp8_qmv_kernel(x.reshape(1, rows, x.shape[-1]), w.values, w.scales)  # [1, rows, out]
+        return out.reshape(*x.shape[:-1], out.shape[-1])
     if isinstance(w, QuantizedWeight):
         return mx.quantized_matmul(x, w.values, w.scales, w.biases, transpose=True, group_size=w.group_size, bits=w.bits, mode=w.mode)
     return x @ w.T
@@ -142,10 +149,18 @@ def grouped_linear(x: mx.array, w: Weight, groups: int) -> mx.array:
     w = for_rows(w, x.shape[1], x.dtype)
     if isinstance(w, QuantizedWeight):
         split = w.grouped(groups)
+        if _takes_mxfp8_qmv(x.dtype, x.shape[1], split):
+            return mxfp8_qmv.mxfp8_qmv_kernel(x, split.values, split.scales)
         return mx.gather_qmm(x, split.values, split.scales, split.biases, rhs_indices=_group_ids(groups),
                              transpose=True, group_size=w.group_size, bits=w.bits, mode=w.mode)
     wg = w.reshape(groups, -1, w.shape[-1])  # [G, out/G, in]
     return x @ wg.transpose(0, 2, 1)
+
+
+def _takes_mxfp8_qmv(dtype: mx.Dtype, rows: int, w: QuantizedWeight) -> bool:
+    """Whether `rows` rows of `dtype` through w run kernels/mxfp8_qmv.py's kernel (CUDA, mxfp8, a decode
+    batch's row counts: MLX's GEMM from 8 rows leaves most SMs idle at the narrow projections)."""
+    return mxfp8_qmv.is_supported(dtype, rows, w.values, w.mode, w.group_size, w.biases is not None)
 
 
 @lru_cache(maxsize=8)

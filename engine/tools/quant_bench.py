@@ -26,7 +26,7 @@ import mlx.core as mx
 from tessera.engine.model.deepseek_v4 import DeepseekV4, Segment
 from tessera.engine.model.loader import load_model
 from tessera.engine.model import quantized as quantized_module
-from tessera.engine.model.quantized import QuantizedWeight, dequantized, quantize
+from tessera.engine.model.quantized import QuantizedWeight, dequantized, linear, quantize
 from tessera.engine.tools.make_model import preset_config
 from tessera.engine.tools.replay import random_tokens
 
@@ -135,6 +135,8 @@ def _projection_times(shape: tuple[int, int], mode: str, rows: int, dtype: mx.Dt
     qmm = lambda: mx.quantized_matmul(x, w.values, w.scales, w.biases, transpose=True,  # noqa: E731
                                       group_size=w.group_size, bits=w.bits, mode=w.mode)
     return {"quantized_matmul_s": _seconds(qmm, repeat),
+            # what the engine runs: quantized.linear (on CUDA, 2-16 rows through kernels/mxfp8_qmv.py)
+            "linear_s": _seconds(lambda: linear(x, w), repeat),
             "dequantize_then_matmul_s": _seconds(lambda: x @ w.dequantize(dtype).T, repeat),
             "resident_dense_s": _seconds(lambda: x @ resident.T, repeat)}
 
