@@ -24,7 +24,8 @@ never writes it for finite weights.
 
 Switch: TESSERA_MXFP8_QMV_KERNEL=0 keeps MLX's quantized matmul (1, the default, uses the kernel where it
 applies: CUDA; mxfp8, group 32, no biases; MIN_ROWS … MAX_ROWS rows; K a multiple of 4 · THREADS and an
-output width a multiple of WEIGHT_ROWS, `fits`).
+output width a multiple of WEIGHT_ROWS, `fits`; and a projection narrow enough that MLX's GEMM leaves SMs
+idle, GEMM_FULL_BLOCKS).
 """
 
 from __future__ import annotations
@@ -39,9 +40,16 @@ _switch = Switch(ENV_VAR, default=True)
 
 THREADS = 128  # a block: four warps splitting the input width
 WEIGHT_ROWS = 4  # output columns a block computes, each weight row decoded once for all rows of x
-MIN_ROWS = 2  # one row stays on MLX's gemv (qmv), which reads the weight once already
 MAX_ROWS = 16  # accumulators a thread holds: WEIGHT_ROWS × row bucket ≤ 64
 GROUP = 32  # mxfp8: 32 elements share an E8M0 scale
+# Where the kernel runs in the engine (op bench on the H200, docs/BENCHMARKS.md "Session 15 on the H200"):
+# from MIN_ROWS rows, where MLX leaves its gemv (below 8 rows its qmv was faster than this kernel: 2 rows
+# 51 against 62 µs at q_a+kv), and where MLX's GEMM runs fewer thread blocks (one per 128 output columns
+# and group) than GEMM_FULL_BLOCKS (the H200's 132 SMs): there its idle SMs lose (wo_b at 16 rows: 311
+# against 125 µs), while a GEMM that fills them runs on tensor cores and wins (q_b, 256 blocks: 71 against
+# 144 µs; this kernel sums on the CUDA cores).
+MIN_ROWS = 8
+GEMM_FULL_BLOCKS = 132
 
 
 def kernel_enabled() -> bool:
@@ -65,11 +73,19 @@ def fits(in_features: int, out_features: int) -> bool:
     return in_features % (4 * THREADS) == 0 and out_features % WEIGHT_ROWS == 0
 
 
+def gemm_blocks(groups: int, out_features: int) -> int:
+    """Thread blocks MLX's qmm_sm80 runs for a few rows: one per 128 output columns of each group."""
+    return groups * -(-out_features // 128)
+
+
 def is_supported(dtype: mx.Dtype, rows: int, values: mx.array, mode: str, group_size: int, has_biases: bool) -> bool:
-    """`rows` rows of `dtype` through the packed weight `values` ([N, K / 4] or grouped [G, N, K / 4])."""
-    return (_switch.enabled() and on_cuda() and mode == "mxfp8" and group_size == GROUP and not has_biases
-            and MIN_ROWS <= rows <= MAX_ROWS and values.ndim in (2, 3)
-            and fits(values.shape[-1] * 4, values.shape[-2]) and dtype in (mx.bfloat16, mx.float16, mx.float32))
+    """Whether `rows` rows of `dtype` through the packed weight `values` ([N, K / 4] or grouped [G, N, K / 4])
+    take the kernel: where it runs (`fits`) and where it beats MLX's (MIN_ROWS, GEMM_FULL_BLOCKS)."""
+    if not (_switch.enabled() and on_cuda() and mode == "mxfp8" and group_size == GROUP and not has_biases
+            and MIN_ROWS <= rows <= MAX_ROWS and values.ndim in (2, 3) and dtype in (mx.bfloat16, mx.float16, mx.float32)):
+        return False
+    groups = values.shape[0] if values.ndim == 3 else 1
+    return fits(values.shape[-1] * 4, values.shape[-2]) and gemm_blocks(groups, values.shape[-2]) < GEMM_FULL_BLOCKS
 
 
 def mxfp8_qmv_reference(x: mx.array, values: mx.array, scales: mx.array) -> mx.array:

@@ -341,6 +341,9 @@ def test_mxfp8_qmv_decodes_e4m3_as_mlx_dequantizes_it():
                                       (4096, 2048), (8192, 1024)]:
         assert mxfp8_qmv.fits(in_features, out_features)
     assert not mxfp8_qmv.fits(4096 + 128, 1536) and not mxfp8_qmv.fits(4096, 1537)
+    # MLX's GEMM fills the H200's SMs at q_b (256 thread blocks), not at the others; wo_a: 8 groups of 1024
+    assert mxfp8_qmv.gemm_blocks(1, 32768) == 256 and mxfp8_qmv.gemm_blocks(8, 1024) == 64
+    assert mxfp8_qmv.gemm_blocks(1, 1536) == 12 and mxfp8_qmv.gemm_blocks(1, 1537) == 13
     assert [mxfp8_qmv.row_bucket(r) for r in (1, 2, 4, 5, 8, 9, 16)] == [1, 4, 4, 8, 8, 16, 16]
 
 

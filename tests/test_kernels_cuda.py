@@ -440,8 +440,9 @@ def test_mxfp8_qmv_kernel_is_close_to_the_reference_and_a_rows_bits_do_not_depen
 
 
 def test_projections_take_the_mxfp8_qmv_kernel_for_a_decode_batchs_rows(mxfp8_qmv_on, monkeypatch):
-    """engine/model/quantized.py: `linear` and `grouped_linear` over 2..16 rows of an mxfp8 weight run the
-    kernel, within rounding of MLX's quantized matmul; one row and the switch off keep MLX's."""
+    """engine/model/quantized.py: `linear` and `grouped_linear` over 8..16 rows of a narrow mxfp8 weight run
+    the kernel, within rounding of MLX's quantized matmul; fewer rows, a weight wide enough for MLX's GEMM
+    and the switch off keep MLX's."""
     from tessera.engine.model import quantized
     from tessera.kernels import mxfp8_qmv
 
@@ -450,14 +451,17 @@ def test_projections_take_the_mxfp8_qmv_kernel_for_a_decode_batchs_rows(mxfp8_qm
     real = mxfp8_qmv.mxfp8_qmv_kernel
     monkeypatch.setattr(mxfp8_qmv, "mxfp8_qmv_kernel", lambda *a: calls.append(a[0].shape) or real(*a))
     x = mx.random.normal((16, 1, 4096), key=mx.random.key(2)).astype(mx.bfloat16)
+    xg = mx.random.normal((8, 9, 4096), key=mx.random.key(3)).astype(mx.bfloat16)
     got = np.array(quantized.linear(x, w).astype(mx.float32))
-    grouped = np.array(quantized.grouped_linear(x.reshape(8, 2, 4096), w, 8).astype(mx.float32))
-    _ = quantized.linear(x[:1], w)
-    assert calls == [(1, 16, 4096), (8, 2, 4096)]
+    grouped = np.array(quantized.grouped_linear(xg, w, 8).astype(mx.float32))
+    _ = quantized.linear(x[:7], w)
+    wide = quantized.quantize(mx.random.normal((132 * 128, 1024), key=mx.random.key(4)).astype(mx.bfloat16), "mxfp8", 32)
+    _ = quantized.linear(x[..., :1024], wide)
+    assert calls == [(1, 16, 4096), (8, 9, 4096)]
     mxfp8_qmv.set_kernel_enabled(False)
     want = np.array(quantized.linear(x, w).astype(mx.float32))
-    want_grouped = np.array(quantized.grouped_linear(x.reshape(8, 2, 4096), w, 8).astype(mx.float32))
-    assert calls == [(1, 16, 4096), (8, 2, 4096)]
-    assert got.shape == want.shape == (16, 1, 1024) and grouped.shape == want_grouped.shape == (8, 2, 128)
+    want_grouped = np.array(quantized.grouped_linear(xg, w, 8).astype(mx.float32))
+    assert calls == [(1, 16, 4096), (8, 9, 4096)]
+    assert got.shape == want.shape == (16, 1, 1024) and grouped.shape == want_grouped.shape == (8, 9, 128)
     np.testing.assert_allclose(got, want, rtol=2**-6, atol=2**-6 * float(np.abs(want).max()))
     np.testing.assert_allclose(grouped, want_grouped, rtol=2**-6, atol=2**-6 * float(np.abs(want_grouped).max()))
