@@ -6,7 +6,9 @@ python docs/bench/issue14_step_timeline.py MODEL OUT.jsonl [--ctx 65536] [--batc
 Arms, in the order A B … B A (--rounds times), each a mode of the same model-level greedy step:
 - off: the step built whole, then evaluated; thread: each layer handed to the encode thread
   (TESSERA_DECODE_ASYNC=thread); compiled: TESSERA_COMPILE_STEP on; compiled_thread: both; compiled_unstacked:
-  compiled with TESSERA_STACKED_INPUTS off (one matmul per input projection, docs/ARCHITECTURE.md).
+  compiled with TESSERA_STACKED_INPUTS off (one matmul per input projection, docs/ARCHITECTURE.md);
+  compiled_no_mxfp8_qmv: compiled with kernels/mxfp8_qmv.py off (TESSERA_MXFP8_QMV_KERNEL=0: MLX's quantized
+  matmul for a batch's mxfp8 projections). The other arms have it on (the default).
   (Session 13's `compiled_qmv` arm, a batch's projections through MLX's gemv in blocks of ≤ 7 rows, ran at
   commit db10e55; the switch it flipped was removed after the H200 measured it slower.)
 
@@ -49,10 +51,12 @@ from tessera.engine.model.compiled import set_step_compile_enabled, step_compile
 from tessera.engine.model.deepseek_v4 import Segment  # noqa: E402
 from tessera.engine.model.encode_thread import encode_thread  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled  # noqa: E402
+from tessera.kernels import mxfp8_qmv  # noqa: E402
 
-# arm -> (decode_async mode, step compile, stacked input projections)
-ARMS = {"off": ("off", False, True), "thread": ("thread", False, True), "compiled": ("off", True, True),
-        "compiled_thread": ("thread", True, True), "compiled_unstacked": ("off", True, False)}
+# arm -> (decode_async mode, step compile, stacked input projections, kernels/mxfp8_qmv.py)
+ARMS = {"off": ("off", False, True, True), "thread": ("thread", False, True, True), "compiled": ("off", True, True, True),
+        "compiled_thread": ("thread", True, True, True), "compiled_unstacked": ("off", True, False, True),
+        "compiled_no_mxfp8_qmv": ("off", True, True, False)}
 def step(model, caches, ids: list[int]) -> tuple[mx.array, float, float]:
     t0 = time.perf_counter()
     logits = model.forward([Segment(c, [t]) for c, t in zip(caches, ids)])
@@ -118,7 +122,7 @@ def main() -> None:
         kernel_chain(emit, 500, cycles, spin_alone)
     model = load_probe_model(args.model, args.as_loaded)
     caches = [_filled(model, args.ctx, b, DecodeOptions(chunk=4096, tile=1024, cache_fill="random")) for b in range(max(args.batch))]
-    saved = decode_async.decode_async_mode(), step_compile_enabled(), stacked_inputs_enabled()
+    saved = decode_async.decode_async_mode(), step_compile_enabled(), stacked_inputs_enabled(), mxfp8_qmv.kernel_enabled()
     try:
         for arm in args.arms:  # warm every arm (a compiled arm's first step traces it)
             _set(arm)
@@ -139,13 +143,15 @@ def main() -> None:
         decode_async.set_decode_async_mode(saved[0])
         set_step_compile_enabled(saved[1])
         set_stacked_inputs_enabled(saved[2])
+        mxfp8_qmv.set_kernel_enabled(saved[3])
 
 
 def _set(arm: str) -> None:
-    mode, compiled, stacked = ARMS[arm]
+    mode, compiled, stacked, mxfp8_kernel = ARMS[arm]
     decode_async.set_decode_async_mode(mode)
     set_step_compile_enabled(compiled)
     set_stacked_inputs_enabled(stacked)
+    mxfp8_qmv.set_kernel_enabled(mxfp8_kernel)
 
 
 def _parser() -> argparse.ArgumentParser:
