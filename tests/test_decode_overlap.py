@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 
+import mlx.core as mx
 import pytest
 
 from tessera.engine.model.loader import load_model
@@ -286,3 +287,23 @@ def test_a_decode_planned_at_another_position_than_its_cache_is_refused_and_chan
     with pytest.raises(RuntimeError, match="position 21, its cache holds 20"):
         runner.execute(StepPlan(decodes=(DecodeSlot("r", token, 21),)))
     assert runner.execute(StepPlan(decodes=(DecodeSlot("r", token, 20),))).sampled  # still at 20: runs
+
+
+def test_a_queued_steps_logits_come_joined_with_the_split_rows_bits(model):
+    """The queued step asks the model for its batch's logits as one [B, vocab] array (forward's `joined`: no
+    split the sampler would concatenate again, a copy kernel a row): the same rows, bit for bit, as the
+    per-segment logits of the same step on twin caches; and a joined call refuses all_logits."""
+    from tessera.engine.model.deepseek_v4 import Segment
+
+    caches, twins = [], []
+    for seed in range(3):
+        for group in (caches, twins):
+            cache = model.new_cache()
+            model.forward([Segment(cache, random_tokens(model.cfg.vocab_size, 12 + seed, seed))], tile=TILE)
+            group.append(cache)
+    (joined,) = model.forward([Segment(c, [5 + i]) for i, c in enumerate(caches)], tile=TILE, joined=True)
+    split = model.forward([Segment(c, [5 + i]) for i, c in enumerate(twins)], tile=TILE)
+    assert joined.shape == (3, model.cfg.vocab_size) and len(split) == 3
+    assert (joined == mx.concatenate(split)).all().item()
+    with pytest.raises(ValueError, match="all_logits"):
+        model.forward([Segment(caches[0], [1])], joined=True, all_logits=True)

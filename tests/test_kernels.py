@@ -177,6 +177,45 @@ def test_decode_batch_kernels_switch_turns_both_batched_kernels_off(monkeypatch)
     assert indexer_cuda.is_supported(q)  # the single kernel still runs, once per sequence
 
 
+def test_hca_decode_rows_take_one_batched_gather_launch_with_the_concatenations_rows(monkeypatch):
+    """engine/model/decode_attention.py: an HCA decode batch's every compressed row, with the batched row
+    gather on (CUDA faked here, the launch computed by the reference), is one launch over each sequence's
+    buffer where it lies (indices 0 … N-1 per sequence, spare capacity never read) and gives the rows the
+    concatenation of the buffers' views gives; off, the concatenation runs."""
+    from types import SimpleNamespace
+
+    from tessera.engine.model import decode_attention
+    from tessera.engine.model.cache import RowBuffer
+    from tessera.kernels import cuda, row_gather
+
+    launches = []
+
+    def fake(name, input_names, outputs, source, header):
+        def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            idx, xs = inputs[0], inputs[1 : 1 + grid[2]]
+            launches.append((np.array(idx).tolist(), [x.shape[0] for x in xs], len(inputs) - 1))
+            return [row_gather.take_rows_batched_reference(list(xs), idx)]
+        return launch
+
+    buffers = []
+    for b in range(3):
+        buf = RowBuffer(32, mx.float32)
+        buf.append(mx.random.normal((5, 32), key=mx.random.key(b)))
+        buffers.append(buf)
+    segs = [SimpleNamespace(cache=SimpleNamespace(compressed=buf)) for buf in buffers]
+    visible = mx.array([5, 3, 5])
+    want_rows, want_valid = decode_attention._all_compressed_rows(segs, visible)  # the concatenation (CPU)
+    assert launches == []
+    monkeypatch.setattr(row_gather, "on_cuda", lambda: True)
+    monkeypatch.setattr(row_gather, "compiled_kernel", fake)
+    monkeypatch.setattr(cuda.decode_batch_kernels, "_enabled", True)
+    monkeypatch.setattr(row_gather._batch_switch, "_enabled", True)
+    rows, valid = decode_attention._all_compressed_rows(segs, visible)
+    assert launches == [([list(range(5))] * 3, [256] * 3, 4)]  # whole buffers (capacity 256), in 4 input slots
+    assert rows.shape == (3, 5, 32) and mx.array_equal(rows, want_rows).item()
+    assert mx.array_equal(valid, want_valid).item() and np.array(valid).sum(axis=1).tolist() == [5, 3, 5]
+
+
 def test_batched_kernels_launch_with_power_of_two_inputs_and_one_block_row_per_sequence(monkeypatch):
     """The Python side of the batched CUDA launches, with the kernel faked: 19 sequences run as 16 + 3,
     the 3 in a 4-slot kernel (the spare slot repeats the last buffer), grid z = the sequences, and

@@ -20,6 +20,8 @@ A B C D D C B A (--rounds times; --arms picks a subset). Every arm takes greedy 
   (TESSERA_STACKED_INPUTS=0); serving_overlap_dense8: with TESSERA_DENSE_MIN_ROWS=8 (decode batches of 8 or
   more sequences run the attention and shared-expert projections on per-step dequantized copies; on the H200
   the op bench had them slower than the quantized GEMM at 16 rows, docs/BENCHMARKS.md "Session 14").
+- serving_overlap_batch_gather: serving_overlap with TESSERA_DECODE_BATCH_GATHER=1 (a decode batch's CSA
+  selected rows and HCA rows in one launch each, kernels/row_gather.py, instead of a gather or copy per sequence);
 - serving_overlap_no_mxfp8_qmv: serving_overlap with kernels/mxfp8_qmv.py off (MLX's quantized matmul for a batch's
   mxfp8 projections; TESSERA_MXFP8_QMV_KERNEL=0).
   Session 14's raw file also holds serving_overlap_qmv_bits and serving_overlap_qmv_prefetch, gather_qmv
@@ -51,7 +53,7 @@ use_source_tree()  # `tessera.*` = this checkout, unless it already is
 from docs.bench.probe_io import jsonl_emitter, load_probe_model  # noqa: E402
 from tessera.engine.model import attention, compiled, decode_async, quantized  # noqa: E402
 from tessera.engine.model.deepseek_v4 import PENDING_TOKEN, Segment  # noqa: E402
-from tessera.kernels import gather_qmv, mxfp8_qmv  # noqa: E402
+from tessera.kernels import gather_qmv, mxfp8_qmv, row_gather  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled, serving_step_seconds  # noqa: E402
 
 
@@ -137,6 +139,8 @@ ARMS["serving_overlap_dense8"] = with_setting(quantized.dense_min_rows, quantize
                                               ARMS["serving_overlap"])  # TESSERA_DENSE_MIN_ROWS=8
 ARMS["serving_overlap_unstacked"] = with_setting(attention.stacked_inputs_enabled, attention.set_stacked_inputs_enabled, False,
                                                  ARMS["serving_overlap"])
+ARMS["serving_overlap_batch_gather"] = with_setting(row_gather.batch_gather_enabled, row_gather.set_batch_gather_enabled, True,
+                                                    ARMS["serving_overlap"])  # TESSERA_DECODE_BATCH_GATHER=1
 ARMS["serving_overlap_no_mxfp8_qmv"] = with_setting(mxfp8_qmv.kernel_enabled, mxfp8_qmv.set_kernel_enabled, False,
                                                     ARMS["serving_overlap"])  # TESSERA_MXFP8_QMV_KERNEL=0
 

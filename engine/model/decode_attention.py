@@ -26,6 +26,8 @@ compressed row when its token closes a window.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+
 import mlx.core as mx
 import numpy as np
 
@@ -216,7 +218,23 @@ def _gather_selected(buffers: list[RowBuffer], selected: mx.array) -> mx.array:
 
 
 def _all_compressed_rows(segs: list[SegmentSlice], visible: mx.array) -> tuple[mx.array, mx.array]:
-    """HCA: every compressed row of each sequence (equal N) -> (rows [b, N, hd], valid [b, N])."""
-    views = [s.cache.compressed.stackable_view() for s in segs]  # b × [1, N, hd], kept between appends
-    rows = views[0] if len(views) == 1 else mx.concatenate(views)
-    return rows, mx.arange(rows.shape[1])[None, :] < visible[:, None]
+    """HCA: every compressed row of each sequence (equal N) -> (rows [b, N, hd], valid [b, N]). Where the
+    batched row gather runs (CUDA, TESSERA_DECODE_BATCH_GATHER), one launch reads every buffer where it lies
+    instead of a concatenation (one copy kernel a sequence); a gather copies, so the same bits."""
+    buffers = [s.cache.compressed for s in segs]
+    num_rows = buffers[0].num_rows
+    data = [buf.data() for buf in buffers]
+    every_row = _every_row(len(segs), num_rows)
+    if len(segs) > 1 and num_rows and row_gather.batch_is_supported(data, every_row):
+        rows = row_gather.take_rows_batched_kernel(data, every_row)
+    else:
+        views = [buf.stackable_view() for buf in buffers]  # b × [1, N, hd], kept between appends
+        rows = views[0] if len(views) == 1 else mx.concatenate(views)
+    return rows, mx.arange(num_rows)[None, :] < visible[:, None]
+
+
+@lru_cache(maxsize=64)
+def _every_row(num_seqs: int, num_rows: int) -> mx.array:
+    """[num_seqs, num_rows] int32: 0 … num_rows - 1 in every row (the batched gather's indices), made once
+    per shape from the host: a leaf of the step's graph (no op, nothing evaluated while a step is built)."""
+    return mx.array(np.broadcast_to(np.arange(num_rows, dtype=np.int32), (num_seqs, num_rows)).copy())

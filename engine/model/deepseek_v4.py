@@ -92,11 +92,14 @@ class DeepseekV4:
         all_logits: bool | Sequence[bool] = False,
         timer: ForwardTrace | None = None,
         device_token_ids: mx.array | None = None,
+        joined: bool = False,
     ) -> list[mx.array]:
         """Runs every segment's tokens through the model, appending to their caches.
 
         Returns per segment the logits [L, vocab] (all_logits, or all_logits[i] for segment i: prompt logprobs)
-        or [1, vocab] of its last token; the lm head runs only on the rows returned.
+        or [1, vocab] of its last token; the lm head runs only on the rows returned. `joined` (without
+        all_logits): one [segments, vocab] array, the rows in segment order, for a caller that samples the
+        batch whole (a split the caller would concatenate again costs a copy kernel a segment).
         `tile`: indexer/attention query rows per tile (None: the whole segment, the untiled path).
         `device_token_ids`: the step's tokens [T] int32 as a (lazy) device array, e.g. the previous step's
         samples not yet on the host; the segments then give only the counts (their ids may be PENDING_TOKEN).
@@ -113,8 +116,11 @@ class DeepseekV4:
                 streams = self.embed(segments, token_ids)
                 streams = self.run_layers(streams, segments, self.layer_ids, tile, timer, token_ids, encoder)
                 advance_caches(segments)
+                if joined and all_logits is not False:
+                    raise ValueError("joined logits are one row a segment: all_logits must be False")
                 if isinstance(all_logits, bool):
-                    logits = self.logits(streams if all_logits else last_rows(streams, segments), segments, all_logits)
+                    logits = self.logits(streams if all_logits else last_rows(streams, segments), segments, all_logits,
+                                         split=not joined)
                 else:
                     logits = self.logits(streams[mx.array(head_rows(segments, all_logits))], segments, all_logits)
         finally:
@@ -181,16 +187,17 @@ class DeepseekV4:
                 timer.stage("other", streams)
         return streams
 
-    def logits(self, streams: mx.array, segments: Sequence[Segment], all_logits: bool | Sequence[bool]) -> list[mx.array]:
+    def logits(self, streams: mx.array, segments: Sequence[Segment], all_logits: bool | Sequence[bool],
+               split: bool = True) -> list[mx.array]:
         """The last layer's streams -> per segment the logits [L, vocab] (all_logits; streams: all T rows)
         or [1, vocab] of its last token (streams: `last_rows`, one per segment); with one flag per segment,
-        streams are `head_rows`."""
+        streams are `head_rows`. split=False: [all rows' logits] as one array."""
         # One row per segment (no `all_logits`): the rows are a batch size, few shapes to trace.
         compiled = step_compile_enabled() and all_logits is False
         logits = (self._compiled_head if compiled else self._head.logits)(streams)  # [rows, vocab]
         wants = [all_logits] * len(segments) if isinstance(all_logits, bool) else list(all_logits)
         sizes = [len(s.token_ids) if want else 1 for s, want in zip(segments, wants)]
-        if len(sizes) == 1:
+        if len(sizes) == 1 or not split:
             return [logits]
         return mx.split(logits, list(itertools.accumulate(sizes[:-1])), axis=0)  # one node for every segment
 

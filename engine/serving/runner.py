@@ -400,8 +400,8 @@ class ModelRunner:
             timer = ForwardTrace(stage_sync=False)
             segments = [Segment(s.cache, [PENDING_TOKEN]) for s in seqs]
             fed = fed_tokens(rows)  # [B] on the device: this step's samples, not in the histories yet
-            logits = self.model.forward(segments, tile=self.indexer_tile, timer=timer, device_token_ids=fed)
-            next_rows = sample_lazily(_joined(logits), [s.sampling for s in seqs], [s.history for s in seqs],
+            (logits,) = self.model.forward(segments, tile=self.indexer_tile, timer=timer, device_token_ids=fed, joined=True)
+            next_rows = sample_lazily(logits, [s.sampling for s in seqs], [s.history for s in seqs],
                                       [s.rng for s in seqs], pending=fed)
             mx.async_eval(row_arrays(next_rows))
         except Exception:
