@@ -14,7 +14,9 @@ where it is supported: CUDA, rows a whole number of 16-byte vectors). The decode
 (`take_rows_batched_kernel`) also needs TESSERA_DECODE_BATCH_KERNELS (kernels/cuda.py) on, and
 TESSERA_DECODE_BATCH_GATHER=1: off by default, because on the H200 it gives the same bits but no speed
 (batch 16 at 16k decoded at 7.4× batch 1 with and without it; docs/BENCHMARKS.md, "Session 8 on the
-H200"). Off, a decode batch's selected rows take the per-sequence path.
+H200"). Off, a decode batch's selected rows take the per-sequence path. On, an HCA decode batch's every
+compressed row takes it as well (engine/model/decode_attention.py: one launch instead of a copy a sequence;
+not measured on a GPU yet).
 """
 
 from __future__ import annotations
