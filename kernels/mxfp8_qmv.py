@@ -85,8 +85,10 @@ def gemm_blocks(groups: int, out_features: int) -> int:
 def is_supported(dtype: mx.Dtype, rows: int, values: mx.array, mode: str, group_size: int, has_biases: bool) -> bool:
     """Whether `rows` rows of `dtype` through the packed weight `values` ([N, K / 4] or grouped [G, N, K / 4])
     take the kernel: where it runs (`fits`) and where it beats MLX's (MIN_ROWS, GEMM_FULL_BLOCKS)."""
-    if not (_switch.enabled() and on_cuda() and mode == "mxfp8" and group_size == GROUP and not has_biases
-            and MIN_ROWS <= rows <= MAX_ROWS and values.ndim in (2, 3) and dtype in (mx.bfloat16, mx.float16, mx.float32)):
+    # the cheap checks first: every quantized projection of every step asks (at batch 1 the first answers)
+    if not (MIN_ROWS <= rows <= MAX_ROWS and mode == "mxfp8" and group_size == GROUP and not has_biases
+            and values.ndim in (2, 3) and dtype in (mx.bfloat16, mx.float16, mx.float32) and _switch.enabled()
+            and on_cuda()):
         return False
     groups = values.shape[0] if values.ndim == 3 else 1
     return fits(values.shape[-1] * 4, values.shape[-2]) and gemm_blocks(groups, values.shape[-2]) < GEMM_FULL_BLOCKS

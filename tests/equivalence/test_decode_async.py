@@ -137,7 +137,7 @@ def test_a_step_that_fails_while_built_leaves_nothing_on_the_thread(model, monke
     drained: list[int] = []
     real_drain = encode_thread.EncodeThread.drain
     monkeypatch.setattr(encode_thread.EncodeThread, "drain", lambda self: (drained.append(1), real_drain(self))[1])
-    monkeypatch.setattr(model, "logits", lambda *args: (_ for _ in ()).throw(RuntimeError("head failed")))
+    monkeypatch.setattr(model, "logits", lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("head failed")))
     with pytest.raises(RuntimeError, match="head failed"):
         model.forward([Segment(c, [2]) for c in caches])
     assert drained == [1]
