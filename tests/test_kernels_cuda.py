@@ -260,16 +260,21 @@ def test_batched_row_gather_kernel_is_each_buffers_gather(num_seqs, width, monke
     assert mx.array_equal(take_rows_batched_kernel(xs, idx), take_rows_batched_reference(xs, idx)).item()
 
 
+def _kernel_switched_on(module):
+    """A kernel module's switch on for one test (the environment may have turned it off), restored after."""
+    saved = module.kernel_enabled()
+    module.set_kernel_enabled(True)
+    yield
+    module.set_kernel_enabled(saved)
+
+
 # --- mxfp4 experts, one row per pair (kernels/gather_qmv.py) --------------------------------------------
 
 @pytest.fixture
 def gather_qmv_on():
     from tessera.kernels import gather_qmv
 
-    saved = gather_qmv.kernel_enabled()
-    gather_qmv.set_kernel_enabled(True)
-    yield
-    gather_qmv.set_kernel_enabled(saved)
+    yield from _kernel_switched_on(gather_qmv)
 
 
 def _mxfp4_experts(rng: np.random.Generator, experts: int, n: int, k: int, scale_spread: int):
@@ -373,10 +378,7 @@ def test_a_decode_steps_pairs_in_order_give_the_sorted_pairs_bits(gather_qmv_on)
 def mxfp8_qmv_on():
     from tessera.kernels import mxfp8_qmv
 
-    saved = mxfp8_qmv.kernel_enabled()
-    mxfp8_qmv.set_kernel_enabled(True)
-    yield
-    mxfp8_qmv.set_kernel_enabled(saved)
+    yield from _kernel_switched_on(mxfp8_qmv)
 
 
 _E4M3_FINITE = np.array([c for c in range(256) if c & 0x7F != 0x7F], dtype=np.uint8)  # every code but NaN
