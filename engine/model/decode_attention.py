@@ -223,14 +223,13 @@ def _all_compressed_rows(segs: list[SegmentSlice], visible: mx.array) -> tuple[m
     instead of a concatenation (one copy kernel a sequence); a gather copies, so the same bits."""
     buffers = [s.cache.compressed for s in segs]
     num_rows = buffers[0].num_rows
-    data = [buf.data() for buf in buffers]
-    every_row = _every_row(len(segs), num_rows)
-    if len(segs) > 1 and num_rows and row_gather.batch_is_supported(data, every_row):
-        rows = row_gather.take_rows_batched_kernel(data, every_row)
-    else:
-        views = [buf.stackable_view() for buf in buffers]  # b × [1, N, hd], kept between appends
-        rows = views[0] if len(views) == 1 else mx.concatenate(views)
-    return rows, mx.arange(num_rows)[None, :] < visible[:, None]
+    valid = mx.arange(num_rows)[None, :] < visible[:, None]
+    if len(segs) > 1 and num_rows and row_gather.batch_gather_enabled():
+        data, every_row = [buf.data() for buf in buffers], _every_row(len(segs), num_rows)
+        if row_gather.batch_is_supported(data, every_row):
+            return row_gather.take_rows_batched_kernel(data, every_row), valid
+    views = [buf.stackable_view() for buf in buffers]  # b × [1, N, hd], kept between appends
+    return (views[0] if len(views) == 1 else mx.concatenate(views)), valid
 
 
 @lru_cache(maxsize=64)
