@@ -292,7 +292,8 @@ def test_a_decode_planned_at_another_position_than_its_cache_is_refused_and_chan
 def test_a_queued_steps_logits_come_joined_with_the_split_rows_bits(model):
     """The queued step asks the model for its batch's logits as one [B, vocab] array (forward's `joined`: no
     split the sampler would concatenate again, a copy kernel a row): the same rows, bit for bit, as the
-    per-segment logits of the same step on twin caches; and a joined call refuses all_logits."""
+    per-segment logits of the same step on twin caches; and a joined call refuses all_logits, leaving the cache
+    as it was."""
     from tessera.engine.model.deepseek_v4 import Segment
 
     caches, twins = [], []
@@ -305,5 +306,7 @@ def test_a_queued_steps_logits_come_joined_with_the_split_rows_bits(model):
     split = model.forward([Segment(c, [5 + i]) for i, c in enumerate(twins)], tile=TILE)
     assert joined.shape == (3, model.cfg.vocab_size) and len(split) == 3
     assert (joined == mx.concatenate(split)).all().item()
+    before = caches[0].num_tokens
     with pytest.raises(ValueError, match="all_logits"):
         model.forward([Segment(caches[0], [1])], joined=True, all_logits=True)
+    assert caches[0].num_tokens == before  # refused before the step touched the cache

@@ -104,6 +104,8 @@ class DeepseekV4:
         `device_token_ids`: the step's tokens [T] int32 as a (lazy) device array, e.g. the previous step's
         samples not yet on the host; the segments then give only the counts (their ids may be PENDING_TOKEN).
         """
+        if joined and all_logits is not False:  # refused before any cache is touched
+            raise ValueError("joined logits are one row a segment: all_logits must be False")
         timer = timer or ForwardTrace(stage_sync=False)  # nobody reads the times: no stage syncs
         encoder = self._encode_thread_for(segments, timer)
         if encoder:
@@ -116,8 +118,6 @@ class DeepseekV4:
                 streams = self.embed(segments, token_ids)
                 streams = self.run_layers(streams, segments, self.layer_ids, tile, timer, token_ids, encoder)
                 advance_caches(segments)
-                if joined and all_logits is not False:
-                    raise ValueError("joined logits are one row a segment: all_logits must be False")
                 if isinstance(all_logits, bool):
                     logits = self.logits(streams if all_logits else last_rows(streams, segments), segments, all_logits,
                                          split=not joined)

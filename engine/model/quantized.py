@@ -136,10 +136,10 @@ def linear(x: mx.array, w: Weight) -> mx.array:
     kernels/mxfp8_qmv.py)."""
     rows = x.size // x.shape[-1]
     w = for_rows(w, rows, x.dtype)
-    if isinstance(w, QuantizedWeight) and _takes_mxfp8_qmv(x.dtype, rows, w):
-        out = mxfp8_qmv.mxfp8_qmv_kernel(x.reshape(1, rows, x.shape[-1]), w.values, w.scales)  # [1, rows, out]
-        return out.reshape(*x.shape[:-1], out.shape[-1])
     if isinstance(w, QuantizedWeight):
+        if _takes_mxfp8_qmv(x.dtype, rows, w):
+            out = mxfp8_qmv.mxfp8_qmv_kernel(x.reshape(1, rows, x.shape[-1]), w.values, w.scales)  # [1, rows, out]
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         return mx.quantized_matmul(x, w.values, w.scales, w.biases, transpose=True, group_size=w.group_size, bits=w.bits, mode=w.mode)
     return x @ w.T
 

@@ -135,7 +135,7 @@ def _projection_times(shape: tuple[int, int], mode: str, rows: int, dtype: mx.Dt
     qmm = lambda: mx.quantized_matmul(x, w.values, w.scales, w.biases, transpose=True,  # noqa: E731
                                       group_size=w.group_size, bits=w.bits, mode=w.mode)
     return {"quantized_matmul_s": _seconds(qmm, repeat),
-            # what the engine runs: quantized.linear (on CUDA, 2-16 rows through kernels/mxfp8_qmv.py)
+            # what the engine runs: quantized.linear (on CUDA, kernels/mxfp8_qmv.py where its rule takes it)
             "linear_s": _seconds(lambda: linear(x, w), repeat),
             "dequantize_then_matmul_s": _seconds(lambda: x @ w.dequantize(dtype).T, repeat),
             "resident_dense_s": _seconds(lambda: x @ resident.T, repeat)}
