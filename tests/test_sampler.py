@@ -307,13 +307,14 @@ def test_plain_greedy_rows_chosen_together_give_each_row_alone_bit_for_bit(logpr
     for h in histories:
         h.append(int(mx.argmax(logits[4]).item()))  # the penalty has something to act on
     got = sample_lazily(logits, params, histories, [RequestRng(9) for _ in range(rows)])
-    mx.eval([a for row in got for a in row if a is not None])
+    mx.eval(got.arrays())
     for i in range(rows):
         want = _chosen_alone(logits[i], params[i], histories[i], RequestRng(9))
-        have = [None if a is None else np.array(a) for a in got[i]]
+        have = [None if a is None else np.array(a) for a in got.rows[i]]
         assert [None if a is None else a.shape for a in have] == [None if a is None else a.shape for a in want], i
         assert all(a is None and b is None or np.array_equal(a, b) for a, b in zip(have, want)), i
-    assert int(np.array(got[2][0])[0]) == 17  # the tie went to the lower id
+    assert int(np.array(got.rows[2][0])[0]) == 17  # the tie went to the lower id
+    assert got.tokens.dtype == mx.int32 and got.tokens.tolist() == [int(np.array(r[0])[0]) for r in got.rows]
 
 
 # Views: no kernel on a GPU (each row's [1, ...] piece of the block is a Slice or a Split output).
@@ -323,7 +324,7 @@ VIEW_KINDS = {"Slice", "Split", "Squeeze", "Reshape", "ExpandDims", "Broadcast",
 def test_a_batch_of_plain_greedy_rows_launches_a_fixed_number_of_kernels(tmp_path):
     """Sampling 16 plain greedy rows builds as many non-view graph nodes as sampling 4 (one argmax, and one
     log-sum-exp, top-n and gathers with logprobs), not a few per row."""
-    from tessera.engine.serving.sampler import row_arrays, sample_lazily
+    from tessera.engine.serving.sampler import sample_lazily
     from tests.support.graph_nodes import primitive_kinds
 
     def nodes(rows: int, logprobs: int | None) -> int:
@@ -331,8 +332,28 @@ def test_a_batch_of_plain_greedy_rows_launches_a_fixed_number_of_kernels(tmp_pat
         mx.eval(logits)
         params = [SamplingParams(temperature=0.0, logprobs=logprobs)] * rows
         got = sample_lazily(logits, params, [TokenHistory([1]) for _ in range(rows)], [RequestRng(1) for _ in range(rows)])
-        kinds = primitive_kinds(row_arrays(got), tmp_path / "sample.dot")
+        kinds = primitive_kinds(got.arrays(), tmp_path / "sample.dot")
         return sum(v for k, v in kinds.items() if k not in VIEW_KINDS)
 
     for logprobs in (None, 2):
         assert nodes(16, logprobs) == nodes(4, logprobs) > 0, logprobs
+
+
+def test_a_greedy_batchs_tokens_for_the_next_step_are_its_argmax_not_the_rows_joined_again(tmp_path):
+    """The overlapped decode step is fed the batch's tokens as one device array (`LazySamples.tokens`). For
+    plain greedy rows that is the block's argmax itself: a concatenation of the rows' [1] pieces would be a
+    copy kernel a row on a GPU. Its values are the rows' tokens, in order, also for a subset of the rows."""
+    from tessera.engine.serving.sampler import sample_lazily
+    from tests.support.graph_nodes import primitive_kinds
+
+    rows = 16
+    logits = mx.random.normal((rows, 500), key=mx.random.key(4))
+    mx.eval(logits)
+    params = [SamplingParams(temperature=0.0)] * rows
+    got = sample_lazily(logits, params, [TokenHistory([1]) for _ in range(rows)], [RequestRng(1) for _ in range(rows)])
+    assert "Concatenate" not in primitive_kinds(got.tokens, tmp_path / "tokens.dot")
+    assert got.tokens.dtype == mx.int32
+    assert got.tokens.tolist() == np.argmax(np.array(logits), axis=-1).tolist()
+    picks = [3, 0, 9]
+    assert got.subset(picks).tokens.tolist() == [got.tokens.tolist()[i] for i in picks]
+    assert got.subset(range(rows)) is got

@@ -35,7 +35,7 @@ import mlx.core as mx
 
 from tessera.engine.model.trace import ForwardTrace
 from tessera.engine.serving.protocol import SamplingParams, StepPlan
-from tessera.engine.serving.sampler import LazyRow
+from tessera.engine.serving.sampler import LazySamples
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class QueuedStep:
 
     decodes: tuple[tuple[str, int], ...]  # (request id, position of the token it is fed), in batch order
     fed_tokens: tuple[int, ...]  # the tokens it was fed, as the host read them after queueing it
-    rows: tuple[LazyRow, ...]  # its sampled rows, one per decode (lazy, queued)
+    samples: LazySamples  # its sampled rows, one per decode (lazy, queued)
     timer: ForwardTrace
     undo: Callable[[], None]  # puts every touched cache, prefix state and random stream back
 
@@ -85,7 +85,3 @@ def can_queue_ahead(plan: StepPlan, sampling: Sequence[SamplingParams], room: bo
     can be sampled ahead (`sampling`, in the plan's order), and every cache has `room` for one more token."""
     return plan.prefill is None and bool(plan.decodes) and room and all(samples_ahead(p) for p in sampling)
 
-
-def fed_tokens(rows: Sequence[LazyRow]) -> mx.array:
-    """The sampled rows' tokens as the next step's input [B] int32, still on the device."""
-    return mx.concatenate([row[0] for row in rows]).astype(mx.int32)

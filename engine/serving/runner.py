@@ -30,7 +30,7 @@ from tessera.engine.model.memory_plan import attention_call_elements, cache_byte
 from tessera.engine.model.quantized import QuantizedWeight
 from tessera.engine.model.deepseek_v4 import PENDING_TOKEN, DeepseekV4, Segment, fill_pending_token
 
-from tessera.engine.serving.decode_overlap import OverlapCounts, QueuedStep, can_queue_ahead, fed_tokens
+from tessera.engine.serving.decode_overlap import OverlapCounts, QueuedStep, can_queue_ahead
 from tessera.engine.serving.prefix_cache import Lineage, PrefixCache, PrefixNode
 from tessera.engine.serving.protocol import (
     PrefillChunk,
@@ -42,7 +42,7 @@ from tessera.engine.serving.protocol import (
     StepPlan,
 )
 from tessera.engine.serving.sampler import (
-    LazyRow, RequestRng, Sample, TokenHistory, ranked_logprobs, read_samples, row_arrays, sample_lazily, token_logprobs,
+    LazySamples, RequestRng, Sample, TokenHistory, ranked_logprobs, read_samples, sample_lazily, token_logprobs,
 )
 from tessera.engine.model.trace import ForwardTrace
 
@@ -84,7 +84,7 @@ class _Sequence:
     prompt_ids: tuple[int, ...]
 
 
-_Ahead = tuple[list[LazyRow], ForwardTrace, Callable[[], None]]  # a queued step's rows, trace and undo
+_Ahead = tuple[LazySamples, ForwardTrace, Callable[[], None]]  # a queued step's samples, trace and undo
 
 
 def _restorer(seq: _Sequence) -> Callable[[], None]:
@@ -224,7 +224,7 @@ class ModelRunner:
             for slot in plan.decodes:  # the tokens it was fed are on the host now
                 fill_pending_token(self._sequences[slot.request_id].cache, slot.position, slot.token_id)
             self._save_prefixes(plan)
-            sampled = self._read_and_queue(plan, list(plan.request_ids), [queued.rows[i] for i in rows])
+            sampled = self._read_and_queue(plan, list(plan.request_ids), queued.samples.subset(rows))
         except Exception:
             queued.undo()  # the Runner contract: a failed step leaves its requests as they were
             raise
@@ -372,23 +372,23 @@ class ModelRunner:
         if any(s.sampling.constraint is not None for s in seqs):
             mx.async_eval(logits)  # the model step runs while the host computes the grammar masks
             masks = [s.sampling.constraint.allowed_mask() if s.sampling.constraint is not None else None for s in seqs]
-        rows = sample_lazily(logits, [s.sampling for s in seqs], [s.history for s in seqs], [s.rng for s in seqs], masks)
-        return self._read_and_queue(plan, request_ids, rows)
+        lazy = sample_lazily(logits, [s.sampling for s in seqs], [s.history for s in seqs], [s.rng for s in seqs], masks)
+        return self._read_and_queue(plan, request_ids, lazy)
 
-    def _read_and_queue(self, plan: StepPlan, request_ids: list[str], rows: list[LazyRow]) -> list[SampledToken]:
+    def _read_and_queue(self, plan: StepPlan, request_ids: list[str], lazy: LazySamples) -> list[SampledToken]:
         """The plan's sampled rows on the host, the step after the plan queued on the device first (when it
         may be: decode_overlap.can_queue_ahead)."""
-        ahead = self._queue_ahead(plan, rows)
-        samples = read_samples(rows)  # waits for this step only: the one queued after it keeps running
+        ahead = self._queue_ahead(plan, lazy)
+        samples = read_samples(lazy)  # waits for this step only: the one queued after it keeps running
         if ahead is not None:
-            next_rows, timer, undo = ahead
+            next_samples, timer, undo = ahead
             decodes = tuple((slot.request_id, slot.position + 1) for slot in plan.decodes)
-            self._queued = QueuedStep(decodes, tuple(s.token_id for s in samples), tuple(next_rows), timer, undo)
+            self._queued = QueuedStep(decodes, tuple(s.token_id for s in samples), next_samples, timer, undo)
         return self._accept(request_ids, samples)
 
-    def _queue_ahead(self, plan: StepPlan, rows: list[LazyRow]) -> _Ahead | None:
-        """Build and queue the decode step after `plan` on `rows`' tokens, still on the device -> (its lazy
-        rows, its trace, its undo), or None when it may not be queued (or building it failed: then the step
+    def _queue_ahead(self, plan: StepPlan, lazy: LazySamples) -> _Ahead | None:
+        """Build and queue the decode step after `plan` on `lazy`'s tokens, still on the device -> (its lazy
+        samples, its trace, its undo), or None when it may not be queued (or building it failed: then the step
         runs when it is planned, as without the overlap)."""
         seqs = [self._sequences[slot.request_id] for slot in plan.decodes]
         room = all(s.cache.num_tokens < self.max_context for s in seqs)
@@ -396,21 +396,21 @@ class ModelRunner:
             return None
         undo = _restorers(seqs)
         try:
-            mx.async_eval(row_arrays(rows))  # this step first in the device's queue
+            mx.async_eval(lazy.arrays())  # this step first in the device's queue
             timer = ForwardTrace(stage_sync=False)
             segments = [Segment(s.cache, [PENDING_TOKEN]) for s in seqs]
-            fed = fed_tokens(rows)  # [B] on the device: this step's samples, not in the histories yet
+            fed = lazy.tokens  # [B] on the device: this step's samples, not in the histories yet
             (logits,) = self.model.forward(segments, tile=self.indexer_tile, timer=timer, device_token_ids=fed, joined=True)
-            next_rows = sample_lazily(logits, [s.sampling for s in seqs], [s.history for s in seqs],
-                                      [s.rng for s in seqs], pending=fed)
-            mx.async_eval(row_arrays(next_rows))
+            next_samples = sample_lazily(logits, [s.sampling for s in seqs], [s.history for s in seqs],
+                                         [s.rng for s in seqs], pending=fed)
+            mx.async_eval(next_samples.arrays())
         except Exception:
             logger.exception("queueing the next decode step ahead failed; it runs when planned")
             undo()
             self._note("failed")
             return None
         self._note("queued")
-        return next_rows, timer, undo
+        return next_samples, timer, undo
 
     def _accept(self, request_ids: list[str], samples: list[Sample]) -> list[SampledToken]:
         """The samples are the requests' tokens now: into their histories (and grammars)."""

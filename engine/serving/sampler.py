@@ -38,6 +38,26 @@ LazyRow = tuple[mx.array, "mx.array | None", "mx.array | None", "mx.array | None
 
 
 @dataclass(frozen=True)
+class LazySamples:
+    """A batch's sampled rows before anything is evaluated, and their tokens as one array: what the next
+    decode step is fed while they are still on the device (engine/serving/decode_overlap.py)."""
+
+    rows: tuple[LazyRow, ...]
+    tokens: mx.array  # [B] int32: row i's token. Plain greedy rows in order: their block's argmax itself,
+    # not the rows concatenated again (on a GPU a concatenation is a copy kernel a row).
+
+    def subset(self, picks: Sequence[int]) -> "LazySamples":
+        """Rows `picks` of this batch, in that order."""
+        if list(picks) == list(range(len(self.rows))):
+            return self
+        return LazySamples(tuple(self.rows[i] for i in picks), self.tokens[mx.array(picks, dtype=mx.int32)])
+
+    def arrays(self) -> list[mx.array]:
+        """Every array the rows and tokens hold (what evaluating them means)."""
+        return [*row_arrays(self.rows), self.tokens]
+
+
+@dataclass(frozen=True)
 class Sample:
     """One row's result: the chosen token, its logprob and the top alternatives (descending) if asked."""
 
@@ -115,7 +135,7 @@ def sample_lazily(
     rngs: Sequence[RequestRng],
     masks: Sequence[bytes | None] | None = None,
     pending: mx.array | None = None,
-) -> list[LazyRow]:
+) -> LazySamples:
     """`sample`'s rows before anything is evaluated: the caller may queue them (`mx.async_eval`) and build
     more work on their tokens first (engine/serving/decode_overlap.py). Each row's random key is drawn now.
     `pending` [B]: each row's last token, sampled but still on the device (not in its history yet): the
@@ -134,15 +154,21 @@ def sample_lazily(
     for i in range(num_rows):
         if _plain_greedy(params[i], histories[i], masks[i], extra):
             plain.setdefault(params[i].logprobs, []).append(i)
+    block_tokens = None
     for num_top, members in plain.items():
-        for i, row in zip(members, _greedy_rows(logits, members, num_top)):
+        greedy, tokens = _greedy_rows(logits, members, num_top)
+        for i, row in zip(members, greedy):
             rows[i] = row
+        if len(members) == num_rows:
+            block_tokens = tokens
     for i in range(num_rows):
         if rows[i] is None:
             token = None if pending is None else pending[i]
             row = restrict(logits[i], params[i], histories[i], masks[i], extra)
             rows[i] = _choose(row, params[i], histories[i], rngs[i], token)
-    return rows
+    if block_tokens is None:
+        block_tokens = mx.concatenate([row[0] for row in rows])
+    return LazySamples(tuple(rows), block_tokens.astype(mx.int32))
 
 
 def _plain_greedy(params: SamplingParams, history: TokenHistory, mask: bytes | None, num_pending: int) -> bool:
@@ -153,20 +179,20 @@ def _plain_greedy(params: SamplingParams, history: TokenHistory, mask: bytes | N
             and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0)
 
 
-def _greedy_rows(logits: mx.array, members: list[int], num_top: int | None) -> list[LazyRow]:
+def _greedy_rows(logits: mx.array, members: list[int], num_top: int | None) -> tuple[list[LazyRow], mx.array]:
     """`_choose` for plain greedy rows `members` of logits [B, V] asking `num_top` logprobs (None: none), as a
     few kernels for all of them instead of a few per row (each row keeps only views of the block's results):
     a batch-16 decode step's sampling launches 1 kernel instead of 16 (~8 instead of ~100 with logprobs).
     Each row's ops are the per-row path's on a [1, V] row of a [G, V] block: the same argmax and the same
     per-row log-sum-exp (tests/test_sampler.py compares them bit for bit; it passes on the CPU and on the H200,
-    docs/BENCHMARKS.md "Session 14 on the H200")."""
+    docs/BENCHMARKS.md "Session 14 on the H200"). -> (the rows, their tokens [G])."""
     block = logits if members == list(range(logits.shape[0])) else logits[mx.array(members)]  # [G, V]
     tokens = mx.argmax(block, axis=-1)  # [G]; ties: the lowest id
     if num_top is None:
-        return [(token, None, None, None) for token in _each_row(tokens, len(members))]
+        return [(token, None, None, None) for token in _each_row(tokens, len(members))], tokens
     logprobs = block - mx.logsumexp(block, axis=-1, keepdims=True)  # [G, V]
     chosen, top_ids, top_values = token_logprobs(logprobs, tokens, num_top)
-    return list(zip(*(_each_row(a, len(members)) for a in (tokens, chosen, top_ids, top_values))))
+    return list(zip(*(_each_row(a, len(members)) for a in (tokens, chosen, top_ids, top_values)))), tokens
 
 
 def _each_row(a: mx.array | None, num_rows: int) -> list:
@@ -176,10 +202,10 @@ def _each_row(a: mx.array | None, num_rows: int) -> list:
     return [a] if num_rows == 1 else mx.split(a, num_rows)
 
 
-def read_samples(rows: Sequence[LazyRow]) -> list[Sample]:
+def read_samples(samples: LazySamples) -> list[Sample]:
     """The rows' tokens (and logprobs) on the host, with one sync for the whole batch."""
-    mx.eval(row_arrays(rows))
-    return [_to_sample(*row) for row in rows]
+    mx.eval(row_arrays(samples.rows))
+    return [_to_sample(*row) for row in samples.rows]
 
 
 def row_arrays(rows: Sequence[LazyRow]) -> list[mx.array]:
