@@ -10,10 +10,16 @@ from tests.support.bench_script import run_bench_script, tiny_model
 def test_overlap_script_times_every_arm_in_alternating_rounds(tmp_path):
     rows = run_bench_script("issue14_decode_overlap.py", tiny_model(tmp_path / "model"), tmp_path / "overlap.jsonl",
                             "--ctx", "100", "--batch", "3", "--chunk", "32", "--tile", "8", "--steps", "3",
-                            "--arms", "serial", "serving_overlap", "--rounds", "1")
+                            "--arms", "serial", "serving_overlap", "--rounds", "1", "--profile-steps", "2")
     rounds = [(r["arm"], r["batch"]) for r in rows if r["what"] == "decode"]
     assert rounds == [(arm, b) for b in (1, 3) for arm in ("serial", "serving_overlap", "serving_overlap", "serial")]
     assert all(len(r["step_ms"]) >= 2 and r["step_ms_median"] > 0 for r in rows if r["what"] == "decode")
     summary = rows[-1]
     assert summary["what"] == "summary"
     assert {"serial_b1_step_ms", "serving_overlap_b3_step_ms", "serial_ratio_b3_over_b1"} <= set(summary)
+    profiles = [r for r in rows if r["what"] == "profile"]
+    assert [(r["arm"], r["batch"]) for r in profiles] == [(arm, b) for b in (1, 3) for arm in ("serial", "serving_overlap")]
+    for r in profiles:  # the model's step is where the host's time goes, and the numbers are per step
+        forward = [f for f in r["functions"] if f["where"].endswith("(forward)")]
+        assert forward and all(f["calls"] >= 1 for f in forward), r["arm"]
+        assert sum(f["self_ms"] for f in r["functions"]) > 0

@@ -28,6 +28,10 @@ A B C D D C B A (--rounds times; --arms picks a subset). Every arm takes greedy 
   layouts since removed.
 
 A step's time is the interval between two tokens reaching the host. One JSON line per round to OUT.
+--profile-steps N: afterwards, each arm at each batch size once more for N steps under cProfile, one
+"profile" line each: where the host's time of a step goes, per function (ms a step; MLX's encoding is
+the time inside `mx.async_eval`, waiting for the device the time inside `tolist` / `mx.eval`). cProfile
+slows Python calls, so read the shares and the batch 1 / batch B differences, not the step times.
 
 H200:
   python docs/bench/issue14_decode_overlap.py /dev/shm/fw OUT.jsonl --ctx 16384 --batch 16 [--as-loaded]
@@ -38,6 +42,8 @@ CPU (small sizes):
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -164,12 +170,31 @@ def main() -> None:
             medians.setdefault((arm, batch), []).append(median)
             emit("decode", arm=arm, ctx=args.ctx, batch=batch, step_ms_median=median,
                  tokens_per_s=batch / median * 1000, step_ms=steps)
+    for batch in (1, args.batch) if args.profile_steps else ():
+        for arm in args.arms:
+            emit("profile", arm=arm, ctx=args.ctx, batch=batch, steps=args.profile_steps,
+                 **host_profile(ARMS[arm], model, caches[:batch], args.profile_steps))
     summary = {f"{arm}_b{batch}_step_ms": statistics.median(v) for (arm, batch), v in medians.items()}
     for arm in args.arms:
         one, many = summary[f"{arm}_b1_step_ms"], summary[f"{arm}_b{args.batch}_step_ms"]
         summary[f"{arm}_ratio_b{args.batch}_over_b1"] = (args.batch / many) / (1 / one)
     emit("summary", ctx=args.ctx, batch=args.batch, as_loaded=args.as_loaded, **summary,
          seconds=round(time.perf_counter() - t0, 2))
+
+
+def host_profile(arm, model, caches, steps: int, top: int = 60) -> dict:
+    """`arm` for `steps` steps under cProfile -> the functions with the most time of their own, ms a step
+    ("self"; "total" with what they call), and how often each ran a step."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    arm(model, caches, steps)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (primitive calls, calls, self s, total s, callers)
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    return {"functions": [
+        {"where": f"{Path(file).name}:{line}({name})", "self_ms": round(own / steps * 1e3, 4),
+         "total_ms": round(total / steps * 1e3, 4), "calls": round(calls / steps, 2)}
+        for (file, line, name), (_, calls, own, total, _) in rows]}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -183,6 +208,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tile", type=int, default=1024)
     p.add_argument("--arms", nargs="+", choices=list(ARMS), default=["serial", "overlap", "serving", "serving_overlap"], help="the arms to run, in this order")
     p.add_argument("--rounds", type=int, default=2, help="A B .. B A sequences per batch size")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="then each arm and batch size this many steps under cProfile (0: none)")
     p.add_argument("--as-loaded", action="store_true",
                    help="keep a quantized checkpoint's weights as loaded (mxfp8/mxfp4), not dequantized to bf16")
     return p

@@ -140,19 +140,34 @@ def _window_rows(rows: DecodeRows, cfg: ModelConfig) -> tuple[mx.array, mx.array
     tiled path does (index clamped at 0, masked), one by one."""
     window, keep = cfg.sliding_window, cfg.sliding_window - 1
     caches = [s.cache for s in rows.segments]
-    full = [i for i, c in enumerate(caches) if keep > 0 and c.num_window_rows == keep]
-    short = [i for i, c in enumerate(caches) if not (keep > 0 and c.num_window_rows == keep)]
+    is_full = [keep > 0 and c.num_window_rows == keep for c in caches]
+    if all(is_full):  # the steady state: no per-sequence array, and the all-valid mask made once per shape
+        return _full_window_keys(caches, stacked([c.stored_window for c in caches]), rows.kv), _all_valid(len(caches), window)
+    full = [i for i, f in enumerate(is_full) if f]
+    short = [i for i, f in enumerate(is_full) if not f]
     parts, valid = [], np.ones((len(caches), window), dtype=bool)
     if full:
         prev = stacked([caches[i].stored_window for i in full])  # [F, W - 1, hd]
-        keys = mx.concatenate([prev, _picker(full, len(caches))(rows.kv)[:, None, :]], axis=1)  # [F, W, hd]
-        moved = keys[:, 1:]
-        for j, i in enumerate(full):
-            caches[i].window = Stacked(moved, j)
-        parts.append(keys)
+        parts.append(_full_window_keys([caches[i] for i in full], prev, _picker(full, len(caches))(rows.kv)))
     if short:
         parts.append(mx.stack([_short_window_keys(caches[i], rows.kv[i : i + 1], valid[i], window) for i in short]))
     return _in_order(parts, full + short), mx.array(valid)
+
+
+def _full_window_keys(caches: list[LayerCache], prev: mx.array, kv: mx.array) -> mx.array:
+    """Sequences whose windows are full: their W - 1 cached rows prev [F, W - 1, hd] and this step's K
+    kv [F, hd] -> keys [F, W, hd]; each cache's window moves on to its row of keys[:, 1:]."""
+    keys = mx.concatenate([prev, kv[:, None, :]], axis=1)  # [F, W, hd]
+    moved = keys[:, 1:]
+    for j, cache in enumerate(caches):
+        cache.window = Stacked(moved, j)
+    return keys
+
+
+@lru_cache(maxsize=64)
+def _all_valid(num_seqs: int, window: int) -> mx.array:
+    """[num_seqs, window] bool, all True: made once per shape from the host, a leaf of the step's graph."""
+    return mx.array(np.ones((num_seqs, window), dtype=bool))
 
 
 def _short_window_keys(cache: LayerCache, kv: mx.array, valid: np.ndarray, window: int) -> mx.array:
