@@ -12,11 +12,11 @@ vectors of a row. A gather is a copy, so kernel and reference give the same bits
 Switch: TESSERA_ROW_GATHER_KERNEL=0 keeps MLX's gather on CUDA too (1, the default, uses the kernel
 where it is supported: CUDA, rows a whole number of 16-byte vectors). The decode batch's gather
 (`take_rows_batched_kernel`) also needs TESSERA_DECODE_BATCH_KERNELS (kernels/cuda.py) on, and
-TESSERA_DECODE_BATCH_GATHER=1: off by default, because on the H200 it gives the same bits but no speed
-(batch 16 at 16k decoded at 7.4× batch 1 with and without it; docs/BENCHMARKS.md, "Session 8 on the
-H200"). Off, a decode batch's selected rows take the per-sequence path. On, an HCA decode batch's every
-compressed row takes it as well (engine/model/decode_attention.py: one launch instead of a copy a sequence;
-not measured on a GPU yet).
+TESSERA_DECODE_BATCH_GATHER (default 1): a decode batch's CSA selected rows and an HCA batch's every
+compressed row take one launch each (engine/model/decode_attention.py) instead of a gather or a copy per
+sequence. The same bits; on the H200 the serving step at batch 16 and 16k took 5.50 ms with it against 6.10
+without (A B B A in one process; docs/BENCHMARKS.md, "Session 16 on the H200"). Session 8, before the step
+was bound by the host's launches, had seen no difference; =0 takes the per-sequence path.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from tessera.kernels.switch import Switch
 ENV_VAR = "TESSERA_ROW_GATHER_KERNEL"
 _switch = Switch(ENV_VAR)
 BATCH_ENV_VAR = "TESSERA_DECODE_BATCH_GATHER"
-_batch_switch = Switch(BATCH_ENV_VAR, default=False)
+_batch_switch = Switch(BATCH_ENV_VAR)
 
 
 def batch_gather_enabled() -> bool:

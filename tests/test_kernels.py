@@ -169,7 +169,8 @@ def test_decode_batch_kernels_switch_turns_both_batched_kernels_off(monkeypatch)
     monkeypatch.setattr(row_gather, "on_cuda", lambda: True)
     q, xs, idx = mx.zeros((2, 16, 64)), [mx.zeros((8, 32))] * 2, mx.zeros((2, 4), dtype=mx.int32)
     monkeypatch.setattr(cuda.decode_batch_kernels, "_enabled", True)
-    assert indexer_cuda.batch_is_supported(q) and not row_gather.batch_is_supported(xs, idx)  # the gather: off by default
+    monkeypatch.setattr(row_gather._batch_switch, "_enabled", False)
+    assert indexer_cuda.batch_is_supported(q) and not row_gather.batch_is_supported(xs, idx)  # the gather's own switch
     monkeypatch.setattr(row_gather._batch_switch, "_enabled", True)
     assert row_gather.batch_is_supported(xs, idx)
     monkeypatch.setattr(cuda.decode_batch_kernels, "_enabled", False)
@@ -389,12 +390,13 @@ def test_mxfp8_qmv_decodes_e4m3_as_mlx_dequantizes_it():
 @pytest.mark.parametrize("module, function, env_var, default", [
     ("tessera.kernels.moe_padded", "combine_kernel_enabled", "TESSERA_MOE_COMBINE_KERNEL", "True"),
     ("tessera.kernels.moe_padded", "index_kernel_enabled", "TESSERA_MOE_INDEX_KERNEL", "True"),
-    ("tessera.kernels.row_gather", "batch_gather_enabled", "TESSERA_DECODE_BATCH_GATHER", "False"),
+    ("tessera.kernels.row_gather", "batch_gather_enabled", "TESSERA_DECODE_BATCH_GATHER", "True"),
     ("tessera.kernels.mxfp8_qmv", "kernel_enabled", "TESSERA_MXFP8_QMV_KERNEL", "True"),
 ])
 def test_kernel_switch_defaults_are_what_the_h200_measured(module, function, env_var, default):
-    """On where the kernel passed its CUDA tests and paid on the H200 (the MoE's combine and index
-    kernels); off where it did not pay (the batched decode gather): docs/BENCHMARKS.md, "Session 8 on the H200". Each variable flips its default."""
+    """On where the kernel passed its CUDA tests and paid on the H200: the MoE's combine and index kernels
+    (docs/BENCHMARKS.md, "Session 8 on the H200"), the batched decode gather ("Session 16"), the mxfp8 decode
+    projections ("Session 15"). Each variable flips its default."""
     from tests.support.env_switch import switch_in_fresh_process
 
     assert switch_in_fresh_process(env_var, None, module, function) == default

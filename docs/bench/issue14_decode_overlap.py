@@ -20,8 +20,9 @@ A B C D D C B A (--rounds times; --arms picks a subset). Every arm takes greedy 
   (TESSERA_STACKED_INPUTS=0); serving_overlap_dense8: with TESSERA_DENSE_MIN_ROWS=8 (decode batches of 8 or
   more sequences run the attention and shared-expert projections on per-step dequantized copies; on the H200
   the op bench had them slower than the quantized GEMM at 16 rows, docs/BENCHMARKS.md "Session 14").
-- serving_overlap_batch_gather: serving_overlap with TESSERA_DECODE_BATCH_GATHER=1 (a decode batch's CSA
-  selected rows and HCA rows in one launch each, kernels/row_gather.py, instead of a gather or copy per sequence);
+- serving_overlap_batch_gather, serving_overlap_no_batch_gather: serving_overlap with TESSERA_DECODE_BATCH_GATHER
+  1 or 0 (a decode batch's CSA selected rows and HCA rows in one launch each, kernels/row_gather.py, or a gather
+  or copy per sequence; 1 is the default since session 16, 0 before);
 - serving_overlap_no_mxfp8_qmv: serving_overlap with kernels/mxfp8_qmv.py off (MLX's quantized matmul for a batch's
   mxfp8 projections; TESSERA_MXFP8_QMV_KERNEL=0).
   Session 14's raw file also holds serving_overlap_qmv_bits and serving_overlap_qmv_prefetch, gather_qmv
@@ -147,6 +148,8 @@ ARMS["serving_overlap_unstacked"] = with_setting(attention.stacked_inputs_enable
                                                  ARMS["serving_overlap"])
 ARMS["serving_overlap_batch_gather"] = with_setting(row_gather.batch_gather_enabled, row_gather.set_batch_gather_enabled, True,
                                                     ARMS["serving_overlap"])  # TESSERA_DECODE_BATCH_GATHER=1
+ARMS["serving_overlap_no_batch_gather"] = with_setting(row_gather.batch_gather_enabled, row_gather.set_batch_gather_enabled,
+                                                       False, ARMS["serving_overlap"])  # TESSERA_DECODE_BATCH_GATHER=0
 ARMS["serving_overlap_no_mxfp8_qmv"] = with_setting(mxfp8_qmv.kernel_enabled, mxfp8_qmv.set_kernel_enabled, False,
                                                     ARMS["serving_overlap"])  # TESSERA_MXFP8_QMV_KERNEL=0
 
