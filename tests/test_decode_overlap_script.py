@@ -23,3 +23,4 @@ def test_overlap_script_times_every_arm_in_alternating_rounds(tmp_path):
         forward = [f for f in r["functions"] if f["where"].endswith("(forward)")]
         assert forward and all(f["calls"] >= 1 for f in forward), r["arm"]
         assert sum(f["self_ms"] for f in r["functions"]) > 0
+        assert any("(_layer)" in c or "(_compiled_layer)" in c for f in r["functions"] for c in f["callers"])

@@ -187,7 +187,8 @@ def main() -> None:
 
 def host_profile(arm, model, caches, steps: int, top: int = 60) -> dict:
     """`arm` for `steps` steps under cProfile -> the functions with the most time of their own, ms a step
-    ("self"; "total" with what they call), and how often each ran a step."""
+    ("self"; "total" with what they call), how often each ran a step, and the three callers that spent
+    the most time in it."""
     profiler = cProfile.Profile()
     profiler.enable()
     arm(model, caches, steps)
@@ -196,8 +197,14 @@ def host_profile(arm, model, caches, steps: int, top: int = 60) -> dict:
     rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
     return {"functions": [
         {"where": f"{Path(file).name}:{line}({name})", "self_ms": round(own / steps * 1e3, 4),
-         "total_ms": round(total / steps * 1e3, 4), "calls": round(calls / steps, 2)}
-        for (file, line, name), (_, calls, own, total, _) in rows]}
+         "total_ms": round(total / steps * 1e3, 4), "calls": round(calls / steps, 2), "callers": _top_callers(callers)}
+        for (file, line, name), (_, calls, own, total, callers) in rows]}
+
+
+def _top_callers(callers: dict, top: int = 3) -> list[str]:
+    """pstats' callers of one function ((file, line, name) -> (…, self s, total s)) -> the `top` by time spent."""
+    ranked = sorted(callers.items(), key=lambda item: -item[1][3])[:top]
+    return [f"{Path(file).name}:{line}({name})" for (file, line, name), _ in ranked]
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -203,9 +203,10 @@ def _each_row(a: mx.array | None, num_rows: int) -> list:
 
 
 def read_samples(samples: LazySamples) -> list[Sample]:
-    """The rows' tokens (and logprobs) on the host, with one sync for the whole batch."""
-    mx.eval(row_arrays(samples.rows))
-    return [_to_sample(*row) for row in samples.rows]
+    """The rows' tokens (and logprobs) on the host, with one sync for the whole batch; the tokens in one
+    copy (`tokens`), not an `.item()` a row."""
+    mx.eval(samples.arrays())
+    return [_to_sample(token_id, *row[1:]) for token_id, row in zip(samples.tokens.tolist(), samples.rows)]
 
 
 def row_arrays(rows: Sequence[LazyRow]) -> list[mx.array]:
@@ -373,9 +374,8 @@ def _choose(row: mx.array, params: SamplingParams, history: TokenHistory, rng: R
 
 
 def _to_sample(
-    token: mx.array, chosen: mx.array | None, top_ids: mx.array | None, top_values: mx.array | None
+    token_id: int, chosen: mx.array | None, top_ids: mx.array | None, top_values: mx.array | None
 ) -> Sample:
-    token_id = int(token.item())
     if chosen is None:
         return Sample(token_id)
     ((logprob, top),) = ranked_logprobs(chosen, top_ids, top_values)
