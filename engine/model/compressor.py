@@ -191,9 +191,10 @@ def _closed_windows(
         if pick is None:
             overlap_kv, overlap_gate = ca_kv, ca_gate
         else:
-            shut = mx.array(np.isin(np.arange(num), closing).reshape(num, 1, 1))
-            order = mx.array(np.cumsum(np.isin(np.arange(num), closing)) - 1)  # row b -> its closing index
-            order = mx.maximum(order, 0)
+            is_closing = np.zeros(num, dtype=bool)
+            is_closing[closing] = True
+            shut = mx.array(is_closing.reshape(num, 1, 1))
+            order = mx.array(np.maximum(np.cumsum(is_closing) - 1, 0))  # row b -> its closing index (0 if none)
             overlap_kv = mx.where(shut, ca_kv[order], overlap_kv)
             overlap_gate = mx.where(shut, ca_gate[order], overlap_gate)
         kv_w = mx.concatenate([prev_kv, kv_w[..., head_dim:]], axis=1)  # [E, 2·ratio, d]
