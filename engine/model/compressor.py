@@ -118,9 +118,10 @@ def compress_decode(
 
     The same rows and frontiers as `compress` on each token alone, in a number of graph ops that does
     not grow with B: the open groups of all B sequences live in one [B, ratio, width] array
-    (`FrontierSlots`), each token is written into its sequence's next slot by one scatter, and the
-    windows that close are pooled, normed and rotated as one [E, ratio, ·] batch (every op is per
-    window, as in `compress`'s [n, ratio, ·] batch of windows). The new frontiers are rows of the
+    (`FrontierSlots`), each token is written into its sequence's next slot by one scatter, and when any
+    window closes, all B windows are pooled, normed and rotated as one [B, ratio, ·] batch, the closing
+    ones' rows kept (every op is per window, as in `compress`'s [n, ratio, ·] batch of windows;
+    `_closed_windows`). The new frontiers are rows of the
     step's arrays, which the next step of the same sequences takes back whole (cache.stacked)."""
     num = len(frontiers)
     kv_new, gate_new = projected if projected is not None else (linear(x, weights.wkv), linear(x, weights.wgate))  # [B, width]
@@ -134,8 +135,8 @@ def compress_decode(
     overlap_kv, overlap_gate = slots.overlap_kv, slots.overlap_gate
     if closing:
         rows, overlap_kv, overlap_gate = _closed_windows(kv, gate, slots, closing, frontiers, weights, ratio, overlapping, rope, eps)
-        for e, i in enumerate(closing):
-            emitted[i] = rows[e : e + 1]
+        for i in closing:
+            emitted[i] = rows[i : i + 1]
     after_slots = FrontierSlots(kv, gate, overlap_kv, overlap_gate)
     shut = set(closing)
     after = [
@@ -174,30 +175,26 @@ def _closed_windows(
     kv: mx.array, gate: mx.array, slots: FrontierSlots, closing: list[int], frontiers: list[CompressorFrontier],
     weights: CompressorWeights, ratio: int, overlapping: bool, rope: RopeSpec, eps: float,
 ) -> tuple[mx.array, mx.array | None, mx.array | None]:
-    """The windows of rows `closing` (full after this token) -> (their rows [E, head_dim], the
-    overlap halves after the step [B, ratio, d] or None)."""
+    """The step's windows kv, gate [B, ratio, width] of which rows `closing` are full after this token ->
+    (every row's pooled row [B, head_dim], of which only the closing rows' mean anything; the overlap
+    halves after the step [B, ratio, d] or None).
+
+    Every row's window is pooled, the open ones too (their rows are dropped): gathering the closing rows
+    out first would cost gathers and index arrays every step a batch's sequences close at different
+    steps, and each row's ops are its own (per window), so a closing row's bits are the same either way."""
     num, head_dim = kv.shape[0], weights.norm.shape[0]
-    if len(closing) < num:
-        pick = mx.array(closing)
-        kv_w, gate_w = kv[pick], gate[pick]  # [E, ratio, width]
-    else:
-        pick, kv_w, gate_w = None, kv, gate
-    gate_w = gate_w + weights.ape
+    gate = gate + weights.ape
     overlap_kv, overlap_gate = slots.overlap_kv, slots.overlap_gate
     if overlapping:
-        prev_kv = overlap_kv if pick is None else overlap_kv[pick]  # [E, ratio, d]
-        prev_gate = overlap_gate if pick is None else overlap_gate[pick]
-        ca_kv, ca_gate = kv_w[..., :head_dim], gate_w[..., :head_dim]
-        if pick is None:
+        ca_kv, ca_gate = kv[..., :head_dim], gate[..., :head_dim]
+        kv = mx.concatenate([overlap_kv, kv[..., head_dim:]], axis=1)  # [B, 2·ratio, d]
+        gate = mx.concatenate([overlap_gate, gate[..., head_dim:]], axis=1)
+        if len(closing) == num:
             overlap_kv, overlap_gate = ca_kv, ca_gate
-        else:
-            is_closing = np.zeros(num, dtype=bool)
+        else:  # a closing row's Ca half is the next window's overlap; the others keep theirs
+            is_closing = np.zeros((num, 1, 1), dtype=bool)
             is_closing[closing] = True
-            shut = mx.array(is_closing.reshape(num, 1, 1))
-            order = mx.array(np.maximum(np.cumsum(is_closing) - 1, 0))  # row b -> its closing index (0 if none)
-            overlap_kv = mx.where(shut, ca_kv[order], overlap_kv)
-            overlap_gate = mx.where(shut, ca_gate[order], overlap_gate)
-        kv_w = mx.concatenate([prev_kv, kv_w[..., head_dim:]], axis=1)  # [E, 2·ratio, d]
-        gate_w = mx.concatenate([prev_gate, gate_w[..., head_dim:]], axis=1)
-    positions = mx.array([frontiers[i].num_emitted * ratio for i in closing])  # [E]
-    return _pooled_rows(kv_w, gate_w, weights, positions, rope, eps), overlap_kv, overlap_gate
+            shut = mx.array(is_closing)
+            overlap_kv, overlap_gate = mx.where(shut, ca_kv, overlap_kv), mx.where(shut, ca_gate, overlap_gate)
+    positions = mx.array([f.num_emitted * ratio for f in frontiers])  # [B]: each window's first token
+    return _pooled_rows(kv, gate, weights, positions, rope, eps), overlap_kv, overlap_gate
