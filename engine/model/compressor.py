@@ -20,6 +20,7 @@ from tessera.engine.model.config import RopeSpec
 from tessera.engine.model.norms import rms_norm
 from tessera.engine.model.quantized import Weight, linear
 from tessera.engine.model.rope import apply_rope, cos_sin
+from tessera.kernels.shapeless import shapeless
 
 
 @dataclass(frozen=True)
@@ -68,10 +69,17 @@ def _pooled_rows(kv: mx.array, gate: mx.array, weights: CompressorWeights, posit
     """Closed windows kv, gate [n, slots, ·] (gate biased) -> their compressed rows [n, head_dim]: the
     gate-softmax-weighted sum of the slots, normed, rotated at `positions` [n]. One owner for prefill
     (`compress`) and decode (`compress_decode`), so the two give the same bits."""
-    pooled = (kv * mx.softmax(gate.astype(mx.float32), axis=1, precise=True).astype(kv.dtype)).sum(axis=1)
-    rows = rms_norm(pooled, weights.norm, eps)  # [n, head_dim]
+    rows = rms_norm(_pool(kv, gate), weights.norm, eps)  # [n, head_dim]
     cos, sin = cos_sin(rope, positions)
     return apply_rope(rows, cos, sin)
+
+
+@shapeless
+def _pool(kv: mx.array, gate: mx.array) -> mx.array:
+    """kv, gate [n, slots, d] -> [n, d]: each window's slots summed, weighted by the softmax of their gates
+    (float32) over the slots. Compiled (kernels/shapeless.py): the softmax's elementwise steps fuse with
+    the weighting; a decode batch whose sequences close windows at different steps pools every step."""
+    return (kv * mx.softmax(gate.astype(mx.float32), axis=1, precise=True).astype(kv.dtype)).sum(axis=1)
 
 
 def _overlap_slots(
