@@ -31,8 +31,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import mlx.core as mx
-
 from tessera.engine.model.trace import ForwardTrace
 from tessera.engine.serving.protocol import SamplingParams, StepPlan
 from tessera.engine.serving.sampler import LazySamples
