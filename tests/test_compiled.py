@@ -182,6 +182,29 @@ def test_rope_gives_the_reference_bits_for_every_shape(dtype, enabled):
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+def test_compressor_pooling_gives_the_same_bits_compiled_and_plain_for_every_shape(dtype):
+    """engine/model/compressor.py's window pooling (gate softmax over a window's slots, weighted sum),
+    compiled shapeless: the per-op bits for prefill's n windows and a decode batch's B, one trace for all;
+    a -inf gate slot (an overlap before any window closed) weighs nothing."""
+    from tessera.engine.model.compressor import _pool
+
+    for step, (windows, slots) in enumerate([(1, 8), (13, 8), (3, 128), (16, 8), (1, 8)]):
+        kv = (mx.random.normal((windows, slots, 32), key=mx.random.key(step)) * 2).astype(dtype)
+        gate = (mx.random.normal((windows, slots, 32), key=mx.random.key(50 + step)) * 3).astype(dtype)
+        gate = mx.concatenate([mx.full((windows, slots // 2, 32), -mx.inf, dtype=dtype), gate[:, slots // 2 :]], axis=1)
+        outs = {}
+        for enabled in (True, False):
+            compiled.set_compile_enabled(enabled)
+            outs[enabled] = _pool(kv, gate)
+        weights = mx.softmax(gate.astype(mx.float32), axis=1, precise=True).astype(dtype)
+        want = (kv * weights).sum(axis=1)
+        assert outs[True].shape == (windows, 32) and outs[True].dtype == dtype
+        assert mx.array_equal(outs[True], outs[False]).item() and mx.array_equal(outs[True], want).item(), (windows, slots)
+        open_half = (kv[:, slots // 2 :] * weights[:, slots // 2 :]).sum(axis=1)
+        assert mx.allclose(outs[True].astype(mx.float32), open_half.astype(mx.float32), rtol=2e-2, atol=1e-2).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
 def test_norms_give_the_same_bits_compiled_and_plain_for_every_shape(dtype):
     from tessera.engine.model.norms import rms_norm, unweighted_rms_norm
 
