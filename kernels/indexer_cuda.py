@@ -14,6 +14,7 @@ and ≤ 256, and the block's query tile plus every head weight within 48 KiB of 
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Sequence
 
 import mlx.core as mx
@@ -177,10 +178,17 @@ _BATCHED_PREAMBLE = r"""
 
 
 def _batched_kernel(num_seqs: int):
+    return compiled_kernel(*_batched_kernel_text(num_seqs), _HEADER)
+
+
+@cache
+def _batched_kernel_text(num_seqs: int) -> tuple[str, tuple[str, ...], tuple[str, ...], str]:
+    """(name, inputs, outputs, source) for `num_seqs` key buffers, made once: `compiled_kernel`'s cache is
+    keyed by them, and a source string made anew every step would be hashed anew every step."""
     cases = "\n".join(f"    case {b}: k = keys{b}; break;" for b in range(1, num_seqs))
     source = _DECLARATIONS + _BATCHED_PREAMBLE.replace("{cases}", cases) + _BODY
     inputs = ("qs", "ws", "visibles", "sizes", *(f"keys{b}" for b in range(num_seqs)))
-    return compiled_kernel(f"tessera_indexer_scores_batched_{num_seqs}", inputs, ("scores_all",), source, _HEADER)
+    return f"tessera_indexer_scores_batched_{num_seqs}", inputs, ("scores_all",), source
 
 
 def indexer_scores_batched_kernel(

@@ -21,6 +21,8 @@ was bound by the host's launches, had seen no difference; =0 takes the per-seque
 
 from __future__ import annotations
 
+from functools import cache
+
 import mlx.core as mx
 
 from tessera.kernels.cuda import compiled_kernel, decode_batch_kernels, input_slots, on_cuda
@@ -132,10 +134,16 @@ def batch_is_supported(xs: list[mx.array], idx: mx.array) -> bool:
 
 
 def _batched_kernel(num_seqs: int):
+    return compiled_kernel(*_batched_kernel_text(num_seqs), "")
+
+
+@cache
+def _batched_kernel_text(num_seqs: int) -> tuple[str, tuple[str, ...], tuple[str, ...], str]:
+    """(name, inputs, outputs, source) for `num_seqs` buffers, made once: `compiled_kernel`'s cache is keyed
+    by them, and a source string made anew every step would be hashed anew every step."""
     cases = "\n".join(f"    case {b}: x = x{b}; break;" for b in range(1, num_seqs))
     inputs = ("idx", *(f"x{b}" for b in range(num_seqs)))
-    return compiled_kernel(f"tessera_take_rows_batched_{num_seqs}", inputs, ("out",),
-                           _BATCHED_SOURCE.replace("{cases}", cases), "")
+    return f"tessera_take_rows_batched_{num_seqs}", inputs, ("out",), _BATCHED_SOURCE.replace("{cases}", cases)
 
 
 def take_rows_batched_kernel(xs: list[mx.array], idx: mx.array) -> mx.array:
