@@ -15,8 +15,9 @@ where it is supported: CUDA, rows a whole number of 16-byte vectors). The decode
 TESSERA_DECODE_BATCH_GATHER (default 1): a decode batch's CSA selected rows and an HCA batch's every
 compressed row take one launch each (engine/model/decode_attention.py) instead of a gather or a copy per
 sequence. The same bits; on the H200 the serving step at batch 16 and 16k took 5.50 ms with it against 6.10
-without (A B B A in one process; docs/BENCHMARKS.md, "Session 16 on the H200"). Session 8, before the step
-was bound by the host's launches, had seen no difference; =0 takes the per-sequence path.
+without (A B B A in one process, one host; two noisier hosts resolved no difference: docs/BENCHMARKS.md,
+"Session 16 on the H200"). Session 8, before the step was bound by the host's launches, had seen none either;
+=0 takes the per-sequence path.
 """
 
 from __future__ import annotations
