@@ -25,6 +25,8 @@ A B C D D C B A (--rounds times; --arms picks a subset). Every arm takes greedy 
   or copy per sequence; 1 is the default since session 16, 0 before);
 - serving_overlap_no_mxfp8_qmv: serving_overlap with kernels/mxfp8_qmv.py off (MLX's quantized matmul for a batch's
   mxfp8 projections; TESSERA_MXFP8_QMV_KERNEL=0).
+- serving_overlap_no_host_array_cache: serving_overlap with every small index array made anew from the host each
+  time (TESSERA_HOST_ARRAY_CACHE=0; kernels/host_arrays.py, docs/ARCHITECTURE.md "Host-made arrays").
   Session 14's raw file also holds serving_overlap_qmv_bits and serving_overlap_qmv_prefetch, gather_qmv
   layouts since removed.
 
@@ -62,7 +64,7 @@ use_source_tree()  # `tessera.*` = this checkout, unless it already is
 from docs.bench.probe_io import jsonl_emitter, load_probe_model  # noqa: E402
 from tessera.engine.model import attention, compiled, decode_async, quantized  # noqa: E402
 from tessera.engine.model.deepseek_v4 import PENDING_TOKEN, Segment  # noqa: E402
-from tessera.kernels import gather_qmv, mxfp8_qmv, row_gather  # noqa: E402
+from tessera.kernels import gather_qmv, host_arrays, mxfp8_qmv, row_gather  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled, serving_step_seconds  # noqa: E402
 
 
@@ -154,6 +156,8 @@ ARMS["serving_overlap_no_batch_gather"] = with_setting(row_gather.batch_gather_e
                                                        False, ARMS["serving_overlap"])  # TESSERA_DECODE_BATCH_GATHER=0
 ARMS["serving_overlap_no_mxfp8_qmv"] = with_setting(mxfp8_qmv.kernel_enabled, mxfp8_qmv.set_kernel_enabled, False,
                                                     ARMS["serving_overlap"])  # TESSERA_MXFP8_QMV_KERNEL=0
+ARMS["serving_overlap_no_host_array_cache"] = with_setting(host_arrays.cache_enabled, host_arrays.set_cache_enabled, False,
+                                                           ARMS["serving_overlap"])  # TESSERA_HOST_ARRAY_CACHE=0
 
 
 def main() -> None:
@@ -190,9 +194,11 @@ def main() -> None:
 SETUP_STEPS = 1  # the profile's short run: the arm's setup (a runner and its requests) and this many steps
 
 
-def host_profile(arm, model, caches, steps: int, top: int = 60) -> dict:
-    """`arm` under cProfile -> the functions with the most time of their own, ms a step ("self"; "total" with
-    what they call), how often each ran a step, and the three callers that spent the most time in it.
+def host_profile(arm, model, caches, steps: int, top: int = 60, top_total: int = 20) -> dict:
+    """`arm` under cProfile -> the `top` functions with the most time of their own and the `top_total` with the
+    most in total (the model's step among them, however little of its own it has), by own time: ms a step
+    ("self"; "total" with what they call), how often each ran a step, and the three callers that spent the
+    most time in it.
     The arm's setup is taken out: it runs once for SETUP_STEPS steps and once for SETUP_STEPS + `steps`, and
     each function's numbers are the difference, per step (noisy functions can come out slightly negative)."""
     short = _profiled(arm, model, caches, SETUP_STEPS)
@@ -201,7 +207,9 @@ def host_profile(arm, model, caches, steps: int, top: int = 60) -> dict:
     for key, (_, calls, own, total, callers) in long.items():
         _, short_calls, short_own, short_total, _ = short.get(key, (0, 0, 0.0, 0.0, {}))
         per_step[key] = ((calls - short_calls) / steps, (own - short_own) / steps, (total - short_total) / steps, callers)
-    rows = sorted(per_step.items(), key=lambda item: -item[1][1])[:top]
+    by_total = sorted(per_step, key=lambda key: -per_step[key][2])[:top_total]
+    picked = set(sorted(per_step, key=lambda key: -per_step[key][1])[:top]) | set(by_total)
+    rows = sorted(((key, per_step[key]) for key in picked), key=lambda item: -item[1][1])
     return {"functions": [
         {"where": f"{Path(file).name}:{line}({name})", "self_ms": round(own * 1e3, 4), "total_ms": round(total * 1e3, 4),
          "calls": round(calls, 2), "callers": _top_callers(callers)}

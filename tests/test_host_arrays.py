@@ -1,0 +1,118 @@
+"""A decode step takes the index arrays an earlier step made for the same host values (kernels/host_arrays.py):
+in the steady state a step makes a handful, whatever the batch, instead of one per compressor, layer and
+kernel call. On CUDA each new one of more than 8 bytes can cost the host a managed allocation and a
+synchronous copy (docs/ARCHITECTURE.md "Host-made arrays")."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tessera.engine.model.deepseek_v4 import Segment
+from tessera.engine.model.loader import load_model
+from tessera.engine.tools.make_model import make_model
+from tessera.engine.tools.replay import random_tokens
+from tessera.kernels import host_arrays
+from tests.support.bench_script import ROOT, TINY_OVERRIDES
+
+# Arrays made from host values per steady decode step, 8 steps of sequences at 130 … 133 tokens (so some
+# sequence closes a CSA window every step): 5.75 at batch 4 and 6.0 at batch 12 on the CPU's path, each one
+# new values: the step's token ids and positions, the CSA layers' row counts, the closing CSA windows'
+# positions, the HCA compressor's open slots (its ratio, 32, repeats them only every 32 steps) and the
+# stacked gather's offsets. With the compressor's slots or the row counts made anew each time: 8 to 10.
+MAX_MADE_PER_STEP = 6
+
+
+def test_the_same_values_give_the_same_array():
+    a = host_array_of([3, 1, 2])
+    assert host_array_of([3, 1, 2]) is a
+    assert np.array_equal(np.array(a), [3, 1, 2]) and a.dtype == mx.int32
+    assert host_array_of([3, 1, 4]) is not a
+    assert host_arrays.host_array([3, 1, 2], mx.int64) is not a  # dtype is part of the key
+    assert host_arrays.host_array(np.array([[3, 1, 2]])) is not a  # so is the shape
+    mask = host_arrays.host_array(np.array([True, False]), mx.bool_)
+    assert mask.dtype == mx.bool_ and np.array(mask).tolist() == [True, False]
+
+
+def test_the_cache_keeps_the_most_recently_used():
+    cache = host_arrays.HostArrays(max_entries=2)  # its own: other tests' threads may use the shared one
+    first, second = cache.get([101]), cache.get([102])
+    assert cache.get([101]) is first  # used again: now the most recent
+    cache.get([103])  # evicts [102], the least recently used
+    assert cache.get([101]) is first
+    assert cache.get([102]) is not second
+    assert cache.stats() == host_arrays.HostArrayStats(hits=2, made=4)
+
+
+def host_array_of(values):
+    return host_arrays.host_array(values)
+
+
+@pytest.mark.parametrize("batch", [4, 12])
+def test_a_steady_decode_step_makes_few_arrays_from_host_values(tmp_path, monkeypatch, batch):
+    model = load_model(make_model(tmp_path / "m", "tiny", seed=2, with_tokenizer=False, **TINY_OVERRIDES), dtype="float32")
+    caches = []
+    for b in range(batch):
+        cache = model.new_cache()
+        model.forward([Segment(cache, random_tokens(model.cfg.vocab_size, 130 + b % 4, b))], tile=16)
+        caches.append(cache)
+
+    def steps(first_token: int) -> None:
+        for s in range(8):  # two CSA windows: every open-slot pattern of the batch seen once
+            mx.eval(model.forward([Segment(c, [first_token + s]) for c in caches]), [c.arrays() for c in caches])
+
+    steps(2)
+    made = _count_arrays_made(monkeypatch)
+    before = host_arrays.stats()
+    steps(10)
+    hits = host_arrays.stats().hits - before.hits
+    assert hits > 0  # the step asks for its index arrays through the cache: the bound below is not vacuous
+    assert len(made) / 8 <= MAX_MADE_PER_STEP, (len(made) / 8, made)
+
+
+def _count_arrays_made(monkeypatch) -> list[tuple[int, ...]]:
+    """From now on every `mx.array(...)` anyone calls is recorded (its shape), whoever the caller: `mx.array`
+    becomes a class that makes the real array and still answers isinstance checks for it."""
+    real, made = mx.array, []
+
+    class Recording(type):
+        def __instancecheck__(cls, obj):
+            return isinstance(obj, real)
+
+        def __call__(cls, *args, **kwargs):
+            out = real(*args, **kwargs)
+            made.append(out.shape)
+            return out
+
+    monkeypatch.setattr(mx, "array", Recording("array", (), {}))
+    return made
+
+
+def test_the_cost_probe_times_both_arms_of_every_size_in_alternating_rounds(tmp_path):
+    out = tmp_path / "cost.jsonl"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the script finds its checkout itself
+    done = subprocess.run([sys.executable, str(ROOT / "docs/bench/host_array_cost.py"), str(out), "--sizes", "2", "16",
+                           "--reps", "3", "--rounds", "1"], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    timed = [(r["values"], r["arm"]) for r in rows if r["what"] == "host_array"]
+    assert timed == [(n, arm) for n in (2, 16) for arm in ("fresh", "cached", "cached", "fresh")]
+    assert all(r["make_us_median"] > 0 and r["use_us_median"] > 0 for r in rows if r["what"] == "host_array")
+    summaries = [r for r in rows if r["what"] == "summary"]
+    assert [(r["values"], r["nbytes"]) for r in summaries] == [(2, 8), (16, 64)]
+    assert all(r["fresh_make_us"] > 0 and r["cached_make_us"] > 0 for r in summaries)
+
+
+def test_switched_off_every_call_makes_a_new_array_of_the_same_values(monkeypatch):
+    from tests.support.env_switch import switch_in_fresh_process
+
+    assert switch_in_fresh_process("TESSERA_HOST_ARRAY_CACHE", None, "tessera.kernels.host_arrays", "cache_enabled") == "True"
+    monkeypatch.setattr(host_arrays, "_switch", host_arrays.Switch("TESSERA_HOST_ARRAY_CACHE", default=False))
+    first = host_array_of([7, 8])
+    assert host_array_of([7, 8]) is not first and np.array(host_array_of([7, 8])).tolist() == [7, 8]
