@@ -2,7 +2,8 @@
 run by path on the CPU at tiny sizes, as the H200 runs them, and report what their docstrings promise:
 issue14_step_timeline.py every arm and batch size in alternating rounds with the host's split (the device's own
 time needs a GPU: None here); compiled_step_bits.py the compiled and plain steps' difference (0.0 on the CPU) and
-the warm-up per batch size; decode_encode_split.py each stage's encoding per batch size in A B B A rounds."""
+the warm-up per batch size; decode_encode_split.py each stage's encoding per batch size in A B B A rounds;
+overlap_append_memory.py (session 17) the peak memory of serial and overlapped steps in alternating rounds."""
 
 from __future__ import annotations
 
@@ -60,3 +61,15 @@ def test_compiled_step_bits_compares_the_stacked_input_projections_when_asked(tm
     (bits,) = [r for r in rows if r["what"] == "bits"]
     assert bits["switch"] == "stacked_inputs" and bits["batch"] == 2
     assert bits["tokens_equal"] and bits["logits_max_abs_diff"] == 0.0 and bits["caches_max_abs_diff"] == 0.0
+
+
+def test_overlap_append_memory_reports_both_arms_peaks_in_alternating_rounds(tmp_path):
+    rows = run_bench_script("overlap_append_memory.py", tiny_model(tmp_path / "model"), tmp_path / "append.jsonl",
+                            "--ctx", "100", "--steps", "4", "--rounds", "1", "--chunk", "32")
+    (filled,) = [r for r in rows if r["what"] == "filled"]
+    assert len(filled["buffer_mib"]) == 2  # the tiny model's two CSA layers
+    rounds = [r for r in rows if r["what"] == "round"]
+    assert [r["arm"] for r in rounds] == ["serial", "overlapped", "overlapped", "serial"]
+    assert all(len(r["step_ms"]) == 4 and isinstance(r["peak_mib"], float) for r in rounds)
+    summary = rows[-1]
+    assert summary["what"] == "summary" and {"serial_peak_mib", "overlapped_peak_mib"} <= set(summary)
