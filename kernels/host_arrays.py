@@ -1,14 +1,14 @@
 """The small index arrays a decode step makes from host values (positions, open slots, row counts), kept by
 content, so a step whose values an earlier step had takes that step's array instead of making another.
 
-Why (docs/ARCHITECTURE.md, "Host-made arrays"): on CUDA, MLX 0.32 puts an array made from host data in
-unified memory, and its allocator keeps one cache of freed buffers for unified and device memory alike. An
-array of more than 8 bytes (a batch of 16 int32 positions is 64) that is handed a cached device buffer of its
-size moves it to unified memory first: a `cudaMallocManaged`, a synchronous `cudaMemcpy` and a free, on
-the host, in the middle of building the step. A batch-1 step's arrays (4 or 8 bytes) come from a pool of
-their own and never pay it. A decode step makes the same few arrays again and again: a sequence's open
-compressor slot repeats every `ratio` steps, a layer's row counts and window positions are the same for
-every layer of its ratio, top-k's k never changes.
+Why (docs/ARCHITECTURE.md, "Host-made arrays"; read in MLX's allocator, not yet timed on a GPU): on CUDA,
+MLX 0.32 puts an array made from host data in unified memory, and its allocator keeps one cache of freed
+buffers for unified and device memory alike. An array of more than 8 bytes (a batch of 16 int32 positions
+is 64) that is handed a cached device buffer of its size moves it to unified memory first: a
+`cudaMallocManaged`, a synchronous `cudaMemcpy` and a free, on the host, in the middle of building the step.
+A batch-1 step's arrays (4 or 8 bytes) come from a pool of their own and never pay it. A decode step makes
+the same few arrays again and again: a sequence's open compressor slot repeats every `ratio` steps, the row
+counts and closing windows' positions are the same for every layer of one ratio, top-k's k never changes.
 
 The cached arrays are shared: no caller may write into one (`a[i] = …`); every caller here passes them
 to ops as inputs. The cache is bounded (least recently used out) and guarded by a lock, for steps built
@@ -30,7 +30,9 @@ import numpy as np
 
 from tessera.kernels.switch import Switch
 
-MAX_ENTRIES = 1024  # a few steps' worth of distinct arrays at batch 16, each a few hundred bytes at most
+# ~250 steps of a steady batch-16 decode's new arrays (~4 a step; each a few hundred bytes at most): enough to
+# keep an HCA compressor's open slots, whose values repeat every 128 steps (its ratio).
+MAX_ENTRIES = 1024
 
 _NUMPY_DTYPES = {mx.int32: np.int32, mx.uint32: np.uint32, mx.int64: np.int64, mx.bool_: np.bool_, mx.float32: np.float32}
 
