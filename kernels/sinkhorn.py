@@ -8,8 +8,18 @@ one launch per collapse. It sums in index order and uses round-to-nearest adds a
 (`__fadd_rn`, `__fdiv_rn`: never contracted or approximated), the order of `sinkhorn_ordered`, so the
 two give the same bits (tests/test_kernels_cuda.py); a token's result depends only on its own row.
 
-Switch: TESSERA_SINKHORN_KERNEL=0 keeps the reference on CUDA too (1, the default, uses the kernel
-where it is supported: CUDA, float32, compilation on — kernels/shapeless.py).
+A thread per token is latency-bound: a decode step has 1 to 16 tokens, so one thread runs 20 iterations of
+dependent divisions alone (~28.5 µs a launch on the H200, 8 launches in a flash-width step: docs/BENCHMARKS.md
+"Session 17"). The warp layout (`_WARP_SOURCE`) gives each of a token's hc×hc entries a lane of its own: a lane
+reads its row's (then its column's) entries from the other lanes (`__shfl_sync`) and adds them in the same
+index order, then divides its own entry — the same operations on the same values, so the same bits, with
+hc×hc divisions at a time instead of one. Tokens per warp: 32 // (hc·hc) (2 for V4's hc = 4); hc·hc > 32
+keeps a thread per token.
+
+Switches: TESSERA_SINKHORN_KERNEL=0 keeps the reference on CUDA too (1, the default, uses the kernel
+where it is supported: CUDA, float32, compilation on — kernels/shapeless.py). TESSERA_SINKHORN_WARP=1 takes
+the warp layout (0, the default, the thread per token): written without a GPU and compiled only by NVRTC
+(docs/bench/nvrtc_compile_check.py); its CUDA test (tests/test_kernels_cuda.py) has not run yet.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from tessera.kernels.switch import Switch
 
 ENV_VAR = "TESSERA_SINKHORN_KERNEL"
 _switch = Switch(ENV_VAR)
+_warp_switch = Switch("TESSERA_SINKHORN_WARP", default=False)
 
 
 def set_kernel_enabled(enabled: bool) -> None:
@@ -31,6 +42,14 @@ def set_kernel_enabled(enabled: bool) -> None:
 
 def kernel_enabled() -> bool:
     return _switch.enabled()
+
+
+def set_warp_enabled(enabled: bool) -> None:
+    _warp_switch.set(enabled)
+
+
+def warp_enabled() -> bool:
+    return _warp_switch.enabled()
 
 
 def sinkhorn_reference(comb: mx.array, iters: int, eps: float) -> mx.array:
@@ -99,6 +118,39 @@ _SOURCE = r"""
     for (int j = 0; j < HC; ++j) out[(size_t)t * HC * HC + i * HC + j] = c[i][j];
 """
 
+# A token's hc×hc entries on as many lanes, TOKENS_PER_WARP tokens a warp (lanes past them idle, and every
+# lane of a warp takes part in each shuffle). Lane (i, j) holds entry c[i][j]; a row's sum is read from lanes
+# (i, 0 … hc-1) and a column's from (0 … hc-1, j), added in index order as `_SOURCE` adds them.
+_WARP_SOURCE = r"""
+  constexpr int GROUP = HC * HC;
+  constexpr unsigned FULL = 0xffffffffu;
+  const int lane = threadIdx.x & 31;
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int num_tokens = comb_shape[0];
+  if (warp * TOKENS_PER_WARP >= num_tokens) return;  // the whole warp idle: leaves together
+  const int slot = lane / GROUP;
+  const int t = warp * TOKENS_PER_WARP + slot;
+  const bool active = slot < TOKENS_PER_WARP && t < num_tokens;
+  const int base = (slot < TOKENS_PER_WARP ? slot : 0) * GROUP;  // idle lanes read a live group, harmlessly
+  const int i = (lane % GROUP) / HC;
+  const int j = (lane % GROUP) % HC;
+  const float eps = __int_as_float(EPS_BITS);
+  float v = active ? comb[(size_t)t * GROUP + i * HC + j] : 1.0f;
+  for (int it = 0; it < ITERS; ++it) {
+    if (it > 0) {  // rows (every iteration after the first starts with them)
+      float s = __shfl_sync(FULL, v, base + i * HC);
+      for (int k = 1; k < HC; ++k) s = __fadd_rn(s, __shfl_sync(FULL, v, base + i * HC + k));
+      s = __fadd_rn(s, eps);
+      v = __fdiv_rn(v, s);
+    }
+    float s = __shfl_sync(FULL, v, base + j);  // columns
+    for (int k = 1; k < HC; ++k) s = __fadd_rn(s, __shfl_sync(FULL, v, base + k * HC + j));
+    s = __fadd_rn(s, eps);
+    v = __fdiv_rn(v, s);
+  }
+  if (active) out[(size_t)t * GROUP + i * HC + j] = v;
+"""
+
 THREADS = 128
 
 
@@ -109,16 +161,29 @@ def kernel_template(hc: int, iters: int, eps: float) -> list[tuple[str, int]]:
     return [("HC", hc), ("ITERS", iters), ("EPS_BITS", eps_bits)]
 
 
+def tokens_per_warp(hc: int) -> int:
+    """Tokens a warp takes in the warp layout (a lane per matrix entry); 0: hc×hc entries exceed a warp."""
+    return 32 // (hc * hc)
+
+
 def sinkhorn_kernel(comb: mx.array, iters: int, eps: float) -> mx.array:
-    """comb: [T, hc, hc] float32 on a CUDA device -> the same as `sinkhorn_ordered`, one launch."""
+    """comb: [T, hc, hc] float32 on a CUDA device -> the same as `sinkhorn_ordered`, one launch (the warp
+    layout with TESSERA_SINKHORN_WARP=1 where a token's matrix fits a warp, else a thread per token)."""
     rows, hc = comb.shape[0], comb.shape[-1]
     if rows == 0:
         return comb
-    kernel = compiled_kernel("tessera_sinkhorn", ("comb",), ("out",), _SOURCE, "")
+    per_warp = tokens_per_warp(hc)
+    if _warp_switch.enabled() and per_warp:
+        kernel = compiled_kernel("tessera_sinkhorn_warp", ("comb",), ("out",), _WARP_SOURCE, "")
+        template = [*kernel_template(hc, iters, eps), ("TOKENS_PER_WARP", per_warp)]
+        threads = -(-rows // per_warp) * 32
+    else:
+        kernel = compiled_kernel("tessera_sinkhorn", ("comb",), ("out",), _SOURCE, "")
+        template, threads = kernel_template(hc, iters, eps), rows
     (out,) = kernel(
         inputs=[comb],
-        template=kernel_template(hc, iters, eps),
-        grid=((rows + THREADS - 1) // THREADS * THREADS, 1, 1),
+        template=template,
+        grid=((threads + THREADS - 1) // THREADS * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[comb.shape],
         output_dtypes=[mx.float32],

@@ -346,6 +346,50 @@ def test_sinkhorn_kernel_constants_carry_the_exact_float32_eps(eps):
     assert mx.array([eps], dtype=mx.float32).item() == float(decoded)
 
 
+@pytest.mark.parametrize("hc, rows", [(4, 1), (4, 3), (4, 16), (3, 7), (2, 9)])
+def test_sinkhorn_warp_layout_lanes_add_and_divide_as_the_ordered_reference(hc, rows):
+    """kernels/sinkhorn.py's warp layout, its lane arithmetic written out in NumPy float32 (IEEE adds and
+    divisions, as __fadd_rn and __fdiv_rn): lane -> (token slot, i, j), row and column sums read from the lanes
+    the kernel shuffles from, idle lanes included. It must give sinkhorn_ordered's bits; the CUDA test runs the
+    kernel itself (tests/test_kernels_cuda.py)."""
+    from tessera.kernels.sinkhorn import sinkhorn_ordered, tokens_per_warp
+
+    comb = mx.softmax(mx.random.normal((rows, hc, hc), key=mx.random.key(rows)) * 3, axis=-1) + 1e-6
+    flat, eps, group, per_warp = np.array(comb).reshape(rows, hc * hc), np.float32(1e-6), hc * hc, tokens_per_warp(hc)
+    out = np.zeros_like(flat)
+    for warp in range(-(-rows // per_warp)):
+        lane = np.arange(32)
+        slot, i, j = lane // group, (lane % group) // hc, (lane % group) % hc
+        t = warp * per_warp + slot
+        active = (slot < per_warp) & (t < rows)
+        base = np.where(slot < per_warp, slot, 0) * group
+        v = np.where(active, flat[np.minimum(t, rows - 1), i * hc + j], np.float32(1.0)).astype(np.float32)
+        shfl = lambda src: v[src % 32]  # noqa: E731  (__shfl_sync: the value lane src holds)
+        for it in range(20):
+            if it > 0:
+                s = shfl(base + i * hc)
+                for k in range(1, hc):
+                    s = s + shfl(base + i * hc + k)
+                v = v / (s + eps)
+            s = shfl(base + j)
+            for k in range(1, hc):
+                s = s + shfl(base + k * hc + j)
+            v = v / (s + eps)
+        out[t[active], (i * hc + j)[active]] = v[active]
+    want = np.array(sinkhorn_ordered(comb, 20, 1e-6)).reshape(rows, hc * hc)
+    assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
+
+
+def test_sinkhorn_warp_layout_is_off_until_the_h200_ran_it():
+    """TESSERA_SINKHORN_WARP: written without a GPU (kernels/sinkhorn.py); a thread per token by default."""
+    from tessera.kernels.sinkhorn import tokens_per_warp
+    from tests.support.env_switch import switch_in_fresh_process
+
+    assert switch_in_fresh_process("TESSERA_SINKHORN_WARP", None, "tessera.kernels.sinkhorn", "warp_enabled") == "False"
+    assert switch_in_fresh_process("TESSERA_SINKHORN_WARP", "1", "tessera.kernels.sinkhorn", "warp_enabled") == "True"
+    assert [tokens_per_warp(hc) for hc in (2, 3, 4, 5, 6)] == [8, 3, 2, 1, 0]
+
+
 def test_take_rows_is_the_row_gather_and_stays_on_mlx_off_cuda():
     """The MoE's row gathers (kernels/row_gather.py): row idx[i] at row i, repeats and any order; off
     CUDA (or for rows that are not whole 16-byte vectors) the reference runs."""

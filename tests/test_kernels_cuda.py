@@ -92,11 +92,16 @@ def test_topk_kernel_selects_the_reference_rows_with_ties(t, n, k):
     assert mx.array_equal(got_rows, want_rows).item()  # as `check kernels` compares them
 
 
-@pytest.mark.parametrize("rows", [1, 37, 1000])
-def test_sinkhorn_kernel_equals_the_ordered_reference(rows):
-    """Round-to-nearest adds and divisions in the reference's order: the same bits, token by token."""
+@pytest.mark.parametrize("warp", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 37, 1000])
+def test_sinkhorn_kernel_equals_the_ordered_reference(rows, warp, monkeypatch):
+    """Round-to-nearest adds and divisions in the reference's order: the same bits, token by token, a thread
+    per token or a lane per entry (TESSERA_SINKHORN_WARP; 1 to 3 and 16 tokens: a warp's two token groups
+    half and wholly used, a decode batch)."""
+    from tessera.kernels import sinkhorn
     from tessera.kernels.sinkhorn import sinkhorn_kernel, sinkhorn_ordered, sinkhorn_reference
 
+    monkeypatch.setattr(sinkhorn, "_warp_switch", sinkhorn.Switch("TESSERA_SINKHORN_WARP", default=warp))
     comb = mx.softmax(mx.random.normal((rows, 4, 4), key=mx.random.key(rows)) * 3, axis=-1) + 1e-6
     got = sinkhorn_kernel(comb, 20, 1e-6)
     assert mx.array_equal(got, sinkhorn_ordered(comb, 20, 1e-6)).item()

@@ -27,6 +27,8 @@ A B C D D C B A (--rounds times; --arms picks a subset). Every arm takes greedy 
   mxfp8 projections; TESSERA_MXFP8_QMV_KERNEL=0).
 - serving_overlap_no_host_array_cache: serving_overlap with every small index array made anew from the host each
   time (TESSERA_HOST_ARRAY_CACHE=0; kernels/host_arrays.py, docs/ARCHITECTURE.md "Host-made arrays").
+- serving_overlap_sinkhorn_warp: serving_overlap with the hyper-connections' Sinkhorn kernel in its warp layout (a
+  lane per matrix entry; TESSERA_SINKHORN_WARP=1, kernels/sinkhorn.py), off by default until its CUDA test ran.
   Session 14's raw file also holds serving_overlap_qmv_bits and serving_overlap_qmv_prefetch, gather_qmv
   layouts since removed.
 
@@ -64,7 +66,7 @@ use_source_tree()  # `tessera.*` = this checkout, unless it already is
 from docs.bench.probe_io import jsonl_emitter, load_probe_model  # noqa: E402
 from tessera.engine.model import attention, compiled, decode_async, quantized  # noqa: E402
 from tessera.engine.model.deepseek_v4 import PENDING_TOKEN, Segment  # noqa: E402
-from tessera.kernels import gather_qmv, host_arrays, mxfp8_qmv, row_gather  # noqa: E402
+from tessera.kernels import gather_qmv, host_arrays, mxfp8_qmv, row_gather, sinkhorn  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled, serving_step_seconds  # noqa: E402
 
 
@@ -158,6 +160,8 @@ ARMS["serving_overlap_no_mxfp8_qmv"] = with_setting(mxfp8_qmv.kernel_enabled, mx
                                                     ARMS["serving_overlap"])  # TESSERA_MXFP8_QMV_KERNEL=0
 ARMS["serving_overlap_no_host_array_cache"] = with_setting(host_arrays.cache_enabled, host_arrays.set_cache_enabled, False,
                                                            ARMS["serving_overlap"])  # TESSERA_HOST_ARRAY_CACHE=0
+ARMS["serving_overlap_sinkhorn_warp"] = with_setting(sinkhorn.warp_enabled, sinkhorn.set_warp_enabled, True,
+                                                     ARMS["serving_overlap"])  # TESSERA_SINKHORN_WARP=1
 
 
 def main() -> None:

@@ -61,8 +61,8 @@ def _trace_switches() -> tuple[bool, ...]:
     """Every switch a step part reads while it is traced: a trace replays the choices it was traced
     with, so a flip in a running process (benchmarks) must reach a fresh trace, not a stale one."""
 
-    return (compile_enabled(), sinkhorn.kernel_enabled(), row_gather.kernel_enabled(), gather_qmv.kernel_enabled(),
-            mxfp8_qmv.kernel_enabled(), dense_min_rows())
+    return (compile_enabled(), sinkhorn.kernel_enabled(), sinkhorn.warp_enabled(), row_gather.kernel_enabled(),
+            gather_qmv.kernel_enabled(), mxfp8_qmv.kernel_enabled(), dense_min_rows())
 
 
 class StepCompiled:
