@@ -116,3 +116,16 @@ def test_switched_off_every_call_makes_a_new_array_of_the_same_values(monkeypatc
     monkeypatch.setattr(host_arrays, "_switch", host_arrays.Switch("TESSERA_HOST_ARRAY_CACHE", default=False))
     first = host_array_of([7, 8])
     assert host_array_of([7, 8]) is not first and np.array(host_array_of([7, 8])).tolist() == [7, 8]
+
+
+def test_the_per_step_probe_counts_both_settings_at_both_batch_sizes(tmp_path):
+    """docs/bench/host_arrays_per_step.py, by path on the tiny model: the CUDA path stood in on the CPU."""
+    from tests.support.bench_script import run_bench_script, tiny_model
+
+    rows = run_bench_script("host_arrays_per_step.py", tiny_model(tmp_path / "model"), tmp_path / "per_step.jsonl",
+                            "--ctx", "100", "--batch", "3", "--steps", "4", "--warm-steps", "8")
+    counted = [r for r in rows if r["what"] == "host_arrays"]
+    assert [(r["host_array_cache"], r["batch"]) for r in counted] == [(False, 1), (False, 3), (True, 1), (True, 3)]
+    assert all(r["per_step"] >= r["over_8_bytes_per_step"] >= 0 for r in counted)
+    off, on = counted[1], counted[3]  # batch 3: the cache takes most of them
+    assert on["per_step"] < off["per_step"] and off["over_8_bytes_per_step"] > 0
