@@ -8,7 +8,9 @@ Arms, in the order A B … B A (--rounds times), each a mode of the same model-l
   (TESSERA_DECODE_ASYNC=thread); compiled: TESSERA_COMPILE_STEP on; compiled_thread: both; compiled_unstacked:
   compiled with TESSERA_STACKED_INPUTS off (one matmul per input projection, docs/ARCHITECTURE.md);
   compiled_no_mxfp8_qmv: compiled with kernels/mxfp8_qmv.py off (TESSERA_MXFP8_QMV_KERNEL=0: MLX's quantized
-  matmul for a batch's mxfp8 projections). The other arms have it on (the default).
+  matmul for a batch's mxfp8 projections). The other arms have it on (the default). compiled_sinkhorn_warp:
+  compiled with the hyper-connections' Sinkhorn kernel in its warp layout (TESSERA_SINKHORN_WARP=1,
+  kernels/sinkhorn.py); the other arms take the default, a thread per token.
   (Session 13's `compiled_qmv` arm, a batch's projections through MLX's gemv in blocks of ≤ 7 rows, ran at
   commit db10e55; the switch it flipped was removed after the H200 measured it slower.)
 
@@ -51,12 +53,13 @@ from tessera.engine.model.compiled import set_step_compile_enabled, step_compile
 from tessera.engine.model.deepseek_v4 import Segment  # noqa: E402
 from tessera.engine.model.encode_thread import encode_thread  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled  # noqa: E402
-from tessera.kernels import mxfp8_qmv  # noqa: E402
+from tessera.kernels import mxfp8_qmv, sinkhorn  # noqa: E402
 
-# arm -> (decode_async mode, step compile, stacked input projections, kernels/mxfp8_qmv.py)
-ARMS = {"off": ("off", False, True, True), "thread": ("thread", False, True, True), "compiled": ("off", True, True, True),
-        "compiled_thread": ("thread", True, True, True), "compiled_unstacked": ("off", True, False, True),
-        "compiled_no_mxfp8_qmv": ("off", True, True, False)}
+# arm -> (decode_async mode, step compile, stacked input projections, kernels/mxfp8_qmv.py, Sinkhorn warp layout)
+ARMS = {"off": ("off", False, True, True, False), "thread": ("thread", False, True, True, False),
+        "compiled": ("off", True, True, True, False), "compiled_thread": ("thread", True, True, True, False),
+        "compiled_unstacked": ("off", True, False, True, False), "compiled_no_mxfp8_qmv": ("off", True, True, False, False),
+        "compiled_sinkhorn_warp": ("off", True, True, True, True)}
 def step(model, caches, ids: list[int]) -> tuple[mx.array, float, float]:
     t0 = time.perf_counter()
     logits = model.forward([Segment(c, [t]) for c, t in zip(caches, ids)])
@@ -122,7 +125,8 @@ def main() -> None:
         kernel_chain(emit, 500, cycles, spin_alone)
     model = load_probe_model(args.model, args.as_loaded)
     caches = [_filled(model, args.ctx, b, DecodeOptions(chunk=4096, tile=1024, cache_fill="random")) for b in range(max(args.batch))]
-    saved = decode_async.decode_async_mode(), step_compile_enabled(), stacked_inputs_enabled(), mxfp8_qmv.kernel_enabled()
+    saved = (decode_async.decode_async_mode(), step_compile_enabled(), stacked_inputs_enabled(), mxfp8_qmv.kernel_enabled(),
+             sinkhorn.warp_enabled())
     try:
         for arm in args.arms:  # warm every arm (a compiled arm's first step traces it)
             _set(arm)
@@ -144,14 +148,16 @@ def main() -> None:
         set_step_compile_enabled(saved[1])
         set_stacked_inputs_enabled(saved[2])
         mxfp8_qmv.set_kernel_enabled(saved[3])
+        sinkhorn.set_warp_enabled(saved[4])
 
 
 def _set(arm: str) -> None:
-    mode, compiled, stacked, mxfp8_kernel = ARMS[arm]
+    mode, compiled, stacked, mxfp8_kernel, sinkhorn_warp = ARMS[arm]
     decode_async.set_decode_async_mode(mode)
     set_step_compile_enabled(compiled)
     set_stacked_inputs_enabled(stacked)
     mxfp8_qmv.set_kernel_enabled(mxfp8_kernel)
+    sinkhorn.set_warp_enabled(sinkhorn_warp)
 
 
 def _parser() -> argparse.ArgumentParser:
