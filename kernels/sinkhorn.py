@@ -19,7 +19,7 @@ keeps a thread per token.
 Switches: TESSERA_SINKHORN_KERNEL=0 keeps the reference on CUDA too (1, the default, uses the kernel
 where it is supported: CUDA, float32, compilation on — kernels/shapeless.py). TESSERA_SINKHORN_WARP=1 takes
 the warp layout (0, the default, the thread per token): written without a GPU and compiled only by NVRTC
-(docs/bench/nvrtc_compile_check.py); its CUDA test (tests/test_kernels_cuda.py) has not run yet.
+(docs/bench/nvrtc_compile_check.py, in CI); its CUDA test (tests/test_kernels_cuda.py) has not run yet.
 """
 
 from __future__ import annotations

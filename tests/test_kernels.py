@@ -390,6 +390,21 @@ def test_sinkhorn_warp_layout_is_off_until_the_h200_ran_it():
     assert [tokens_per_warp(hc) for hc in (2, 3, 4, 5, 6)] == [8, 3, 2, 1, 0]
 
 
+def test_every_cuda_kernel_source_compiles_for_the_h200():
+    """Each kernel in kernels/ wrapped as MLX wraps a custom kernel and compiled by NVRTC for sm_90
+    (docs/bench/nvrtc_compile_check.py; NVRTC from the test extra): a source edited without a GPU fails here,
+    not at a lease's first decode step."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "docs/bench/nvrtc_compile_check.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 11 and all(line.endswith(": ok") for line in lines), done.stdout
+
+
 def test_take_rows_is_the_row_gather_and_stays_on_mlx_off_cuda():
     """The MoE's row gathers (kernels/row_gather.py): row idx[i] at row i, repeats and any order; off
     CUDA (or for rows that are not whole 16-byte vectors) the reference runs."""

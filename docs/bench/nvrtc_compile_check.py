@@ -1,67 +1,121 @@
-"""Compiles custom-kernel sources with NVRTC as MLX's `mx.fast.cuda_kernel` wraps them, on a machine without a
-GPU: a kernel written away from the H200 is at least known to compile before a lease spends time on it.
+"""Compiles every custom CUDA kernel's source with NVRTC, wrapped as MLX's `mx.fast.cuda_kernel` wraps it, on a
+machine without a GPU: a kernel edited away from the H200 is at least known to compile (tests/test_kernels.py
+runs this in CI).
 
-python docs/bench/nvrtc_compile_check.py --nvrtc LIBNVRTC [--arch sm_90]
+python docs/bench/nvrtc_compile_check.py [--nvrtc LIBNVRTC --include DIR] [--arch sm_90]
 
-LIBNVRTC: libnvrtc.so.12, e.g. from the `nvidia-cuda-nvrtc-cu12` wheel (`pip download --no-deps
-nvidia-cuda-nvrtc-cu12`, then unzip: nvidia/cuda_nvrtc/lib/libnvrtc.so.12). The wrapper follows MLX 0.32's
-`build_kernel` (backend/cuda/custom_kernel.cpp): the kernel's signature (each input a const pointer, `NAME_shape`
-where the source uses it, each output a pointer), its template arguments as `constexpr int`, then the source.
-MLX's own device header is not available here: `Shape` is declared as it declares it (an array of MAX_NDIM
-int32), so kernels that need more of that header, or CUDA's (cuda_bf16.h: the indexer), are not checked.
-Checked: kernels/sinkhorn.py, a thread per token and the warp layout. One line per kernel: ok, or NVRTC's log.
+NVRTC and CUDA's headers: by default those of the `nvidia-cuda-nvrtc` and `nvidia-cuda-runtime` wheels (the test
+extra pins the versions the H200's MLX CUDA build runs with), found under the installed `nvidia/cu13/`. The
+wrapper follows MLX 0.32's `build_kernel` (backend/cuda/custom_kernel.cpp): each input a const pointer of its
+element type, `NAME_shape` / `NAME_strides` / `NAME_ndim` where the source names them, each output a pointer, the
+template arguments as `constexpr int` or `using NAME = TYPE`, then the source, in namespace mlx::core::cu. MLX's
+own device header is not in the wheels: the prelude declares what the kernels take from it (`Shape`, `Strides`,
+the fixed-width integer types) and includes CUDA's half and bfloat16 headers, as it does. Each kernel is checked
+at V4 Flash's widths. One line per kernel: ok, or NVRTC's log; exit 1 if any failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run by path from anywhere: the repo root
 from tests.support.source_tree import use_source_tree  # noqa: E402
 
 use_source_tree()  # `tessera.*` = this checkout, unless it already is
 
-from tessera.kernels import sinkhorn  # noqa: E402
+from tessera.kernels import gather_qmv, indexer_cuda, moe_padded, mxfp8_qmv, row_gather, sinkhorn, topk_cuda  # noqa: E402
 
 PRELUDE = """
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+typedef signed char int8_t; typedef unsigned char uint8_t; typedef short int16_t; typedef unsigned short uint16_t;
+typedef int int32_t; typedef unsigned int uint32_t; typedef long long int64_t; typedef unsigned long long uint64_t;
 #define MAX_NDIM 10
-struct Shape { int data[MAX_NDIM]; __device__ int operator[](int i) const { return data[i]; } };
-namespace mlx::core::cu {
+struct Shape { int32_t data[MAX_NDIM]; __device__ int32_t operator[](int i) const { return data[i]; } };
+struct Strides { int64_t data[MAX_NDIM]; __device__ int64_t operator[](int i) const { return data[i]; } };
 """
+
+CUDA_TYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float", mx.int32: "int32_t",
+              mx.uint32: "uint32_t", mx.uint8: "uint8_t", mx.int64: "int64_t", mx.bool_: "bool"}
 
 
 @dataclass(frozen=True)
 class KernelText:
+    """One kernel as `compiled_kernel` gets it (name, input and output names, source, header), with the element
+    types and template arguments a call passes."""
+
     name: str
+    inputs: tuple[tuple[str, mx.Dtype], ...]
+    outputs: tuple[tuple[str, mx.Dtype], ...]
     source: str
-    inputs: tuple[tuple[str, str], ...]  # (name, CUDA element type)
-    outputs: tuple[tuple[str, str], ...]
-    template: tuple[tuple[str, int], ...]
+    header: str
+    template: tuple[tuple[str, int | mx.Dtype], ...]
 
 
 def wrapped(kernel: KernelText) -> str:
-    """The translation unit MLX compiles for `kernel` (its shape parameters where the source names them)."""
+    """The translation unit MLX compiles for `kernel`."""
     params = []
-    for name, ctype in kernel.inputs:
-        params.append(f"    const {ctype}* {name}")
-        if f"{name}_shape" in kernel.source:
-            params.append(f"    const __grid_constant__ Shape {name}_shape")
-    params += [f"    {ctype}* {name}" for name, ctype in kernel.outputs]
-    constants = "".join(f"  constexpr int {name} = {value};\n" for name, value in kernel.template)
-    return (f"{PRELUDE}\n__global__ void {kernel.name}(\n" + ",\n".join(params) + ") {\n" + constants + "\n"
-            + kernel.source + "\n}\n\n} // namespace mlx::core::cu\n")
+    for name, dtype in kernel.inputs:
+        params.append(f"    const {CUDA_TYPES[dtype]}* {name}")
+        for suffix, kind in (("shape", "const __grid_constant__ Shape"), ("strides", "const __grid_constant__ Strides"),
+                             ("ndim", "const __grid_constant__ int")):
+            if f"{name}_{suffix}" in kernel.source:
+                params.append(f"    {kind} {name}_{suffix}")
+    params += [f"    {CUDA_TYPES[dtype]}* {name}" for name, dtype in kernel.outputs]
+    constants = "".join(f"  constexpr int {name} = {value};\n" if isinstance(value, int)
+                        else f"  using {name} = {CUDA_TYPES[value]};\n" for name, value in kernel.template)
+    return (f"{PRELUDE}\n{kernel.header}\nnamespace mlx::core::cu {{\n\n__global__ void {kernel.name}(\n"
+            + ",\n".join(params) + ") {\n" + constants + "\n" + kernel.source + "\n}\n\n} // namespace mlx::core::cu\n")
 
 
-def compile_ptx(nvrtc: ctypes.CDLL, text: str, name: str, arch: str) -> tuple[bool, str]:
+def checked_kernels() -> list[KernelText]:
+    """Every kernel in kernels/, at V4 Flash's widths (batched kernels at 16 buffers)."""
+    bf16, f32, i32, u32, u8 = mx.bfloat16, mx.float32, mx.int32, mx.uint32, mx.uint8
+    sink = tuple(sinkhorn.kernel_template(4, 20, 1e-6))
+    gather_name, gather_inputs, gather_outputs, gather_source = row_gather._batched_kernel_text(16)
+    index_name, index_inputs, index_outputs, index_source = indexer_cuda._batched_kernel_text(16)
+    heads, d = 64, 128
+    return [
+        KernelText("tessera_sinkhorn", (("comb", f32),), (("out", f32),), sinkhorn._SOURCE, "", sink),
+        KernelText("tessera_sinkhorn_warp", (("comb", f32),), (("out", f32),), sinkhorn._WARP_SOURCE, "",
+                   sink + (("TOKENS_PER_WARP", sinkhorn.tokens_per_warp(4)),)),
+        KernelText("tessera_take_rows", (("x", bf16), ("idx", i32)), (("out", bf16),), row_gather._SOURCE, "",
+                   (("VECTORS_PER_ROW", 4096 * 2 // row_gather.VECTOR_BYTES),)),
+        KernelText(gather_name, (("idx", i32), *((n, bf16) for n in gather_inputs[1:])), ((gather_outputs[0], bf16),),
+                   gather_source, "", (("VECTORS_PER_ROW", 512 * 2 // row_gather.VECTOR_BYTES),)),
+        KernelText("tessera_indexer_scores", (("q", bf16), ("w", f32), ("k", bf16), ("visible", i32)), (("scores", f32),),
+                   indexer_cuda._SOURCE, indexer_cuda._HEADER, (("H", heads), ("D", d), ("KS", d // 16))),
+        KernelText(index_name, (("qs", bf16), ("ws", f32), ("visibles", i32), ("sizes", i32),
+                                *((n, bf16) for n in index_inputs[4:])), ((index_outputs[0], f32),),
+                   index_source, indexer_cuda._HEADER, (("H", heads), ("D", d), ("KS", d // 16), ("NB", 16))),
+        KernelText("tessera_topk_radix", (("scores", f32), ("k_in", i32)), (("rows", i32),), topk_cuda._SOURCE,
+                   topk_cuda._HEADER, ()),
+        KernelText("tessera_mxfp8_qmv", (("x", bf16), ("w", u32), ("scales", u8)), (("out", bf16),), mxfp8_qmv._SOURCE,
+                   mxfp8_qmv._HEADER, (("T", bf16), ("K", 4096), ("N", 1536), ("WR", mxfp8_qmv.WEIGHT_ROWS), ("RB", 16),
+                                       ("THREADS", mxfp8_qmv.THREADS))),
+        KernelText("tessera_gather_qmv_mxfp4", (("x", bf16), ("w", u32), ("scales", u8), ("experts", u32)), (("out", bf16),),
+                   gather_qmv._SOURCE, "", (("T", bf16), ("K", 4096), ("N", 2048), ("ROWS", gather_qmv.ROWS_PER_BLOCK),
+                                            ("UNROLL", gather_qmv.UNROLL), ("STAGE_X", 1))),
+        KernelText("tessera_moe_combine_rows", (("rows", bf16), ("slot", i32), ("weights", f32)), (("out", f32),),
+                   moe_padded._COMBINE_SOURCE, "", (("T", bf16), ("K", 6), ("VECTORS_PER_ROW", 4096 * 2 // moe_padded.VECTOR_BYTES))),
+        KernelText("tessera_moe_padded_indices", (("order", u32), ("flat", u32), ("counts", i32), ("params", i32)),
+                   (("tokens", i32), ("slot", i32)), moe_padded._INDEX_SOURCE, "", (("E", 256), ("K", 6))),
+    ]
+
+
+def compile_ptx(nvrtc: ctypes.CDLL, text: str, name: str, arch: str, include: Path) -> tuple[bool, str]:
     """-> (compiled, NVRTC's log)."""
     program = ctypes.c_void_p()
     if nvrtc.nvrtcCreateProgram(ctypes.byref(program), text.encode(), f"{name}.cu".encode(), 0, None, None):
         return False, "nvrtcCreateProgram failed"
-    options = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
+    options = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"--include-path={include}".encode()]
     status = nvrtc.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
     size = ctypes.c_size_t()
     nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))
@@ -71,26 +125,35 @@ def compile_ptx(nvrtc: ctypes.CDLL, text: str, name: str, arch: str) -> tuple[bo
     return status == 0, log.value.decode(errors="replace").strip()
 
 
-def checked_kernels() -> list[KernelText]:
-    hc, iters, eps = 4, 20, 1e-6  # V4's hyper-connections
-    template = tuple(sinkhorn.kernel_template(hc, iters, eps))
-    io = ((("comb", "float"),), (("out", "float"),))
-    return [KernelText("tessera_sinkhorn", sinkhorn._SOURCE, *io, template),
-            KernelText("tessera_sinkhorn_warp", sinkhorn._WARP_SOURCE, *io,
-                       template + (("TOKENS_PER_WARP", sinkhorn.tokens_per_warp(hc)),))]
+def installed_cuda() -> tuple[Path, Path] | None:
+    """(libnvrtc, include dir) of the installed `nvidia-cuda-nvrtc` / `nvidia-cuda-runtime` wheels, or None."""
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        cu13 = Path(root) / "cu13"
+        if (cu13 / "lib" / "libnvrtc.so.13").exists() and (cu13 / "include" / "cuda_bf16.h").exists():
+            return cu13 / "lib" / "libnvrtc.so.13", cu13 / "include"
+    return None
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nvrtc", required=True, help="path of libnvrtc.so.12")
+    p.add_argument("--nvrtc", type=Path, help="libnvrtc.so (default: the installed nvidia-cuda-nvrtc wheel's)")
+    p.add_argument("--include", type=Path, help="CUDA's headers (default: the installed nvidia-cuda-runtime wheel's)")
     p.add_argument("--arch", default="sm_90", help="the H200's")
     args = p.parse_args()
-    nvrtc = ctypes.CDLL(args.nvrtc)
+    found = installed_cuda()
+    lib, include = args.nvrtc or (found and found[0]), args.include or (found and found[1])
+    if not lib or not include:
+        print("no NVRTC: install the test extra (nvidia-cuda-nvrtc, nvidia-cuda-runtime) or pass --nvrtc and --include")
+        return 2
+    for builtins in sorted(Path(lib).parent.glob("libnvrtc-builtins.so.*")):  # NVRTC opens it by name: load it first
+        ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+    nvrtc = ctypes.CDLL(str(lib))
     failed = 0
     for kernel in checked_kernels():
-        ok, log = compile_ptx(nvrtc, wrapped(kernel), kernel.name, args.arch)
+        ok, log = compile_ptx(nvrtc, wrapped(kernel), kernel.name, args.arch, include)
         failed += not ok
-        print(f"{kernel.name}: {'ok' if ok else 'FAILED'}" + (f"\n{log}" if log else ""), flush=True)
+        print(f"{kernel.name}: {'ok' if ok else 'FAILED'}" + ("" if ok else f"\n{log}"), flush=True)
     return 1 if failed else 0
 
 
