@@ -37,6 +37,11 @@ MAX_ENTRIES = 1024
 _NUMPY_DTYPES = {mx.int32: np.int32, mx.uint32: np.uint32, mx.int64: np.int64, mx.bool_: np.bool_, mx.float32: np.float32}
 
 
+def _host_values(values, dtype: mx.Dtype) -> np.ndarray:
+    """The values as one contiguous NumPy array of `dtype`'s element type (what `mx.array` copies from)."""
+    return np.ascontiguousarray(values, dtype=_NUMPY_DTYPES[dtype])
+
+
 @dataclass(frozen=True)
 class HostArrayStats:
     """How many arrays `host_array` handed out from the cache (hits) and made anew (made)."""
@@ -58,7 +63,7 @@ class HostArrays:
     def get(self, values, dtype: mx.Dtype = mx.int32) -> mx.array:
         """`mx.array(values, dtype)` for a small array of host values (a list, nested lists or a NumPy
         array): the same array object for the same dtype, shape and values."""
-        host = np.ascontiguousarray(values, dtype=_NUMPY_DTYPES[dtype])
+        host = _host_values(values, dtype)
         key = (host.dtype.str, host.shape, host.tobytes())
         with self._lock:
             found = self._arrays.get(key)
@@ -93,7 +98,7 @@ def set_cache_enabled(enabled: bool) -> None:
 def host_array(values, dtype: mx.Dtype = mx.int32) -> mx.array:
     """The process's `HostArrays.get` (a new `mx.array` each call with the cache switched off)."""
     if not _switch.enabled():
-        return mx.array(np.ascontiguousarray(values, dtype=_NUMPY_DTYPES[dtype]))
+        return mx.array(_host_values(values, dtype))
     return _shared.get(values, dtype)
 
 

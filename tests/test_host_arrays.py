@@ -19,6 +19,7 @@ from tessera.engine.model.loader import load_model
 from tessera.engine.tools.make_model import make_model
 from tessera.engine.tools.replay import random_tokens
 from tessera.kernels import host_arrays
+from tests.support.array_recording import recording_array_class
 from tests.support.bench_script import ROOT, TINY_OVERRIDES
 
 # Arrays made from host values per steady decode step, 8 steps of sequences at 130 … 133 tokens (so some
@@ -73,24 +74,13 @@ def test_a_steady_decode_step_makes_few_arrays_from_host_values(tmp_path, monkey
     steps(10)
     hits = host_arrays.stats().hits - before.hits
     assert hits > 0  # the step asks for its index arrays through the cache: the bound below is not vacuous
-    assert len(made) / 8 <= MAX_MADE_PER_STEP, (len(made) / 8, made)
+    assert len(made) / 8 <= MAX_MADE_PER_STEP, (len(made) / 8, [a.shape for a in made])
 
 
-def _count_arrays_made(monkeypatch) -> list[tuple[int, ...]]:
-    """From now on every `mx.array(...)` anyone calls is recorded (its shape), whoever the caller: `mx.array`
-    becomes a class that makes the real array and still answers isinstance checks for it."""
-    real, made = mx.array, []
-
-    class Recording(type):
-        def __instancecheck__(cls, obj):
-            return isinstance(obj, real)
-
-        def __call__(cls, *args, **kwargs):
-            out = real(*args, **kwargs)
-            made.append(out.shape)
-            return out
-
-    monkeypatch.setattr(mx, "array", Recording("array", (), {}))
+def _count_arrays_made(monkeypatch) -> list[mx.array]:
+    """From now on every `mx.array(...)` anyone calls is recorded (tests/support/array_recording.py)."""
+    made: list[mx.array] = []
+    monkeypatch.setattr(mx, "array", recording_array_class(made))
     return made
 
 

@@ -17,7 +17,6 @@ line per batch size and TESSERA_HOST_ARRAY_CACHE setting (0, then 1): per step, 
 from __future__ import annotations
 
 import argparse
-import collections
 import importlib
 import sys
 from pathlib import Path
@@ -33,6 +32,7 @@ from docs.bench.issue14_decode_overlap import serving_steps  # noqa: E402
 from docs.bench.probe_io import jsonl_emitter, load_probe_model  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled  # noqa: E402
 from tessera.kernels import host_arrays  # noqa: E402
+from tests.support.array_recording import recording_array_class  # noqa: E402
 
 KERNEL_MODULES = ("tessera.engine.model.moe", "tessera.kernels.mxfp8_qmv", "tessera.kernels.indexer_cuda",
                   "tessera.kernels.row_gather", "tessera.kernels.moe_padded", "tessera.kernels.sinkhorn",
@@ -59,23 +59,6 @@ def take_the_cuda_path() -> None:
                 cached.cache_clear()
 
 
-def record_host_arrays() -> collections.Counter:
-    """From now on: nbytes -> how many `mx.array(...)` calls made an array of that size."""
-    real, made = mx.array, collections.Counter()
-
-    class Recording(type):
-        def __instancecheck__(cls, obj):
-            return isinstance(obj, real)
-
-        def __call__(cls, *args, **kwargs):
-            out = real(*args, **kwargs)
-            made[out.nbytes] += 1
-            return out
-
-    mx.array = Recording("array", (), {})
-    return made
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
@@ -91,7 +74,8 @@ def main() -> None:
     model = load_probe_model(args.model, args.as_loaded)
     options = DecodeOptions(chunk=1024, tile=512, cache_fill="random")
     caches = [_filled(model, args.ctx + b % 4, b, options) for b in range(args.batch)]
-    made = record_host_arrays()
+    made: list[mx.array] = []
+    mx.array = recording_array_class(made)  # every call from now on, by any code
     run = serving_steps(True)
     for cache_on in (False, True):
         host_arrays.set_cache_enabled(cache_on)
@@ -99,10 +83,10 @@ def main() -> None:
             run(model, caches[:batch], args.warm_steps)
             made.clear()
             run(model, caches[:batch], 1)  # the runner's setup and one step
-            setup = sum(made.values()), sum(n for size, n in made.items() if size > 8)
+            setup = len(made), sum(a.nbytes > 8 for a in made)
             made.clear()
             run(model, caches[:batch], 1 + args.steps)
-            every, large = sum(made.values()) - setup[0], sum(n for size, n in made.items() if size > 8) - setup[1]
+            every, large = len(made) - setup[0], sum(a.nbytes > 8 for a in made) - setup[1]
             emit("host_arrays", batch=batch, host_array_cache=cache_on, ctx=args.ctx, per_step=every / args.steps,
                  over_8_bytes_per_step=large / args.steps)
 
