@@ -94,6 +94,8 @@ def test_the_cost_probe_times_both_arms_of_every_size_in_alternating_rounds(tmp_
     timed = [(r["values"], r["arm"]) for r in rows if r["what"] == "host_array"]
     assert timed == [(n, arm) for n in (2, 16) for arm in ("fresh", "cached", "cached", "fresh")]
     assert all(r["make_us_median"] > 0 and r["use_us_median"] > 0 for r in rows if r["what"] == "host_array")
+    # fresh: a new array every rep; cached: the one array made for those values
+    assert [r["new_arrays"] for r in rows if r["what"] == "host_array"] == [2, 0, 0, 2] * 2  # of 3 reps: 2 follow one
     summaries = [r for r in rows if r["what"] == "summary"]
     assert [(r["values"], r["nbytes"]) for r in summaries] == [(2, 8), (16, 64)]
     assert all(r["fresh_make_us"] > 0 and r["cached_make_us"] > 0 for r in summaries)
@@ -117,5 +119,6 @@ def test_the_per_step_probe_counts_both_settings_at_both_batch_sizes(tmp_path):
     counted = [r for r in rows if r["what"] == "host_arrays"]
     assert [(r["host_array_cache"], r["batch"]) for r in counted] == [(False, 1), (False, 3), (True, 1), (True, 3)]
     assert all(r["per_step"] >= r["over_8_bytes_per_step"] >= 0 for r in counted)
+    assert all(r["cuda_kernels_per_step"] > 0 for r in counted)  # the CUDA path's kernels ran (stood in)
     off, on = counted[1], counted[3]  # batch 3: the cache takes most of them
     assert on["per_step"] < off["per_step"] and off["over_8_bytes_per_step"] > 0

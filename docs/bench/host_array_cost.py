@@ -11,7 +11,8 @@ device op that is waited for (`use_us`: includes any page migration the first de
 - cached: `host_array(values)` of the same values, the cache's hit.
 On CUDA, MLX 0.32 puts a host array of more than 8 bytes in unified memory and, handed a cached device
 buffer, first moves that buffer to unified memory (allocation, synchronous copy, free); arrays of 8 bytes
-or less come from a pool of their own. On the CPU both arms are a host copy. One JSON line per round.
+or less come from a pool of their own. On the CPU both arms are a host copy. One JSON line per round, with
+`new_arrays`: how many reps got another array object than the rep before (fresh: all but the first; cached: 0).
 """
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ from tessera.kernels.host_arrays import host_array  # noqa: E402
 ARMS = ("fresh", "cached")
 
 
-def timed_round(arm: str, n: int, reps: int) -> tuple[list[float], list[float]]:
-    """-> (µs to make the array, µs for a device op reading it to finish), one each per rep."""
+def timed_round(arm: str, n: int, reps: int) -> tuple[list[float], list[float], int]:
+    """-> (µs to make the array, µs for a device op reading it to finish), one each per rep, and how many reps
+    got another array object than the rep before (fresh: every one; cached: none once the value is in)."""
     device_values = mx.arange(n, dtype=mx.int32)
     values = np.arange(n, dtype=np.int32) * 3
-    make, use = [], []
+    make, use, new_arrays, previous = [], [], 0, None
     for _ in range(reps):
         freed = device_values * 2 + 1  # a device op's output of n int32, freed at once: MLX caches its buffer
         mx.eval(freed)
@@ -51,7 +53,9 @@ def timed_round(arm: str, n: int, reps: int) -> tuple[list[float], list[float]]:
         mx.eval(made + device_values)
         make.append((made_at - start) * 1e6)
         use.append((time.perf_counter() - made_at) * 1e6)
-    return make, use
+        new_arrays += previous is not None and made is not previous
+        previous = made
+    return make, use, new_arrays
 
 
 def main() -> None:
@@ -66,10 +70,11 @@ def main() -> None:
         timed_round("fresh", n, 10)  # warm: first-use compilation of the device ops
         medians: dict[str, list[float]] = {arm: [] for arm in ARMS}
         for arm in (ARMS + ARMS[::-1]) * args.rounds:
-            make, use = timed_round(arm, n, args.reps)
+            make, use, new_arrays = timed_round(arm, n, args.reps)
             medians[arm].append(statistics.median(make))
             emit("host_array", arm=arm, values=n, nbytes=4 * n, make_us_median=statistics.median(make),
-                 use_us_median=statistics.median(use), make_us_p90=sorted(make)[int(0.9 * len(make))])
+                 use_us_median=statistics.median(use), make_us_p90=sorted(make)[int(0.9 * len(make))],
+                 new_arrays=new_arrays)
         emit("summary", values=n, nbytes=4 * n, **{f"{arm}_make_us": statistics.median(v) for arm, v in medians.items()})
 
 

@@ -11,7 +11,8 @@ counted: every `mx.array(...)` any code calls, by its byte size (`mx.array` repl
 call and still answers isinstance checks). With the CUDA path taken on the CPU (`on_cuda()` true, each custom
 kernel a zeros array that depends on its inputs), a step's index arrays are the ones the H200 makes. One JSON
 line per batch size and TESSERA_HOST_ARRAY_CACHE setting (0, then 1): per step, all arrays and those over 8 bytes
-(on CUDA the ones that come from MLX's shared buffer cache, not its small pool).
+(on CUDA the ones that come from MLX's shared buffer cache, not its small pool), and the custom-kernel launches
+the stood-in CUDA path made per step (none would mean the CPU's path was measured).
 """
 
 from __future__ import annotations
@@ -38,9 +39,13 @@ KERNEL_MODULES = ("tessera.engine.model.moe", "tessera.kernels.mxfp8_qmv", "tess
                   "tessera.kernels.row_gather", "tessera.kernels.moe_padded", "tessera.kernels.sinkhorn",
                   "tessera.kernels.gather_qmv", "tessera.kernels.topk_cuda")
 
+LAUNCHES = [0]  # custom-kernel launches the stood-in CUDA path made
+
+
 def stood_in_kernel(name, inputs, outputs, source, header):
     """`compiled_kernel` on the CPU: a launch returns zeros of the output shapes that depend on the inputs."""
     def launch(inputs, output_shapes, output_dtypes, **_):
+        LAUNCHES[0] += 1
         return mx.depends([mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)],
                           list(inputs))
     return launch
@@ -83,12 +88,12 @@ def main() -> None:
             run(model, caches[:batch], args.warm_steps)
             made.clear()
             run(model, caches[:batch], 1)  # the runner's setup and one step
-            setup = len(made), sum(a.nbytes > 8 for a in made)
+            setup = len(made), sum(a.nbytes > 8 for a in made), LAUNCHES[0]
             made.clear()
             run(model, caches[:batch], 1 + args.steps)
             every, large = len(made) - setup[0], sum(a.nbytes > 8 for a in made) - setup[1]
             emit("host_arrays", batch=batch, host_array_cache=cache_on, ctx=args.ctx, per_step=every / args.steps,
-                 over_8_bytes_per_step=large / args.steps)
+                 over_8_bytes_per_step=large / args.steps, cuda_kernels_per_step=(LAUNCHES[0] - setup[2]) / args.steps)
 
 
 if __name__ == "__main__":

@@ -186,7 +186,7 @@ def main() -> None:
     for batch in (1, args.batch) if args.profile_steps else ():
         for arm in args.arms:
             emit("profile", arm=arm, ctx=args.ctx, batch=batch, steps=args.profile_steps,
-                 **host_profile(ARMS[arm], model, caches[:batch], args.profile_steps))
+                 **host_profile(ARMS[arm], model, caches[:batch], args.profile_steps, top=args.profile_top))
     summary = {f"{arm}_b{batch}_step_ms": statistics.median(v) for (arm, batch), v in medians.items()}
     for arm in args.arms:
         one, many = summary[f"{arm}_b1_step_ms"], summary[f"{arm}_b{args.batch}_step_ms"]
@@ -247,6 +247,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tile", type=int, default=1024)
     p.add_argument("--arms", nargs="+", choices=list(ARMS), default=["serial", "overlap", "serving", "serving_overlap"], help="the arms to run, in this order")
     p.add_argument("--rounds", type=int, default=2, help="A B .. B A sequences per batch size")
+    p.add_argument("--profile-top", type=int, default=60,
+                   help="the profile lists this many functions by own time (and 20 by total time)")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="then each arm and batch size this many steps under cProfile (0: none)")
     p.add_argument("--as-loaded", action="store_true",

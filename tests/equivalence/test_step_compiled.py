@@ -161,3 +161,26 @@ def test_unset_it_is_on_where_the_default_device_is_a_gpu(monkeypatch):
     assert not compiled.step_compile_enabled()
     compiled.set_step_compile_enabled(True)  # an explicit choice holds whatever the device
     assert compiled.step_compile_enabled()
+
+
+@pytest.mark.parametrize("module, getter, setter", [
+    ("sinkhorn", "kernel_enabled", "set_kernel_enabled"), ("sinkhorn", "warp_enabled", "set_warp_enabled"),
+    ("row_gather", "kernel_enabled", "set_kernel_enabled"), ("gather_qmv", "kernel_enabled", "set_kernel_enabled"),
+    ("mxfp8_qmv", "kernel_enabled", "set_kernel_enabled"),
+])
+def test_a_kernel_switch_flipped_in_a_running_process_reaches_a_fresh_trace(module, getter, setter):
+    """A trace replays the kernel choices it was traced with (compiled.StepCompiled): flipping a switch a
+    step part reads (the benchmarks' A B B A arms) must trace the part again, not replay the old choice."""
+    import importlib
+
+    kernels = importlib.import_module(f"tessera.kernels.{module}")
+    get, put = getattr(kernels, getter), getattr(kernels, setter)
+    part, x, saved = compiled.StepCompiled(lambda a: a * 2), mx.ones((3,)), get()
+    try:
+        mx.eval(part(x), part(x))
+        assert part.traces == 1
+        put(not saved)
+        mx.eval(part(x))
+        assert part.traces == 2
+    finally:
+        put(saved)
