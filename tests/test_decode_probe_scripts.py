@@ -73,3 +73,19 @@ def test_overlap_append_memory_reports_both_arms_peaks_in_alternating_rounds(tmp
     assert all(len(r["step_ms"]) == 4 and isinstance(r["peak_mib"], float) for r in rounds)
     summary = rows[-1]
     assert summary["what"] == "summary" and {"serial_peak_mib", "overlapped_peak_mib"} <= set(summary)
+
+
+def test_append_donation_probe_times_the_append_with_and_without_a_reader_in_flight(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from tests.support.bench_script import ROOT
+
+    out = tmp_path / "append.jsonl"
+    done = subprocess.run([sys.executable, str(ROOT / "docs/bench/append_donation_probe.py"), str(out), "--mib", "8",
+                           "--rounds", "2"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2 and all(r["mib"] == 8 for r in rows)
+    assert all(r["reader_and_append_ms"] > 0 and r["append_alone_ms"] > 0 and r["reader_ms"] > 0 for r in rows)
