@@ -109,6 +109,50 @@ def test_sinkhorn_kernel_equals_the_ordered_reference(rows, warp, monkeypatch):
     assert mx.array_equal(sinkhorn_kernel(comb[:1], 20, 1e-6), got[:1]).item()  # a row alone: the same bits
 
 
+def _hc_mix_inputs(rows: int, hc: int, hidden: int, dtype, scales: int):
+    rng = np.random.default_rng(rows * 7 + hidden)
+    mixes = (2 + hc) * hc if scales == 3 else hc
+    flat = mx.array(rng.standard_normal((rows, hc * hidden), dtype=np.float32) * 3).astype(dtype)
+    fn = mx.array(rng.standard_normal((mixes, hc * hidden), dtype=np.float32) * 0.02)
+    scale = mx.array(rng.uniform(0.5, 2.0, (mixes if scales == 3 else 1,)).astype(np.float32))
+    base = mx.array(rng.standard_normal((mixes,), dtype=np.float32))
+    return flat, fn, scale, base
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+@pytest.mark.parametrize("rows, hc, hidden, scales", [(1, 4, 4096, 3), (16, 4, 4096, 3), (3, 4, 64, 3), (5, 4, 4096, 1),
+                                                       (64, 2, 100, 3)],
+                         ids=["decode-1", "decode-16", "narrow", "head", "max-rows-hc2"])
+def test_hc_mix_kernel_is_the_reference_to_float32_rounding(rows, hc, hidden, scales, dtype):
+    """The mixing logits against a float64 evaluation of the same math: within a few float32 roundings of its
+    size (3·10⁻⁵ of the terms' magnitude: another summation order than the reference's, not other math); the reference is held to the same
+    bound, so the kernel is no worse than MLX's own product."""
+    from tessera.kernels.hc_mix import mix_logits_kernel, mix_logits_reference
+
+    flat, fn, scale, base = _hc_mix_inputs(rows, hc, hidden, dtype, scales)
+    got = mix_logits_kernel(flat, fn, scale, base, 1e-6)
+    x = np.array(flat.astype(mx.float32), dtype=np.float64)
+    normed = x / np.sqrt((x * x).mean(axis=1, keepdims=True) + 1e-6)
+    exact = (normed @ np.array(fn, dtype=np.float64).T) * np.array(scale, dtype=np.float64) + np.array(base, dtype=np.float64)
+    bound = 3e-5 * (np.abs(normed) @ np.abs(np.array(fn, dtype=np.float64)).T + np.abs(np.array(base, dtype=np.float64)))
+    assert got.shape == (rows, fn.shape[0], 1) and got.dtype == mx.float32
+    assert np.all(np.abs(np.array(got)[..., 0] - exact) <= bound)
+    reference = mix_logits_reference(flat, fn.T, scale, base, 1e-6)
+    assert np.all(np.abs(np.array(reference)[..., 0] - exact) <= bound)
+
+
+def test_hc_mix_kernel_gives_a_token_the_same_bits_at_every_batch_size():
+    """A token's logits depend on its own row only (a block per token and mix, sums in a fixed order)."""
+    from tessera.kernels.hc_mix import mix_logits_kernel
+
+    flat, fn, scale, base = _hc_mix_inputs(16, 4, 4096, mx.bfloat16, 3)
+    batch = mix_logits_kernel(flat, fn, scale, base, 1e-6)
+    for r in (0, 5, 15):
+        alone = mix_logits_kernel(flat[r : r + 1], fn, scale, base, 1e-6)
+        assert mx.array_equal(alone, batch[r : r + 1]).item(), r
+    assert mx.array_equal(mix_logits_kernel(flat[:7], fn, scale, base, 1e-6), batch[:7]).item()
+
+
 @pytest.mark.parametrize("dtype, width", [(mx.bfloat16, 4096), (mx.float32, 128), (mx.bfloat16, 8)])
 def test_row_gather_kernel_is_mlx_gather_bit_for_bit(dtype, width):
     """A gather is a copy: the 16-byte-vector kernel gives exactly MLX's x[idx] (repeats, any order,

@@ -29,6 +29,8 @@ A B C D D C B A (--rounds times; --arms picks a subset). Every arm takes greedy 
   time (TESSERA_HOST_ARRAY_CACHE=0; kernels/host_arrays.py, docs/ARCHITECTURE.md "Host-made arrays").
 - serving_overlap_sinkhorn_warp: serving_overlap with the hyper-connections' Sinkhorn kernel in its warp layout (a
   lane per matrix entry; TESSERA_SINKHORN_WARP=1, kernels/sinkhorn.py), off by default until its CUDA test ran.
+- serving_overlap_no_hc_mix: serving_overlap with the hyper-connections' mixing logits through MLX (cast, norm,
+  gemv, scale and bias) instead of their one kernel (TESSERA_HC_MIX_KERNEL=0, kernels/hc_mix.py).
   Session 14's raw file also holds serving_overlap_qmv_bits and serving_overlap_qmv_prefetch, gather_qmv
   layouts since removed.
 
@@ -66,7 +68,7 @@ use_source_tree()  # `tessera.*` = this checkout, unless it already is
 from docs.bench.probe_io import jsonl_emitter, load_probe_model  # noqa: E402
 from tessera.engine.model import attention, compiled, decode_async, quantized  # noqa: E402
 from tessera.engine.model.deepseek_v4 import PENDING_TOKEN, Segment  # noqa: E402
-from tessera.kernels import gather_qmv, host_arrays, mxfp8_qmv, row_gather, sinkhorn  # noqa: E402
+from tessera.kernels import gather_qmv, hc_mix, host_arrays, mxfp8_qmv, row_gather, sinkhorn  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled, serving_step_seconds  # noqa: E402
 
 
@@ -162,6 +164,8 @@ ARMS["serving_overlap_no_host_array_cache"] = with_setting(host_arrays.cache_ena
                                                            ARMS["serving_overlap"])  # TESSERA_HOST_ARRAY_CACHE=0
 ARMS["serving_overlap_sinkhorn_warp"] = with_setting(sinkhorn.warp_enabled, sinkhorn.set_warp_enabled, True,
                                                      ARMS["serving_overlap"])  # TESSERA_SINKHORN_WARP=1
+ARMS["serving_overlap_no_hc_mix"] = with_setting(hc_mix.kernel_enabled, hc_mix.set_kernel_enabled, False,
+                                                 ARMS["serving_overlap"])  # TESSERA_HC_MIX_KERNEL=0
 
 
 def main() -> None:

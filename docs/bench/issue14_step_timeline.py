@@ -10,7 +10,9 @@ Arms, in the order A B … B A (--rounds times), each a mode of the same model-l
   compiled_no_mxfp8_qmv: compiled with kernels/mxfp8_qmv.py off (TESSERA_MXFP8_QMV_KERNEL=0: MLX's quantized
   matmul for a batch's mxfp8 projections). The other arms have it on (the default). compiled_sinkhorn_warp:
   compiled with the hyper-connections' Sinkhorn kernel in its warp layout (TESSERA_SINKHORN_WARP=1,
-  kernels/sinkhorn.py); the other arms take the default, a thread per token.
+  kernels/sinkhorn.py); the other arms take the default, a thread per token. compiled_no_hc_mix: compiled with
+  the hyper-connections' mixing logits through MLX (TESSERA_HC_MIX_KERNEL=0, kernels/hc_mix.py); the other arms
+  take its kernel (the default).
   (Session 13's `compiled_qmv` arm, a batch's projections through MLX's gemv in blocks of ≤ 7 rows, ran at
   commit db10e55; the switch it flipped was removed after the H200 measured it slower.)
 
@@ -53,13 +55,16 @@ from tessera.engine.model.compiled import set_step_compile_enabled, step_compile
 from tessera.engine.model.deepseek_v4 import Segment  # noqa: E402
 from tessera.engine.model.encode_thread import encode_thread  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled  # noqa: E402
-from tessera.kernels import mxfp8_qmv, sinkhorn  # noqa: E402
+from tessera.kernels import hc_mix, mxfp8_qmv, sinkhorn  # noqa: E402
 
-# arm -> (decode_async mode, step compile, stacked input projections, kernels/mxfp8_qmv.py, Sinkhorn warp layout)
-ARMS = {"off": ("off", False, True, True, False), "thread": ("thread", False, True, True, False),
-        "compiled": ("off", True, True, True, False), "compiled_thread": ("thread", True, True, True, False),
-        "compiled_unstacked": ("off", True, False, True, False), "compiled_no_mxfp8_qmv": ("off", True, True, False, False),
-        "compiled_sinkhorn_warp": ("off", True, True, True, True)}
+# arm -> (decode_async mode, step compile, stacked input projections, kernels/mxfp8_qmv.py, Sinkhorn warp layout,
+# kernels/hc_mix.py)
+ARMS = {"off": ("off", False, True, True, False, True), "thread": ("thread", False, True, True, False, True),
+        "compiled": ("off", True, True, True, False, True), "compiled_thread": ("thread", True, True, True, False, True),
+        "compiled_unstacked": ("off", True, False, True, False, True),
+        "compiled_no_mxfp8_qmv": ("off", True, True, False, False, True),
+        "compiled_sinkhorn_warp": ("off", True, True, True, True, True),
+        "compiled_no_hc_mix": ("off", True, True, True, False, False)}
 def step(model, caches, ids: list[int]) -> tuple[mx.array, float, float]:
     t0 = time.perf_counter()
     logits = model.forward([Segment(c, [t]) for c, t in zip(caches, ids)])
@@ -126,7 +131,7 @@ def main() -> None:
     model = load_probe_model(args.model, args.as_loaded)
     caches = [_filled(model, args.ctx, b, DecodeOptions(chunk=4096, tile=1024, cache_fill="random")) for b in range(max(args.batch))]
     saved = (decode_async.decode_async_mode(), step_compile_enabled(), stacked_inputs_enabled(), mxfp8_qmv.kernel_enabled(),
-             sinkhorn.warp_enabled())
+             sinkhorn.warp_enabled(), hc_mix.kernel_enabled())
     try:
         for arm in args.arms:  # warm every arm (a compiled arm's first step traces it)
             _set(arm)
@@ -149,15 +154,17 @@ def main() -> None:
         set_stacked_inputs_enabled(saved[2])
         mxfp8_qmv.set_kernel_enabled(saved[3])
         sinkhorn.set_warp_enabled(saved[4])
+        hc_mix.set_kernel_enabled(saved[5])
 
 
 def _set(arm: str) -> None:
-    mode, compiled, stacked, mxfp8_kernel, sinkhorn_warp = ARMS[arm]
+    mode, compiled, stacked, mxfp8_kernel, sinkhorn_warp, hc_mix_kernel = ARMS[arm]
     decode_async.set_decode_async_mode(mode)
     set_step_compile_enabled(compiled)
     set_stacked_inputs_enabled(stacked)
     mxfp8_qmv.set_kernel_enabled(mxfp8_kernel)
     sinkhorn.set_warp_enabled(sinkhorn_warp)
+    hc_mix.set_kernel_enabled(hc_mix_kernel)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -1,9 +1,17 @@
-"""One warm decode step, and only it, under a profiler: B sequences at CTX (random cache rows), four warm
-greedy steps, then one step between `cuProfilerStart` and `cuProfilerStop` (CUDA's driver API), so
-`ncu --profile-from-start off` sees that step's kernels alone. docs/BENCHMARKS.md, "Session 14 on the H200".
+"""Warm decode steps, and only they, under a profiler: B sequences at CTX (random cache rows), four warm
+greedy steps, then `--steps` steps (default 1) between `cuProfilerStart` and `cuProfilerStop` (CUDA's driver
+API), so `ncu --profile-from-start off` sees those steps' kernels alone. docs/BENCHMARKS.md, "Session 14 on the
+H200".
 
   ncu --profile-from-start off --metrics gpu__time_duration.sum --csv \\
       python docs/bench/ncu_decode_step.py MODEL --ctx 16384 --batch 16 > OUT.csv
+
+With nsys, the CUDA API calls of 16 steady steps (graph instantiations against updates, managed allocations,
+host-to-device copies), "Session 18 on the H200":
+
+  nsys profile --capture-range=cudaProfilerApi --trace=cuda -o OUT \\
+      python docs/bench/ncu_decode_step.py MODEL --ctx 16384 --batch 16 --steps 16
+  nsys stats --report cuda_api_sum --format csv OUT.nsys-rep
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ def main() -> None:
     p.add_argument("model")
     p.add_argument("--ctx", type=int, default=16384)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=1, help="steps between cuProfilerStart and cuProfilerStop")
     args = p.parse_args()
     driver = ctypes.CDLL("libcuda.so.1")
     model = load_probe_model(args.model, as_loaded=True)
@@ -46,7 +55,8 @@ def main() -> None:
         step()
     mx.synchronize()
     driver.cuProfilerStart()
-    step()
+    for _ in range(args.steps):
+        step()
     mx.synchronize()
     driver.cuProfilerStop()
 

@@ -30,7 +30,7 @@ from tests.support.source_tree import use_source_tree  # noqa: E402
 
 use_source_tree()  # `tessera.*` = this checkout, unless it already is
 
-from tessera.kernels import gather_qmv, indexer_cuda, moe_padded, mxfp8_qmv, row_gather, sinkhorn, topk_cuda  # noqa: E402
+from tessera.kernels import gather_qmv, hc_mix, indexer_cuda, moe_padded, mxfp8_qmv, row_gather, sinkhorn, topk_cuda  # noqa: E402
 
 PRELUDE = """
 #include <cuda_fp16.h>
@@ -86,6 +86,8 @@ def checked_kernels() -> list[KernelText]:
         KernelText("tessera_sinkhorn", (("comb", f32),), (("out", f32),), sinkhorn._SOURCE, "", sink),
         KernelText("tessera_sinkhorn_warp", (("comb", f32),), (("out", f32),), sinkhorn._WARP_SOURCE, "",
                    sink + (("TOKENS_PER_WARP", sinkhorn.tokens_per_warp(4)),)),
+        KernelText("tessera_hc_mix", (("flat", bf16), ("fn", f32), ("scale", f32), ("base", f32)), (("out", f32),),
+                   hc_mix._SOURCE, hc_mix._HEADER, tuple(hc_mix.kernel_template(bf16, 1e-6))),
         KernelText("tessera_take_rows", (("x", bf16), ("idx", i32)), (("out", bf16),), row_gather._SOURCE, "",
                    (("VECTORS_PER_ROW", 4096 * 2 // row_gather.VECTOR_BYTES),)),
         KernelText(gather_name, (("idx", i32), *((n, bf16) for n in gather_inputs[1:])), ((gather_outputs[0], bf16),),

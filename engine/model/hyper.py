@@ -13,7 +13,7 @@ from functools import cached_property
 
 import mlx.core as mx
 
-from tessera.engine.model.norms import unweighted_rms_norm
+from tessera.kernels import hc_mix as hc_mix_kernels
 from tessera.kernels import sinkhorn as sinkhorn_kernels
 from tessera.kernels.shapeless import compile_enabled, shapeless
 
@@ -42,12 +42,17 @@ class HyperWeights:
         return per_mix
 
     @cached_property
+    def fn32(self) -> mx.array:
+        """[(2 + hc)·hc, hc·hidden] float32: `fn` cast once per layer (the mixing kernel's operand), not in
+        every step's graph. Costs a float32 copy of `fn` where the checkpoint's is narrower (~1.5 MiB a
+        matrix at V4 Flash's widths)."""
+        return _evaluated(self.fn.astype(mx.float32))
+
+    @cached_property
     def fn_t32(self) -> mx.array:
-        """[hc·hidden, (2 + hc)·hc] float32: `fn` cast and transposed once per layer (a strided view,
-        the operand the per-step `fn.astype(float32).T` gave the gemm), not one cast and one transpose
-        in every step's graph. Costs a float32 copy of `fn` where the checkpoint's is narrower
-        (~1.5 MiB a matrix at V4 Flash's widths)."""
-        return _evaluated(self.fn.astype(mx.float32).T)
+        """[hc·hidden, (2 + hc)·hc] float32: `fn32` transposed (a strided view of it, the operand the
+        per-step `fn.astype(float32).T` gave the gemm)."""
+        return self.fn32.T
 
     @cached_property
     def base32(self) -> mx.array:
@@ -60,7 +65,7 @@ class HyperWeights:
     def prime(self) -> None:
         """Makes every cached form above now: each evaluates when made, which a compiled trace that
         uses them must not do inside (engine/model/compiled.py, StepCompiled)."""
-        _ = self.fn_t32, self.base32, self.scale32
+        _ = self.fn32, self.fn_t32, self.base32, self.scale32
         if self.scale.shape[0] == 3:  # a layer's mixes (pre, post, comb); the head's are pre only
             _ = self.scale_per_mix
 
@@ -76,18 +81,22 @@ def hyper_weights(streams: mx.array, w: HyperWeights, sinkhorn_iters: int, hc_ep
     The mixes come out as [T, mixes, 1], so pre and post are split off already shaped to scale
     [T, hc, D] streams (one node for the three parts and none to expand pre and post)."""
     num_tokens, hc, _ = streams.shape
-    logits = _mix_logits(streams.reshape(num_tokens, -1), w.fn_t32, w.scale_per_mix, w.base32, norm_eps)  # [T, (2 + hc)·hc, 1]
+    logits = _mixes(streams.reshape(num_tokens, -1), w, w.scale_per_mix, norm_eps)  # [T, (2 + hc)·hc, 1]
     pre_logits, post_logits, comb_logits = mx.split(logits, [hc, 2 * hc], axis=1)  # one node, not three slices
     pre, post, comb = _coefficients(pre_logits, post_logits, comb_logits.reshape(num_tokens, hc, hc), hc_eps)
     return post, _sinkhorn(comb, sinkhorn_iters, hc_eps), _collapse(pre, streams)
 
 
-@shapeless
-def _mix_logits(flat: mx.array, fn_t32: mx.array, scale: mx.array, base32: mx.array, norm_eps: float) -> mx.array:
-    """flat: [T, hc·D], fn_t32: [hc·D, mixes] -> [T, mixes, 1] float32: normed streams through the
-    mixing weights, scaled, biased."""
-    normed = unweighted_rms_norm.plain(flat.astype(mx.float32), norm_eps)  # inlined: this trace is compiled
-    return ((normed @ fn_t32) * scale + base32)[..., None]
+_mix_logits = shapeless(hc_mix_kernels.mix_logits_reference)
+
+
+def _mixes(flat: mx.array, w: HyperWeights, scale: mx.array, norm_eps: float) -> mx.array:
+    """flat: [T, hc·D] -> [T, mixes, 1] float32: normed streams through the mixing weights, scaled
+    (`scale`: [mixes] or [1]), biased. One CUDA kernel for a decode batch where supported, else the
+    reference, compiled when compilation is on (kernels/hc_mix.py)."""
+    if hc_mix_kernels.is_supported(flat):
+        return hc_mix_kernels.mix_logits_kernel(flat, w.fn32, scale, w.base32, norm_eps)
+    return _mix_logits(flat, w.fn_t32, scale, w.base32, norm_eps)
 
 
 @shapeless
@@ -127,11 +136,20 @@ def expand(block_out: mx.array, streams: mx.array, post: mx.array, comb: mx.arra
 def head_collapse(streams: mx.array, w: HyperWeights, hc_eps: float, norm_eps: float) -> mx.array:
     """Final collapse of the streams before the output norm: [T, hc, D] -> [T, D]. `w` holds the
     head's hc mixes (pre only): fn [hc, hc·D], base [hc], scale [1]."""
-    return _head_collapse(streams.reshape(streams.shape[0], -1), streams, w.fn_t32, w.base32, w.scale32, hc_eps, norm_eps)
+    flat = streams.reshape(streams.shape[0], -1)
+    if hc_mix_kernels.is_supported(flat):
+        return _head_weighted(hc_mix_kernels.mix_logits_kernel(flat, w.fn32, w.scale32, w.base32, norm_eps), streams, hc_eps)
+    return _head_collapse(flat, streams, w.fn_t32, w.base32, w.scale32, hc_eps, norm_eps)
 
 
 @shapeless
 def _head_collapse(flat, streams, fn_t32, base32, scale32, hc_eps: float, norm_eps: float) -> mx.array:
     """The per-layer collapse's mixing and pre-weighted sum, with the head's hc mixes (pre only)."""
     mixes = _mix_logits.plain(flat, fn_t32, scale32, base32, norm_eps)  # [T, hc, 1]
+    return _head_weighted.plain(mixes, streams, hc_eps)
+
+
+@shapeless
+def _head_weighted(mixes: mx.array, streams: mx.array, hc_eps: float) -> mx.array:
+    """mixes [T, hc, 1], streams [T, hc, D] -> [T, D]: the head's pre weights applied."""
     return _collapse.plain(mx.sigmoid(mixes) + hc_eps, streams)
