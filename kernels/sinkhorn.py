@@ -14,12 +14,14 @@ dependent divisions alone (~28.5 µs a launch on the H200, 8 launches in a flash
 reads its row's (then its column's) entries from the other lanes (`__shfl_sync`) and adds them in the same
 index order, then divides its own entry — the same operations on the same values, so the same bits, with
 hc×hc divisions at a time instead of one. Tokens per warp: 32 // (hc·hc) (2 for V4's hc = 4); hc·hc > 32
-keeps a thread per token.
+keeps a thread per token. On the H200 (ncu, docs/BENCHMARKS.md "Session 18"): 5.2 µs a launch against 28.5 µs,
+the same bits as the thread per token (its CUDA test). The step's device time did not move (1.61–1.68 against
+1.58–1.65 ms at batch 1): the collapse's Sinkhorn result is first needed after the layer's block, so the
+device ran the slow kernel beside the block's kernels and hid it.
 
 Switches: TESSERA_SINKHORN_KERNEL=0 keeps the reference on CUDA too (1, the default, uses the kernel
-where it is supported: CUDA, float32, compilation on — kernels/shapeless.py). TESSERA_SINKHORN_WARP=1 takes
-the warp layout (0, the default, the thread per token): written without a GPU and compiled only by NVRTC
-(docs/bench/nvrtc_compile_check.py, in CI); its CUDA test (tests/test_kernels_cuda.py) has not run yet.
+where it is supported: CUDA, float32, compilation on — kernels/shapeless.py). TESSERA_SINKHORN_WARP=0 takes
+the thread per token (1, the default, the warp layout).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from tessera.kernels.switch import Switch
 
 ENV_VAR = "TESSERA_SINKHORN_KERNEL"
 _switch = Switch(ENV_VAR)
-_warp_switch = Switch("TESSERA_SINKHORN_WARP", default=False)
+_warp_switch = Switch("TESSERA_SINKHORN_WARP", default=True)
 
 
 def set_kernel_enabled(enabled: bool) -> None:
@@ -168,7 +170,7 @@ def tokens_per_warp(hc: int) -> int:
 
 def sinkhorn_kernel(comb: mx.array, iters: int, eps: float) -> mx.array:
     """comb: [T, hc, hc] float32 on a CUDA device -> the same as `sinkhorn_ordered`, one launch (the warp
-    layout with TESSERA_SINKHORN_WARP=1 where a token's matrix fits a warp, else a thread per token)."""
+    layout where a token's matrix fits a warp and TESSERA_SINKHORN_WARP is on, else a thread per token)."""
     rows, hc = comb.shape[0], comb.shape[-1]
     if rows == 0:
         return comb

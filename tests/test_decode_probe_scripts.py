@@ -14,9 +14,9 @@ from tests.support.bench_script import run_bench_script, tiny_model
 def test_step_timeline_reports_the_host_split_of_every_arm_in_alternating_rounds(tmp_path):
     rows = run_bench_script("issue14_step_timeline.py", tiny_model(tmp_path / "model"), tmp_path / "timeline.jsonl",
                             "--ctx", "100", "--steps", "3", "--rounds", "1", "--arms", "off", "compiled_thread", "compiled_unstacked",
-                            "compiled_no_mxfp8_qmv", "compiled_sinkhorn_warp")
+                            "compiled_no_mxfp8_qmv", "compiled_sinkhorn_thread")
     rounds = [r for r in rows if r["what"] == "round"]
-    order = ["off", "compiled_thread", "compiled_unstacked", "compiled_no_mxfp8_qmv", "compiled_sinkhorn_warp"]
+    order = ["off", "compiled_thread", "compiled_unstacked", "compiled_no_mxfp8_qmv", "compiled_sinkhorn_thread"]
     assert [r["arm"] for r in rounds] == order + order[::-1]
     for r in rounds:
         assert len(r["steps"]) == 3 and r["build_ms"] > 0 and r["encode_ms"] >= 0 and r["wait_ms"] >= 0

@@ -380,13 +380,13 @@ def test_sinkhorn_warp_layout_lanes_add_and_divide_as_the_ordered_reference(hc, 
     assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
 
 
-def test_sinkhorn_warp_layout_is_off_until_the_h200_ran_it():
-    """TESSERA_SINKHORN_WARP: written without a GPU (kernels/sinkhorn.py); a thread per token by default."""
+def test_sinkhorn_warp_layout_is_the_default_and_switches_off():
+    """TESSERA_SINKHORN_WARP (kernels/sinkhorn.py): a lane per matrix entry unless set to 0."""
     from tessera.kernels.sinkhorn import tokens_per_warp
     from tests.support.env_switch import switch_in_fresh_process
 
-    assert switch_in_fresh_process("TESSERA_SINKHORN_WARP", None, "tessera.kernels.sinkhorn", "warp_enabled") == "False"
-    assert switch_in_fresh_process("TESSERA_SINKHORN_WARP", "1", "tessera.kernels.sinkhorn", "warp_enabled") == "True"
+    assert switch_in_fresh_process("TESSERA_SINKHORN_WARP", None, "tessera.kernels.sinkhorn", "warp_enabled") == "True"
+    assert switch_in_fresh_process("TESSERA_SINKHORN_WARP", "0", "tessera.kernels.sinkhorn", "warp_enabled") == "False"
     assert [tokens_per_warp(hc) for hc in (2, 3, 4, 5, 6)] == [8, 3, 2, 1, 0]
 
 

@@ -124,9 +124,10 @@ def _hc_mix_inputs(rows: int, hc: int, hidden: int, dtype, scales: int):
                                                        (64, 2, 100, 3)],
                          ids=["decode-1", "decode-16", "narrow", "head", "max-rows-hc2"])
 def test_hc_mix_kernel_is_the_reference_to_float32_rounding(rows, hc, hidden, scales, dtype):
-    """The mixing logits against a float64 evaluation of the same math: within a few float32 roundings of its
-    size (3·10⁻⁵ of the terms' magnitude: another summation order than the reference's, not other math); the reference is held to the same
-    bound, so the kernel is no worse than MLX's own product."""
+    """The mixing logits against a float64 evaluation of the same math: within float32 rounding of the terms'
+    magnitude (3·10⁻⁵: another summation order than the reference's, not other math). MLX's own product is
+    held to TF32's (10⁻³): on the H200 its GEMM (2 rows and more) multiplies in TF32 and missed 3·10⁻⁵ at 3
+    and 64 rows (docs/BENCHMARKS.md "Session 18"), so the kernel is the more precise of the two."""
     from tessera.kernels.hc_mix import mix_logits_kernel, mix_logits_reference
 
     flat, fn, scale, base = _hc_mix_inputs(rows, hc, hidden, dtype, scales)
@@ -138,7 +139,7 @@ def test_hc_mix_kernel_is_the_reference_to_float32_rounding(rows, hc, hidden, sc
     assert got.shape == (rows, fn.shape[0], 1) and got.dtype == mx.float32
     assert np.all(np.abs(np.array(got)[..., 0] - exact) <= bound)
     reference = mix_logits_reference(flat, fn.T, scale, base, 1e-6)
-    assert np.all(np.abs(np.array(reference)[..., 0] - exact) <= bound)
+    assert np.all(np.abs(np.array(reference)[..., 0] - exact) <= bound / 3e-5 * 1e-3)
 
 
 def test_hc_mix_kernel_gives_a_token_the_same_bits_at_every_batch_size():

@@ -27,8 +27,9 @@ A B C D D C B A (--rounds times; --arms picks a subset). Every arm takes greedy 
   mxfp8 projections; TESSERA_MXFP8_QMV_KERNEL=0).
 - serving_overlap_no_host_array_cache: serving_overlap with every small index array made anew from the host each
   time (TESSERA_HOST_ARRAY_CACHE=0; kernels/host_arrays.py, docs/ARCHITECTURE.md "Host-made arrays").
-- serving_overlap_sinkhorn_warp: serving_overlap with the hyper-connections' Sinkhorn kernel in its warp layout (a
-  lane per matrix entry; TESSERA_SINKHORN_WARP=1, kernels/sinkhorn.py), off by default until its CUDA test ran.
+- serving_overlap_sinkhorn_thread: serving_overlap with the hyper-connections' Sinkhorn kernel a thread per token
+  (TESSERA_SINKHORN_WARP=0, kernels/sinkhorn.py; the default is a lane per matrix entry. Sessions 17 and 18's runs
+  at dd2ba84 and 22c7227 had the opposite default and an arm serving_overlap_sinkhorn_warp).
 - serving_overlap_no_hc_mix: serving_overlap with the hyper-connections' mixing logits through MLX (cast, norm,
   gemv, scale and bias) instead of their one kernel (TESSERA_HC_MIX_KERNEL=0, kernels/hc_mix.py).
   Session 14's raw file also holds serving_overlap_qmv_bits and serving_overlap_qmv_prefetch, gather_qmv
@@ -162,8 +163,8 @@ ARMS["serving_overlap_no_mxfp8_qmv"] = with_setting(mxfp8_qmv.kernel_enabled, mx
                                                     ARMS["serving_overlap"])  # TESSERA_MXFP8_QMV_KERNEL=0
 ARMS["serving_overlap_no_host_array_cache"] = with_setting(host_arrays.cache_enabled, host_arrays.set_cache_enabled, False,
                                                            ARMS["serving_overlap"])  # TESSERA_HOST_ARRAY_CACHE=0
-ARMS["serving_overlap_sinkhorn_warp"] = with_setting(sinkhorn.warp_enabled, sinkhorn.set_warp_enabled, True,
-                                                     ARMS["serving_overlap"])  # TESSERA_SINKHORN_WARP=1
+ARMS["serving_overlap_sinkhorn_thread"] = with_setting(sinkhorn.warp_enabled, sinkhorn.set_warp_enabled, False,
+                                                       ARMS["serving_overlap"])  # TESSERA_SINKHORN_WARP=0
 ARMS["serving_overlap_no_hc_mix"] = with_setting(hc_mix.kernel_enabled, hc_mix.set_kernel_enabled, False,
                                                  ARMS["serving_overlap"])  # TESSERA_HC_MIX_KERNEL=0
 

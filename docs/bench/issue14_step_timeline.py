@@ -8,9 +8,10 @@ Arms, in the order A B … B A (--rounds times), each a mode of the same model-l
   (TESSERA_DECODE_ASYNC=thread); compiled: TESSERA_COMPILE_STEP on; compiled_thread: both; compiled_unstacked:
   compiled with TESSERA_STACKED_INPUTS off (one matmul per input projection, docs/ARCHITECTURE.md);
   compiled_no_mxfp8_qmv: compiled with kernels/mxfp8_qmv.py off (TESSERA_MXFP8_QMV_KERNEL=0: MLX's quantized
-  matmul for a batch's mxfp8 projections). The other arms have it on (the default). compiled_sinkhorn_warp:
-  compiled with the hyper-connections' Sinkhorn kernel in its warp layout (TESSERA_SINKHORN_WARP=1,
-  kernels/sinkhorn.py); the other arms take the default, a thread per token. compiled_no_hc_mix: compiled with
+  matmul for a batch's mxfp8 projections). The other arms have it on (the default). compiled_sinkhorn_thread:
+  compiled with the hyper-connections' Sinkhorn kernel a thread per token (TESSERA_SINKHORN_WARP=0,
+  kernels/sinkhorn.py); the other arms take the default, a lane per matrix entry (session 18's runs, at
+  22c7227, named the warp layout's arm compiled_sinkhorn_warp: then the thread per token was the default). compiled_no_hc_mix: compiled with
   the hyper-connections' mixing logits through MLX (TESSERA_HC_MIX_KERNEL=0, kernels/hc_mix.py); the other arms
   take its kernel (the default).
   (Session 13's `compiled_qmv` arm, a batch's projections through MLX's gemv in blocks of ≤ 7 rows, ran at
@@ -59,12 +60,12 @@ from tessera.kernels import hc_mix, mxfp8_qmv, sinkhorn  # noqa: E402
 
 # arm -> (decode_async mode, step compile, stacked input projections, kernels/mxfp8_qmv.py, Sinkhorn warp layout,
 # kernels/hc_mix.py)
-ARMS = {"off": ("off", False, True, True, False, True), "thread": ("thread", False, True, True, False, True),
-        "compiled": ("off", True, True, True, False, True), "compiled_thread": ("thread", True, True, True, False, True),
-        "compiled_unstacked": ("off", True, False, True, False, True),
-        "compiled_no_mxfp8_qmv": ("off", True, True, False, False, True),
-        "compiled_sinkhorn_warp": ("off", True, True, True, True, True),
-        "compiled_no_hc_mix": ("off", True, True, True, False, False)}
+ARMS = {"off": ("off", False, True, True, True, True), "thread": ("thread", False, True, True, True, True),
+        "compiled": ("off", True, True, True, True, True), "compiled_thread": ("thread", True, True, True, True, True),
+        "compiled_unstacked": ("off", True, False, True, True, True),
+        "compiled_no_mxfp8_qmv": ("off", True, True, False, True, True),
+        "compiled_sinkhorn_thread": ("off", True, True, True, False, True),
+        "compiled_no_hc_mix": ("off", True, True, True, True, False)}
 def step(model, caches, ids: list[int]) -> tuple[mx.array, float, float]:
     t0 = time.perf_counter()
     logits = model.forward([Segment(c, [t]) for c, t in zip(caches, ids)])
