@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from tessera.engine.model import hyper
@@ -267,3 +268,35 @@ def test_decode_pieces_stay_within_their_node_budgets(tmp_path):
     assert _node_count([post, collapsed], tmp_path / "hyper.dot") <= 14  # the Sinkhorn's nodes left out
     mx.eval(post, comb, collapsed)
     assert _node_count([hyper.expand(collapsed, streams, post, comb)], tmp_path / "expand.dot") <= 6
+
+
+def test_hyper_connections_hand_the_mixing_kernel_its_operands_where_it_runs(monkeypatch):
+    """Where kernels/hc_mix.py's kernel is supported (a CUDA decode batch), engine/model/hyper.py hands it the
+    flattened streams, fn untransposed, each site's scales ([mixes] for a layer, [1] for the head) and the
+    norm's eps. Here a float64 NumPy stand-in of the kernel's contract takes its place: the layer's and the
+    head's collapse must come out as the reference's, within float32 rounding, with the stand-in called."""
+    from tessera.kernels import hc_mix
+
+    calls = []
+
+    def stand_in(flat, fn32, scale, base32, norm_eps):
+        rows, width = flat.shape
+        mixes = fn32.shape[0]
+        assert fn32.shape == (mixes, width) and base32.shape == (mixes,) and scale.shape in ((mixes,), (1,))
+        calls.append(mixes)
+        x = np.array(flat.astype(mx.float32), dtype=np.float64)
+        normed = x / np.sqrt((x * x).mean(axis=1, keepdims=True) + norm_eps)
+        out = (normed @ np.array(fn32, dtype=np.float64).T) * np.array(scale, dtype=np.float64) + np.array(base32, dtype=np.float64)
+        return mx.array(out.astype(np.float32))[..., None]
+
+    monkeypatch.setattr(hyper.hc_mix_kernels, "is_supported", lambda flat: flat.shape[0] <= hc_mix.MAX_ROWS)
+    monkeypatch.setattr(hyper.hc_mix_kernels, "mix_logits_kernel", stand_in)
+    w = _weights(mx.float32, 1)
+    head = (w.fn[:HC], w.base[:HC], w.scale[:1])
+    streams = mx.random.normal((3, HC, WIDTH), key=mx.random.key(5))
+    got = hyper.hyper_weights(streams, w, ITERS, EPS, EPS)
+    for name, a, b in zip(("post", "comb", "collapsed"), got, reference_hyper_weights(streams, w, ITERS, EPS, EPS)):
+        assert mx.allclose(a, b, rtol=1e-4, atol=1e-5).item(), name
+    got_head = hyper.head_collapse(streams, hyper.HyperWeights(*head), EPS, EPS)
+    assert mx.allclose(got_head, reference_head_collapse(streams, *head, EPS, EPS), rtol=1e-4, atol=1e-5).item()
+    assert calls == [(2 + HC) * HC, HC]
