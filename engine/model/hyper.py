@@ -51,8 +51,10 @@ class HyperWeights:
     @cached_property
     def fn_t32(self) -> mx.array:
         """[hc·hidden, (2 + hc)·hc] float32: `fn32` transposed (a strided view of it, the operand the
-        per-step `fn.astype(float32).T` gave the gemm)."""
-        return self.fn32.T
+        per-step `fn.astype(float32).T` gave the gemm). Evaluated here like every cached form: a view left
+        lazy would be evaluated later on whatever thread first reads it, with the stream of the thread that
+        made it (MLX: "There is no Stream(cpu, N) in current thread")."""
+        return _evaluated(self.fn32.T)
 
     @cached_property
     def base32(self) -> mx.array:
