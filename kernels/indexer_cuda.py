@@ -22,7 +22,6 @@ import mlx.core as mx
 from tessera.kernels.cuda import (
     SHARED_MEMORY_LIMIT, compiled_kernel, decode_batch_kernels, input_slots, on_cuda,
 )
-from tessera.kernels.host_arrays import host_array
 
 QUERIES_PER_BLOCK = 32  # two m16 tiles
 KEYS_PER_WARP = 32  # four n8 tiles
@@ -214,7 +213,7 @@ def indexer_scores_batched_kernel(
         buffers = [k.astype(mx.bfloat16) for k in keys[lo:hi]]
         sizes = [*num_keys[lo:hi], *[0] * (slots - (hi - lo)), width]  # [slots + 1]: each N, then the width
         (scores,) = _batched_kernel(slots)(
-            inputs=[pick(q), pick(w), pick(visible), host_array(sizes),
+            inputs=[pick(q), pick(w), pick(visible), mx.array(sizes, dtype=mx.int32),
                     *buffers, *buffers[-1:] * (slots - len(buffers))],
             template=[("H", heads), ("D", d), ("KS", d // 16), ("NB", slots)],
             grid=(grid[0], 1, hi - lo),

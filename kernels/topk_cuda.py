@@ -17,7 +17,6 @@ from __future__ import annotations
 import mlx.core as mx
 
 from tessera.kernels.cuda import compiled_kernel, on_cuda
-from tessera.kernels.host_arrays import host_array
 
 THREADS = 1024  # one block per query row
 WARPS = THREADS // 32
@@ -133,7 +132,7 @@ def select_topk_kernel(scores: mx.array, visible: mx.array, k: int) -> tuple[mx.
         rows = mx.zeros((num_q, k), dtype=mx.int32)
         return rows, rows < visible[:, None]
     (rows,) = _kernel()(
-        inputs=[scores, host_array([k])],
+        inputs=[scores, mx.array([k], dtype=mx.int32)],
         grid=launch_shape(num_q)[0],
         threadgroup=launch_shape(num_q)[1],
         output_shapes=[(num_q, k)],

@@ -25,15 +25,14 @@ A B C D D C B A (--rounds times; --arms picks a subset). Every arm takes greedy 
   or copy per sequence; 1 is the default since session 16, 0 before);
 - serving_overlap_no_mxfp8_qmv: serving_overlap with kernels/mxfp8_qmv.py off (MLX's quantized matmul for a batch's
   mxfp8 projections; TESSERA_MXFP8_QMV_KERNEL=0).
-- serving_overlap_no_host_array_cache: serving_overlap with every small index array made anew from the host each
-  time (TESSERA_HOST_ARRAY_CACHE=0; kernels/host_arrays.py, docs/ARCHITECTURE.md "Host-made arrays").
 - serving_overlap_sinkhorn_thread: serving_overlap with the hyper-connections' Sinkhorn kernel a thread per token
   (TESSERA_SINKHORN_WARP=0, kernels/sinkhorn.py; the default is a lane per matrix entry. Sessions 17 and 18's runs
   at dd2ba84 and 22c7227 had the opposite default and an arm serving_overlap_sinkhorn_warp).
 - serving_overlap_no_hc_mix: serving_overlap with the hyper-connections' mixing logits through MLX (cast, norm,
   gemv, scale and bias) instead of their one kernel (TESSERA_HC_MIX_KERNEL=0, kernels/hc_mix.py).
   Session 14's raw file also holds serving_overlap_qmv_bits and serving_overlap_qmv_prefetch, gather_qmv
-  layouts since removed.
+  layouts since removed; session 18's serving_overlap_no_host_array_cache, a cache removed after it measured
+  nothing (docs/ARCHITECTURE.md "Host-made arrays").
 
 A step's time is the interval between two tokens reaching the host. One JSON line per round to OUT.
 --profile-steps N: afterwards, each arm at each batch size under cProfile, one "profile" line each: where
@@ -69,7 +68,7 @@ use_source_tree()  # `tessera.*` = this checkout, unless it already is
 from docs.bench.probe_io import jsonl_emitter, load_probe_model  # noqa: E402
 from tessera.engine.model import attention, compiled, decode_async, quantized  # noqa: E402
 from tessera.engine.model.deepseek_v4 import PENDING_TOKEN, Segment  # noqa: E402
-from tessera.kernels import gather_qmv, hc_mix, host_arrays, mxfp8_qmv, row_gather, sinkhorn  # noqa: E402
+from tessera.kernels import gather_qmv, hc_mix, mxfp8_qmv, row_gather, sinkhorn  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled, serving_step_seconds  # noqa: E402
 
 
@@ -161,8 +160,6 @@ ARMS["serving_overlap_no_batch_gather"] = with_setting(row_gather.batch_gather_e
                                                        False, ARMS["serving_overlap"])  # TESSERA_DECODE_BATCH_GATHER=0
 ARMS["serving_overlap_no_mxfp8_qmv"] = with_setting(mxfp8_qmv.kernel_enabled, mxfp8_qmv.set_kernel_enabled, False,
                                                     ARMS["serving_overlap"])  # TESSERA_MXFP8_QMV_KERNEL=0
-ARMS["serving_overlap_no_host_array_cache"] = with_setting(host_arrays.cache_enabled, host_arrays.set_cache_enabled, False,
-                                                           ARMS["serving_overlap"])  # TESSERA_HOST_ARRAY_CACHE=0
 ARMS["serving_overlap_sinkhorn_thread"] = with_setting(sinkhorn.warp_enabled, sinkhorn.set_warp_enabled, False,
                                                        ARMS["serving_overlap"])  # TESSERA_SINKHORN_WARP=0
 ARMS["serving_overlap_no_hc_mix"] = with_setting(hc_mix.kernel_enabled, hc_mix.set_kernel_enabled, False,

@@ -12,7 +12,6 @@ import mlx.core as mx
 import numpy as np
 
 from tessera.engine.model.config import CSA, ModelConfig, WINDOW
-from tessera.kernels.host_arrays import host_array
 
 
 def owned(rows: mx.array) -> mx.array:
@@ -132,7 +131,7 @@ def stacked(parts: Sequence[mx.array | Stacked]) -> mx.array:
         indices = [p.index for p in parts]
         if indices == list(range(first.batch.shape[0])):
             return first.batch
-        return first.batch[host_array(indices)]
+        return first.batch[mx.array(indices)]
     sources: dict[int, tuple[mx.array, list[int], list[int]]] = {}  # id(batch) -> (batch, rows, positions)
     plain: list[int] = []
     for position, part in enumerate(parts):
@@ -144,7 +143,7 @@ def stacked(parts: Sequence[mx.array | Stacked]) -> mx.array:
             plain.append(position)
     pieces, order = [], []
     for batch, rows, positions in sources.values():
-        pieces.append(batch[host_array(rows)])
+        pieces.append(batch[mx.array(rows)])
         order += positions
     if plain:
         pieces.append(mx.stack([parts[i] for i in plain]))
@@ -152,7 +151,7 @@ def stacked(parts: Sequence[mx.array | Stacked]) -> mx.array:
     joined = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)
     if order == list(range(len(parts))):
         return joined
-    return joined[host_array(np.argsort(np.array(order)))]
+    return joined[mx.array(np.argsort(np.array(order)))]
 
 
 def value(part: mx.array | Stacked) -> mx.array:

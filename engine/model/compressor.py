@@ -20,7 +20,6 @@ from tessera.engine.model.config import RopeSpec
 from tessera.engine.model.norms import rms_norm
 from tessera.engine.model.quantized import Weight, linear
 from tessera.engine.model.rope import apply_rope, cos_sin
-from tessera.kernels.host_arrays import host_array
 from tessera.kernels.shapeless import shapeless
 
 
@@ -136,7 +135,7 @@ def compress_decode(
     kv_new, gate_new = projected if projected is not None else (linear(x, weights.wkv), linear(x, weights.wgate))  # [B, width]
     slots = _stacked_slots(frontiers, ratio, kv_new.shape[1], weights.norm.shape[0], overlapping, kv_new.dtype)
     open_now = np.array([f.num_open for f in frontiers])
-    at = host_array(open_now.reshape(num, 1, 1))  # [B, 1, 1]: each token's slot
+    at = mx.array(open_now.reshape(num, 1, 1))  # [B, 1, 1]: each token's slot
     kv = mx.put_along_axis(slots.kv, at, kv_new[:, None, :], axis=1)  # [B, ratio, width]
     gate = mx.put_along_axis(slots.gate, at, gate_new[:, None, :], axis=1)
     closing = [i for i in range(num) if open_now[i] + 1 == ratio]
@@ -203,7 +202,7 @@ def _closed_windows(
         else:  # a closing row's Ca half is the next window's overlap; the others keep theirs
             is_closing = np.zeros((num, 1, 1), dtype=bool)
             is_closing[closing] = True
-            shut = host_array(is_closing, mx.bool_)
+            shut = mx.array(is_closing)
             overlap_kv, overlap_gate = mx.where(shut, ca_kv, overlap_kv), mx.where(shut, ca_gate, overlap_gate)
-    positions = host_array([f.num_emitted * ratio for f in frontiers])  # [B]: each window's first token
+    positions = mx.array([f.num_emitted * ratio for f in frontiers])  # [B]: each window's first token
     return _pooled_rows(kv, gate, weights, positions, rope, eps), overlap_kv, overlap_gate

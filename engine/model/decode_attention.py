@@ -37,7 +37,6 @@ from tessera.engine.model.compressor import compress_decode
 from tessera.engine.model.config import CSA, HCA, WINDOW, ModelConfig
 from tessera.engine.model.trace import ForwardTrace
 from tessera.kernels import row_gather
-from tessera.kernels.host_arrays import host_array
 from tessera.kernels.indexer import indexer_scores_batched, select_topk
 from tessera.kernels.sparse_attention import mixed_attention
 
@@ -71,7 +70,7 @@ def decode_attention(rows: DecodeRows, w: AttentionWeights, cfg: ModelConfig, la
     for members in same_shape_batches(rows.segments, cfg.index_topk if kind == CSA else None):
         pick = _picker(members, len(rows.segments))
         segs = [rows.segments[i] for i in members]
-        visible = host_array([(s.start + 1) // cfg.compress_ratio(layer) for s in segs])  # [b]
+        visible = mx.array([(s.start + 1) // cfg.compress_ratio(layer) for s in segs])  # [b]
         if kind == CSA:
             group = _selected_rows(segs, pick(rows.index_q), pick(rows.index_w), visible, cfg, layer, timer)
         else:
@@ -98,7 +97,7 @@ def _picker(members: list[int], total: int):
     """x [B, ...] -> x [members, ...] (the identity when the batch is all of them)."""
     if members == list(range(total)):
         return lambda x: x
-    index = host_array(members)
+    index = mx.array(members)
     return lambda x: None if x is None else x[index]
 
 
@@ -106,7 +105,7 @@ def _in_order(outs: list[mx.array], order: list[int]) -> mx.array:
     """Batches' outputs, concatenated in `order` -> rows back in the segments' order."""
     if len(outs) == 1:
         return outs[0]
-    return mx.concatenate(outs)[host_array(np.argsort(np.array(order)))]
+    return mx.concatenate(outs)[mx.array(np.argsort(np.array(order)))]
 
 
 def _emit_compressed(rows: DecodeRows, w: AttentionWeights, cfg: ModelConfig, layer: int) -> None:
@@ -152,7 +151,7 @@ def _window_rows(rows: DecodeRows, cfg: ModelConfig) -> tuple[mx.array, mx.array
         parts.append(_full_window_keys([caches[i] for i in full], prev, _picker(full, len(caches))(rows.kv)))
     if short:
         parts.append(mx.stack([_short_window_keys(caches[i], rows.kv[i : i + 1], valid[i], window) for i in short]))
-    return _in_order(parts, full + short), host_array(valid, mx.bool_)
+    return _in_order(parts, full + short), mx.array(valid)
 
 
 def _full_window_keys(caches: list[LayerCache], prev: mx.array, kv: mx.array) -> mx.array:
@@ -180,7 +179,7 @@ def _short_window_keys(cache: LayerCache, kv: mx.array, valid: np.ndarray, windo
     cache.window = owned(keys[max(keys.shape[0] - keep, 0) :] if keep > 0 else keys[:0])
     key_idx = num_prev - (window - 1) + np.arange(window)  # attention.window_key_indices for row 0
     valid[:] = key_idx >= 0
-    return keys[host_array(np.maximum(key_idx, 0))]
+    return keys[mx.array(np.maximum(key_idx, 0))]
 
 
 def _selected_rows(
@@ -227,7 +226,7 @@ def _gather_selected(buffers: list[RowBuffer], selected: mx.array) -> mx.array:
     if sum(buf.nbytes for buf in buffers) <= STACKED_GATHER_BYTES:
         rows = mx.concatenate([buf.view() for buf in buffers])  # [Σ N_i, hd]: sequence i's rows from Σ_{j<i} N_j
         starts = np.cumsum([0] + [buf.num_rows for buf in buffers[:-1]])
-        offsets = host_array(starts[:, None], selected.dtype)  # [b, 1]: a leaf, no graph op
+        offsets = mx.array(starts[:, None], dtype=selected.dtype)  # [b, 1]: a leaf, no graph op
         return rows[selected + offsets]  # [b, k', hd] (a row gather: take_along_axis gathers per element, ~3x slower on the CPU)
     picks = mx.split(selected, len(buffers))  # b × [1, k']
     return mx.concatenate([buf.data()[p] for buf, p in zip(buffers, picks)])

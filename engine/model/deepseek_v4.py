@@ -29,7 +29,6 @@ from tessera.engine.model.moe import MoEWeights, moe, syncs_host
 from tessera.engine.model.norms import rms_norm
 from tessera.engine.model.rope import StepRope
 from tessera.engine.model.trace import ForwardTrace
-from tessera.kernels.host_arrays import host_array
 
 
 @dataclass(frozen=True)
@@ -317,7 +316,7 @@ def fill_pending_token(cache: SequenceCache, position: int, token_id: int) -> No
 def step_positions(segments: Sequence[Segment]) -> mx.array:
     """[T] int32: every token's position in its sequence (the step's flat batch), one array from the host."""
     if all(len(s.token_ids) == 1 for s in segments):  # a decode step: each sequence's next position
-        return host_array([s.cache.num_tokens for s in segments])
+        return mx.array([s.cache.num_tokens for s in segments], dtype=mx.int32)
     starts = [np.arange(s.cache.num_tokens, s.cache.num_tokens + len(s.token_ids), dtype=np.int32) for s in segments]
     return mx.array(np.concatenate(starts))
 

@@ -138,17 +138,8 @@ def expand(block_out: mx.array, streams: mx.array, post: mx.array, comb: mx.arra
 def head_collapse(streams: mx.array, w: HyperWeights, hc_eps: float, norm_eps: float) -> mx.array:
     """Final collapse of the streams before the output norm: [T, hc, D] -> [T, D]. `w` holds the
     head's hc mixes (pre only): fn [hc, hc·D], base [hc], scale [1]."""
-    flat = streams.reshape(streams.shape[0], -1)
-    if hc_mix_kernels.is_supported(flat):
-        return _head_weighted(hc_mix_kernels.mix_logits_kernel(flat, w.fn32, w.scale32, w.base32, norm_eps), streams, hc_eps)
-    return _head_collapse(flat, streams, w.fn_t32, w.base32, w.scale32, hc_eps, norm_eps)
-
-
-@shapeless
-def _head_collapse(flat, streams, fn_t32, base32, scale32, hc_eps: float, norm_eps: float) -> mx.array:
-    """The per-layer collapse's mixing and pre-weighted sum, with the head's hc mixes (pre only)."""
-    mixes = _mix_logits.plain(flat, fn_t32, scale32, base32, norm_eps)  # [T, hc, 1]
-    return _head_weighted.plain(mixes, streams, hc_eps)
+    mixes = _mixes(streams.reshape(streams.shape[0], -1), w, w.scale32, norm_eps)  # [T, hc, 1]
+    return _head_weighted(mixes, streams, hc_eps)
 
 
 @shapeless
