@@ -26,3 +26,38 @@ def test_overlap_script_times_every_arm_in_alternating_rounds(tmp_path):
         assert forward and all(f["calls"] == 1.0 for f in forward), (r["arm"], forward)
         assert sum(f["self_ms"] for f in r["functions"]) > 0
         assert any("(_layer)" in c or "(_compiled_layer)" in c for f in r["functions"] for c in f["callers"])
+
+
+def test_the_kernel_arms_run_with_their_kernel_switched_and_restore_it_after():
+    """serving_overlap_sinkhorn_thread and serving_overlap_no_hc_mix run the serving arm with TESSERA_SINKHORN_WARP
+    and TESSERA_HC_MIX_KERNEL off: a stand-in model and cache report the switches the moment the arm first uses them."""
+    import importlib.util
+    from pathlib import Path
+
+    from tessera.kernels import hc_mix, sinkhorn
+
+    path = Path(__file__).resolve().parents[1] / "docs/bench/issue14_decode_overlap.py"
+    spec = importlib.util.spec_from_file_location("issue14_decode_overlap", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    class Seen(Exception):
+        pass
+
+    class Touched:  # a model and a cache: any use but the cache's length reports the switches
+        num_tokens = 1
+
+        def __getattr__(self, name):
+            raise Seen({"sinkhorn_warp": sinkhorn.warp_enabled(), "hc_mix": hc_mix.kernel_enabled()})
+
+    def switches_in(arm: str) -> dict:
+        try:
+            script.ARMS[arm](Touched(), [Touched()], 1)
+        except Seen as seen:
+            return seen.args[0]
+        raise AssertionError(f"{arm} never touched the model or cache")
+
+    assert switches_in("serving_overlap") == {"sinkhorn_warp": True, "hc_mix": True}
+    assert switches_in("serving_overlap_sinkhorn_thread") == {"sinkhorn_warp": False, "hc_mix": True}
+    assert switches_in("serving_overlap_no_hc_mix") == {"sinkhorn_warp": True, "hc_mix": False}
+    assert sinkhorn.warp_enabled() and hc_mix.kernel_enabled()  # restored after each arm

@@ -146,7 +146,7 @@ def main() -> None:
                 host = host_steps(model, caches[:batch], args.steps)
                 device = device_steps(model, caches[:batch], args.steps, cycles, spin_alone) if on_gpu else []
                 med = {k: statistics.median(r[k] for r in host) for k in ("build_ms", "encode_ms", "wait_ms")}
-                emit("round", arm=arm, ctx=args.ctx, batch=batch, **med,
+                emit("round", arm=arm, ctx=args.ctx, batch=batch, switches=_switches(), **med,
                      host_step_ms=statistics.median(sum(r.values()) for r in host),
                      device_ms=statistics.median(device) if device else None, steps=host, device_steps=device)
     finally:
@@ -156,6 +156,13 @@ def main() -> None:
         mxfp8_qmv.set_kernel_enabled(saved[3])
         sinkhorn.set_warp_enabled(saved[4])
         hc_mix.set_kernel_enabled(saved[5])
+
+
+def _switches() -> dict[str, object]:
+    """The settings a round ran with, read back from the switches themselves (what the arm set, not what it meant to)."""
+    return {"decode_async": decode_async.decode_async_mode(), "step_compile": step_compile_enabled(),
+            "stacked_inputs": stacked_inputs_enabled(), "mxfp8_qmv": mxfp8_qmv.kernel_enabled(),
+            "sinkhorn_warp": sinkhorn.warp_enabled(), "hc_mix": hc_mix.kernel_enabled()}
 
 
 def _set(arm: str) -> None:
