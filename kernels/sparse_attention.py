@@ -14,6 +14,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
+from tessera.kernels import decode_attention_cuda
 from tessera.kernels.shapeless import shapeless
 
 RowGroup = tuple[mx.array, mx.array]  # rows [T, R, d] (K = V), valid [T, R] bool
@@ -54,5 +55,15 @@ def shared_rows(rows: mx.array, num_queries: int) -> mx.array:
 
 
 def mixed_attention(q: mx.array, groups: Sequence[RowGroup], sinks: mx.array, scale: float) -> mx.array:
-    """Dispatch: a fused kernel where one exists for the device, else the reference."""
+    """A prefill tile's mixed attention: the reference on every device. The decode kernel stays out of tiles,
+    whatever their size, so that a prompt row's output never depends on which tile it lands in."""
+    return mixed_attention_reference(q, groups, sinks, scale)
+
+
+def decode_mixed_attention(q: mx.array, groups: Sequence[RowGroup], sinks: mx.array, scale: float) -> mx.array:
+    """A decode batch's mixed attention (one token a row): one CUDA kernel where it runs
+    (kernels/decode_attention_cuda.py), else the reference. Whether the kernel runs depends on a row's own
+    attended-row count, never on the batch around it."""
+    if decode_attention_cuda.is_supported(q, groups):
+        return decode_attention_cuda.decode_attention_kernel(q, groups, sinks, scale)
     return mixed_attention_reference(q, groups, sinks, scale)

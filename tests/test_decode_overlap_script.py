@@ -29,12 +29,13 @@ def test_overlap_script_times_every_arm_in_alternating_rounds(tmp_path):
 
 
 def test_the_kernel_arms_run_with_their_kernel_switched_and_restore_it_after():
-    """serving_overlap_sinkhorn_thread and serving_overlap_no_hc_mix run the serving arm with TESSERA_SINKHORN_WARP
-    and TESSERA_HC_MIX_KERNEL off: a stand-in model and cache report the switches the moment the arm first uses them."""
+    """serving_overlap_sinkhorn_thread, serving_overlap_no_hc_mix and serving_overlap_no_decode_attention run the
+    serving arm with TESSERA_SINKHORN_WARP, TESSERA_HC_MIX_KERNEL or TESSERA_DECODE_ATTENTION_KERNEL off: a stand-in
+    model and cache report the switches the moment the arm first uses them."""
     import importlib.util
     from pathlib import Path
 
-    from tessera.kernels import hc_mix, sinkhorn
+    from tessera.kernels import decode_attention_cuda, hc_mix, sinkhorn
 
     path = Path(__file__).resolve().parents[1] / "docs/bench/issue14_decode_overlap.py"
     spec = importlib.util.spec_from_file_location("issue14_decode_overlap", path)
@@ -48,7 +49,8 @@ def test_the_kernel_arms_run_with_their_kernel_switched_and_restore_it_after():
         num_tokens = 1
 
         def __getattr__(self, name):
-            raise Seen({"sinkhorn_warp": sinkhorn.warp_enabled(), "hc_mix": hc_mix.kernel_enabled()})
+            raise Seen({"sinkhorn_warp": sinkhorn.warp_enabled(), "hc_mix": hc_mix.kernel_enabled(),
+                        "decode_attention": decode_attention_cuda.kernel_enabled()})
 
     def switches_in(arm: str) -> dict:
         try:
@@ -57,7 +59,9 @@ def test_the_kernel_arms_run_with_their_kernel_switched_and_restore_it_after():
             return seen.args[0]
         raise AssertionError(f"{arm} never touched the model or cache")
 
-    assert switches_in("serving_overlap") == {"sinkhorn_warp": True, "hc_mix": True}
-    assert switches_in("serving_overlap_sinkhorn_thread") == {"sinkhorn_warp": False, "hc_mix": True}
-    assert switches_in("serving_overlap_no_hc_mix") == {"sinkhorn_warp": True, "hc_mix": False}
-    assert sinkhorn.warp_enabled() and hc_mix.kernel_enabled()  # restored after each arm
+    on = {"sinkhorn_warp": True, "hc_mix": True, "decode_attention": True}
+    assert switches_in("serving_overlap") == on
+    assert switches_in("serving_overlap_sinkhorn_thread") == {**on, "sinkhorn_warp": False}
+    assert switches_in("serving_overlap_no_hc_mix") == {**on, "hc_mix": False}
+    assert switches_in("serving_overlap_no_decode_attention") == {**on, "decode_attention": False}
+    assert sinkhorn.warp_enabled() and hc_mix.kernel_enabled() and decode_attention_cuda.kernel_enabled()  # restored

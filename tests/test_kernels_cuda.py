@@ -154,6 +154,85 @@ def test_hc_mix_kernel_gives_a_token_the_same_bits_at_every_batch_size():
     assert mx.array_equal(mix_logits_kernel(flat[:7], fn, scale, base, 1e-6), batch[:7]).item()
 
 
+def _decode_attention_inputs(tokens: int, heads: int, dim: int, counts: tuple[int, ...], shared_last: bool, dtype):
+    """q [T, H, d]; groups of (rows [T, R, d], valid [T, R]) with about a fifth of the rows invalid, each invalid
+    row 6× larger than a valid one (attended, it would take most of its token's weight); sinks [H] from 2 to 7,
+    a fifth to most of a token's weight. `shared_last`: the last group one set of rows every token sees, broadcast (HCA's form)."""
+    rng = np.random.default_rng(tokens * 131 + dim + sum(counts))
+    q = mx.array(rng.standard_normal((tokens, heads, dim), dtype=np.float32)).astype(dtype)
+    groups = []
+    for g, count in enumerate(counts):
+        shared = shared_last and g == len(counts) - 1
+        shape = (1 if shared else tokens, count, dim)
+        valid = rng.random(shape[:2]) > 0.2
+        rows = rng.standard_normal(shape, dtype=np.float32) * np.where(valid, 1.0, 6.0)[..., None]
+        rows, valid = mx.array(rows).astype(dtype), mx.array(valid)
+        if shared:
+            rows, valid = mx.broadcast_to(rows, (tokens, count, dim)), mx.broadcast_to(valid, (tokens, count))
+        groups.append((rows, valid))
+    sinks = mx.array(rng.uniform(2.0, 7.0, (heads,)).astype(np.float32))  # a sink takes up to most of a weight
+    return q, groups, sinks
+
+
+def _attention_float64(q, groups, sinks, scale):
+    """The mixed attention's math without any rounding -> (out [T, H, d], Σ_r p_r |row_r| [T, H, d]: the terms' size)."""
+    f64 = lambda a: np.array(a.astype(mx.float32), dtype=np.float64)  # noqa: E731
+    qs = f64(q)
+    rows = np.concatenate([f64(r) for r, _ in groups], axis=1)  # [T, R, d]
+    valid = np.concatenate([np.array(v) for _, v in groups], axis=1)  # [T, R]
+    logits = np.where(valid[:, None, :], np.einsum("thd,trd->thr", qs, rows) * scale, -np.inf)
+    sink = np.broadcast_to(np.array(sinks, dtype=np.float64)[None, :, None], logits.shape[:2] + (1,))
+    both = np.concatenate([logits, sink], axis=-1)
+    p = np.exp(both - both.max(axis=-1, keepdims=True))
+    p = (p / p.sum(axis=-1, keepdims=True))[..., :-1]
+    return np.einsum("thr,trd->thd", p, rows), np.einsum("thr,trd->thd", p, np.abs(rows))
+
+
+@pytest.mark.parametrize("tokens, heads, dim, counts, shared_last, dtype", [
+    (1, 64, 512, (128, 512), False, mx.bfloat16),   # a CSA layer of V4 Flash at one token
+    (16, 64, 512, (128, 512), False, mx.bfloat16),  # a batch
+    (3, 64, 512, (128, 640), True, mx.bfloat16),    # HCA: every token's compressed rows the same, broadcast
+    (5, 8, 128, (128,), False, mx.bfloat16),        # a window layer: one group
+    (2, 4, 64, (7, 2041), False, mx.bfloat16),      # MAX_ATTENDED rows
+    (4, 16, 256, (128, 300), False, mx.float32),
+], ids=["csa-1", "csa-16", "hca-shared", "window", "max-rows", "float32"])
+def test_decode_attention_kernel_is_the_mixed_attention_to_the_rows_rounding(tokens, heads, dim, counts, shared_last, dtype):
+    """Against a float64 evaluation of the same math: within what rounding the products, the probabilities and the
+    output to the rows' dtype can move it (bf16: the logits' rounding moves a probability by up to ~1 %; float32:
+    10⁻⁵). The reference (MLX, cuBLAS) is held to the same bound, and the two to twice it. Invalid rows are 6×
+    larger, so attending one would move its token far past the bound; a wrong sink, row or head likewise."""
+    from tessera.kernels.decode_attention_cuda import decode_attention_kernel, is_supported
+    from tessera.kernels.sparse_attention import mixed_attention_reference
+
+    q, groups, sinks = _decode_attention_inputs(tokens, heads, dim, counts, shared_last, dtype)
+    scale = dim**-0.5
+    assert is_supported(q, groups)
+    got = decode_attention_kernel(q, groups, sinks, scale)
+    want = mixed_attention_reference(q, groups, sinks, scale)
+    exact, size = _attention_float64(q, groups, sinks, scale)
+    rel = 2e-2 if dtype == mx.bfloat16 else 1e-5
+    out_ulp = 2.0**-8 if dtype == mx.bfloat16 else 2.0**-24
+    bound = rel * size + out_ulp * np.abs(exact) + 1e-30
+    assert got.shape == q.shape and got.dtype == dtype
+    got64, want64 = np.array(got.astype(mx.float32), dtype=np.float64), np.array(want.astype(mx.float32), dtype=np.float64)
+    assert np.all(np.abs(want64 - exact) <= bound), "the reference itself is outside the bound: the bound is wrong"
+    assert np.all(np.abs(got64 - exact) <= bound), float(np.max(np.abs(got64 - exact) / bound))
+    assert np.all(np.abs(got64 - want64) <= 2 * bound)
+
+
+def test_decode_attention_kernel_gives_a_token_the_same_bits_at_every_batch_size():
+    """A token's output depends on its own rows only (a block per token and head, sums in a fixed order)."""
+    from tessera.kernels.decode_attention_cuda import decode_attention_kernel
+
+    q, groups, sinks = _decode_attention_inputs(16, 64, 512, (128, 512), False, mx.bfloat16)
+    batch = decode_attention_kernel(q, groups, sinks, 512**-0.5)
+    for t in (0, 7, 15):
+        alone = decode_attention_kernel(q[t : t + 1], [(r[t : t + 1], v[t : t + 1]) for r, v in groups], sinks, 512**-0.5)
+        assert mx.array_equal(alone, batch[t : t + 1]).item(), t
+    part = decode_attention_kernel(q[3:9], [(r[3:9], v[3:9]) for r, v in groups], sinks, 512**-0.5)
+    assert mx.array_equal(part, batch[3:9]).item()
+
+
 @pytest.mark.parametrize("dtype, width", [(mx.bfloat16, 4096), (mx.float32, 128), (mx.bfloat16, 8)])
 def test_row_gather_kernel_is_mlx_gather_bit_for_bit(dtype, width):
     """A gather is a copy: the 16-byte-vector kernel gives exactly MLX's x[idx] (repeats, any order,

@@ -13,7 +13,8 @@ Arms, in the order A B … B A (--rounds times), each a mode of the same model-l
   kernels/sinkhorn.py); the other arms take the default, a lane per matrix entry (session 18's runs, at
   22c7227, named the warp layout's arm compiled_sinkhorn_warp: then the thread per token was the default). compiled_no_hc_mix: compiled with
   the hyper-connections' mixing logits through MLX (TESSERA_HC_MIX_KERNEL=0, kernels/hc_mix.py); the other arms
-  take its kernel (the default).
+  take its kernel (the default). compiled_no_decode_attention: compiled with the decode rows' mixed attention
+  through MLX (TESSERA_DECODE_ATTENTION_KERNEL=0, kernels/decode_attention_cuda.py); the other arms take its kernel.
   (Session 13's `compiled_qmv` arm, a batch's projections through MLX's gemv in blocks of ≤ 7 rows, ran at
   commit db10e55; the switch it flipped was removed after the H200 measured it slower.)
 
@@ -36,6 +37,7 @@ per kernel and the device's time per kernel, measured the same way.
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict, dataclass, fields
 import statistics
 import sys
 import time
@@ -56,16 +58,41 @@ from tessera.engine.model.compiled import set_step_compile_enabled, step_compile
 from tessera.engine.model.deepseek_v4 import Segment  # noqa: E402
 from tessera.engine.model.encode_thread import encode_thread  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled  # noqa: E402
-from tessera.kernels import hc_mix, mxfp8_qmv, sinkhorn  # noqa: E402
+from tessera.kernels import decode_attention_cuda, hc_mix, mxfp8_qmv, sinkhorn  # noqa: E402
 
-# arm -> (decode_async mode, step compile, stacked input projections, kernels/mxfp8_qmv.py, Sinkhorn warp layout,
-# kernels/hc_mix.py)
-ARMS = {"off": ("off", False, True, True, True, True), "thread": ("thread", False, True, True, True, True),
-        "compiled": ("off", True, True, True, True, True), "compiled_thread": ("thread", True, True, True, True, True),
-        "compiled_unstacked": ("off", True, False, True, True, True),
-        "compiled_no_mxfp8_qmv": ("off", True, True, False, True, True),
-        "compiled_sinkhorn_thread": ("off", True, True, True, False, True),
-        "compiled_no_hc_mix": ("off", True, True, True, True, False)}
+
+@dataclass(frozen=True)
+class Arm:
+    """An arm's settings: each field one switch (SWITCHES), the defaults the engine's own."""
+
+    decode_async: str = "off"
+    step_compile: bool = True
+    stacked_inputs: bool = True
+    mxfp8_qmv: bool = True
+    sinkhorn_warp: bool = True
+    hc_mix: bool = True
+    decode_attention: bool = True
+
+
+# switch -> (read it, set it)
+SWITCHES = {"decode_async": (decode_async.decode_async_mode, decode_async.set_decode_async_mode),
+            "step_compile": (step_compile_enabled, set_step_compile_enabled),
+            "stacked_inputs": (stacked_inputs_enabled, set_stacked_inputs_enabled),
+            "mxfp8_qmv": (mxfp8_qmv.kernel_enabled, mxfp8_qmv.set_kernel_enabled),
+            "sinkhorn_warp": (sinkhorn.warp_enabled, sinkhorn.set_warp_enabled),
+            "hc_mix": (hc_mix.kernel_enabled, hc_mix.set_kernel_enabled),
+            "decode_attention": (decode_attention_cuda.kernel_enabled, decode_attention_cuda.set_kernel_enabled)}
+assert set(SWITCHES) == {f.name for f in fields(Arm)}
+
+ARMS = {"off": Arm(step_compile=False), "thread": Arm(decode_async="thread", step_compile=False),
+        "compiled": Arm(), "compiled_thread": Arm(decode_async="thread"),
+        "compiled_unstacked": Arm(stacked_inputs=False),
+        "compiled_no_mxfp8_qmv": Arm(mxfp8_qmv=False),
+        "compiled_sinkhorn_thread": Arm(sinkhorn_warp=False),
+        "compiled_no_hc_mix": Arm(hc_mix=False),
+        "compiled_no_decode_attention": Arm(decode_attention=False)}
+
+
 def step(model, caches, ids: list[int]) -> tuple[mx.array, float, float]:
     t0 = time.perf_counter()
     logits = model.forward([Segment(c, [t]) for c, t in zip(caches, ids)])
@@ -131,8 +158,7 @@ def main() -> None:
         kernel_chain(emit, 500, cycles, spin_alone)
     model = load_probe_model(args.model, args.as_loaded)
     caches = [_filled(model, args.ctx, b, DecodeOptions(chunk=4096, tile=1024, cache_fill="random")) for b in range(max(args.batch))]
-    saved = (decode_async.decode_async_mode(), step_compile_enabled(), stacked_inputs_enabled(), mxfp8_qmv.kernel_enabled(),
-             sinkhorn.warp_enabled(), hc_mix.kernel_enabled())
+    saved = _switches()
     try:
         for arm in args.arms:  # warm every arm (a compiled arm's first step traces it)
             _set(arm)
@@ -150,29 +176,18 @@ def main() -> None:
                      host_step_ms=statistics.median(sum(r.values()) for r in host),
                      device_ms=statistics.median(device) if device else None, steps=host, device_steps=device)
     finally:
-        decode_async.set_decode_async_mode(saved[0])
-        set_step_compile_enabled(saved[1])
-        set_stacked_inputs_enabled(saved[2])
-        mxfp8_qmv.set_kernel_enabled(saved[3])
-        sinkhorn.set_warp_enabled(saved[4])
-        hc_mix.set_kernel_enabled(saved[5])
+        for name, value in saved.items():
+            SWITCHES[name][1](value)
 
 
 def _switches() -> dict[str, object]:
     """The settings a round ran with, read back from the switches themselves (what the arm set, not what it meant to)."""
-    return {"decode_async": decode_async.decode_async_mode(), "step_compile": step_compile_enabled(),
-            "stacked_inputs": stacked_inputs_enabled(), "mxfp8_qmv": mxfp8_qmv.kernel_enabled(),
-            "sinkhorn_warp": sinkhorn.warp_enabled(), "hc_mix": hc_mix.kernel_enabled()}
+    return {name: read() for name, (read, _) in SWITCHES.items()}
 
 
 def _set(arm: str) -> None:
-    mode, compiled, stacked, mxfp8_kernel, sinkhorn_warp, hc_mix_kernel = ARMS[arm]
-    decode_async.set_decode_async_mode(mode)
-    set_step_compile_enabled(compiled)
-    set_stacked_inputs_enabled(stacked)
-    mxfp8_qmv.set_kernel_enabled(mxfp8_kernel)
-    sinkhorn.set_warp_enabled(sinkhorn_warp)
-    hc_mix.set_kernel_enabled(hc_mix_kernel)
+    for name, value in asdict(ARMS[arm]).items():
+        SWITCHES[name][1](value)
 
 
 def _parser() -> argparse.ArgumentParser:

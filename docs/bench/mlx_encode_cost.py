@@ -9,7 +9,8 @@ A decode step is host-bound (docs/BENCHMARKS.md, "Session 12 on the H200"): MLX 
 is the host's time per node (`mx.async_eval` returned), `device_us` the device's (the same nodes queued
 behind a spin kernel, so the host has encoded them all before the device starts: arrival − spin, per node).
 Kinds: add (an elementwise kernel), astype (adds and casts, half each), reshape (a chain of views: no kernels),
-matmul (a [1, 256] × [256, 256] bf16 gemv), custom (adds and one-thread `mx.fast.cuda_kernel` copies, half each). The line also records MLX's graph settings
+matmul (a [1, 256] × [256, 256] bf16 gemv), gemm (a decode step's attention product: [1, 64, 512] × [1, 512, 640]
+bf16, which MLX hands to cuBLAS, captured from a stream into a child graph), custom (adds and one-thread `mx.fast.cuda_kernel` copies, half each). The line also records MLX's graph settings
 from the environment, so one file can hold several processes' lines.
 """
 
@@ -70,9 +71,18 @@ def nodes_of(kind: str, n: int, x: mx.array, w: mx.array) -> tuple[list[mx.array
     x256 = x[:, :256] + 0.0  # one kernel: the operands below are plain contiguous rows
     if kind == "matmul":
         return [x256 @ w for _ in range(n)], n + 2
+    if kind == "gemm":  # 64 heads' queries against 640 shared rows; a scalar add keeps each product its own node
+        q, rows_t = x[:, :512].reshape(1, 1, 512) + mx.zeros((1, 64, 1), x.dtype), w_rows_t(x.dtype)
+        return [(q + float(i)) @ rows_t for i in range(n // 2)], 2 * (n // 2) + 3
     if kind == "custom":
         return [copy_kernel(x256 + float(i)) for i in range(n // 2)], 2 * (n // 2) + 2
     raise ValueError(kind)
+
+
+def w_rows_t(dtype: mx.Dtype) -> mx.array:
+    rows_t = mx.random.normal((1, 512, 640)).astype(dtype)
+    mx.eval(rows_t)
+    return rows_t
 
 
 def measure(kind: str, n: int, x, w, cycles: float, spin_ms: float) -> dict:
@@ -104,7 +114,7 @@ def main() -> None:
     cycles = args.spin_ms * 1.98e6  # the H200's SM clock, ~1.98 GHz; spin_ms measures what it gives
     spin_alone = spin_ms(cycles)
     with open(args.out, "a") as out:
-        for kind in ("add", "astype", "reshape", "matmul", "custom"):
+        for kind in ("add", "astype", "reshape", "matmul", "gemm", "custom"):
             row = {"kind": kind, "nodes": args.nodes, "settings": settings, "spin_ms": spin_alone,
                    **measure(kind, args.nodes, x, w, cycles, spin_alone)}
             out.write(json.dumps(row) + "\n")

@@ -30,7 +30,7 @@ from tests.support.source_tree import use_source_tree  # noqa: E402
 
 use_source_tree()  # `tessera.*` = this checkout, unless it already is
 
-from tessera.kernels import gather_qmv, hc_mix, indexer_cuda, moe_padded, mxfp8_qmv, row_gather, sinkhorn, topk_cuda  # noqa: E402
+from tessera.kernels import decode_attention_cuda, gather_qmv, hc_mix, indexer_cuda, moe_padded, mxfp8_qmv, row_gather, sinkhorn, topk_cuda  # noqa: E402
 
 PRELUDE = """
 #include <cuda_fp16.h>
@@ -88,6 +88,13 @@ def checked_kernels() -> list[KernelText]:
                    sink + (("TOKENS_PER_WARP", sinkhorn.tokens_per_warp(4)),)),
         KernelText("tessera_hc_mix", (("flat", bf16), ("fn", f32), ("scale", f32), ("base", f32)), (("out", f32),),
                    hc_mix._SOURCE, hc_mix._HEADER, tuple(hc_mix.kernel_template(bf16, 1e-6))),
+        KernelText("tessera_decode_attention_1", (("q", bf16), ("rows_a", bf16), ("valid_a", mx.bool_), ("sinks", f32)),
+                   (("out", bf16),), decode_attention_cuda._SOURCE_ONE, decode_attention_cuda._HEADER,
+                   tuple(decode_attention_cuda.kernel_template(bf16, f32, 512, 512**-0.5))),
+        KernelText("tessera_decode_attention_2", (("q", bf16), ("rows_a", bf16), ("valid_a", mx.bool_), ("rows_b", bf16),
+                                                  ("valid_b", mx.bool_), ("sinks", f32)),
+                   (("out", bf16),), decode_attention_cuda._SOURCE_TWO, decode_attention_cuda._HEADER,
+                   tuple(decode_attention_cuda.kernel_template(bf16, f32, 512, 512**-0.5))),
         KernelText("tessera_take_rows", (("x", bf16), ("idx", i32)), (("out", bf16),), row_gather._SOURCE, "",
                    (("VECTORS_PER_ROW", 4096 * 2 // row_gather.VECTOR_BYTES),)),
         KernelText(gather_name, (("idx", i32), *((n, bf16) for n in gather_inputs[1:])), ((gather_outputs[0], bf16),),

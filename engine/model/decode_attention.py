@@ -38,7 +38,7 @@ from tessera.engine.model.config import CSA, HCA, WINDOW, ModelConfig
 from tessera.engine.model.trace import ForwardTrace
 from tessera.kernels import row_gather
 from tessera.kernels.indexer import indexer_scores_batched, select_topk
-from tessera.kernels.sparse_attention import mixed_attention
+from tessera.kernels.sparse_attention import decode_mixed_attention
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def decode_attention(rows: DecodeRows, w: AttentionWeights, cfg: ModelConfig, la
         timer.stage("other", window, *[a for s in rows.segments for a in s.cache.arrays()])
     scale = cfg.head_dim**-0.5
     if kind == WINDOW:
-        return mixed_attention(rows.q, [(window, window_valid)], w.sinks, scale)
+        return decode_mixed_attention(rows.q, [(window, window_valid)], w.sinks, scale)
     outs, order = [], []
     for members in same_shape_batches(rows.segments, cfg.index_topk if kind == CSA else None):
         pick = _picker(members, len(rows.segments))
@@ -75,7 +75,7 @@ def decode_attention(rows: DecodeRows, w: AttentionWeights, cfg: ModelConfig, la
             group = _selected_rows(segs, pick(rows.index_q), pick(rows.index_w), visible, cfg, layer, timer)
         else:
             group = _all_compressed_rows(segs, visible)
-        outs.append(mixed_attention(pick(rows.q), [(pick(window), pick(window_valid)), group], w.sinks, scale))
+        outs.append(decode_mixed_attention(pick(rows.q), [(pick(window), pick(window_valid)), group], w.sinks, scale))
         order += members
     return _in_order(outs, order)
 
