@@ -8,11 +8,12 @@ concatenation, the softmax, the split, the casts, the sum of the groups' parts a
 them — and a decode step is bound by the host's encoding of its launches, ~5–7 µs each and more for a
 captured GEMM (docs/BENCHMARKS.md, "What one graph node costs MLX's CUDA backend"; "Session 19").
 
-Layout: a block of THREADS threads per (token, head). Phase 1, a warp a row at a time (rows r ≡ warp
-mod WARPS): the lanes' fused multiply-adds over the head dim in a fixed order, then xor shuffles: the
-row's product. Phase 2: the block's max and exp-sum over the products and the sink, in a fixed order.
-Phase 3, two output columns a thread: the probabilities times the rows, row by row. Every sum has one
-order whatever the batch, so a token's output is the same bits at every batch size and position in it.
+Layout: a block of THREADS threads per (token, head). Phase 1, each warp ROWS_IN_FLIGHT rows at a time
+(rows r ≡ warp mod WARPS): a lane's fused multiply-adds over its 16-byte pieces of the head dim in a fixed
+order, then xor shuffles: the row's product. Phase 2: the block's max and exp-sum over the products and the
+sink, in a fixed order. Phase 3, a group at a time: each warp sums its rows' probability-weighted values
+over the whole head dim (row order), then the warps' sums are added in warp order. Every sum has one order
+whatever the batch, so a token's output is the same bits at every batch size and position in it.
 
 The reference's roundings are kept where it rounds: the product to the rows' dtype (cuBLAS writes it
 so), then float32 scaling and masking; probabilities in float32 (MLX's `__expf` and reciprocal
@@ -28,7 +29,7 @@ the choice depends on the token's own row count only, never on its batch.
 
 Switch: TESSERA_DECODE_ATTENTION_KERNEL=0 keeps the reference on CUDA too (1, the default, uses the kernel
 where `is_supported`: CUDA, compilation on — kernels/shapeless.py —, the sizes above, a head dim a
-multiple of 64).
+multiple of THREADS up to MAX_DIM).
 """
 
 from __future__ import annotations
@@ -45,11 +46,13 @@ from tessera.kernels.switch import Switch
 ENV_VAR = "TESSERA_DECODE_ATTENTION_KERNEL"
 _switch = Switch(ENV_VAR, default=True)
 
-THREADS = 256  # a block: eight warps, one (token, head)
+THREADS = 256  # a block: eight warps, one (token, head); the head dim a multiple of it (V4: 512)
+VECTOR = 8  # elements a lane loads at once (16 bytes of bf16); a warp's 32 loads cover 256 of a row
 MAX_TOKENS = 65535  # CUDA's grid limit in y, a block row per token: any decode batch (no smaller bound, which
 # would give a row other bits in a larger batch)
 MAX_ATTENDED = 2048  # rows a token (window + compressed): the block's float32 logits in shared memory
-assert MAX_ATTENDED * 4 <= SHARED_MEMORY_LIMIT
+MAX_DIM = 1024  # the head dim: each warp's float32 sums of the output in shared memory beside the logits
+assert (MAX_ATTENDED + (THREADS // 32) * MAX_DIM) * 4 <= SHARED_MEMORY_LIMIT
 
 RowGroup = tuple[mx.array, mx.array]  # rows [T, R, d] (K = V), valid [T, R] bool
 
@@ -65,13 +68,24 @@ def kernel_enabled() -> bool:
 def is_supported(q: mx.array, groups: Sequence[RowGroup]) -> bool:
     """q: [T, H, d]; groups of (rows [T, R, d], valid [T, R]): one or two groups of q's dtype."""
     tokens, _, dim = q.shape
-    return (_switch.enabled() and compile_enabled() and on_cuda() and 0 < tokens <= MAX_TOKENS and dim % 64 == 0
+    return (_switch.enabled() and compile_enabled() and on_cuda() and 0 < tokens <= MAX_TOKENS
+            and dim % THREADS == 0 and dim <= MAX_DIM
             and q.dtype in (mx.bfloat16, mx.float16, mx.float32) and len(groups) in (1, 2)
             and all(rows.dtype == q.dtype and rows.shape[0] == tokens for rows, _ in groups)
             and groups[0][0].shape[1] > 0 and sum(rows.shape[1] for rows, _ in groups) <= MAX_ATTENDED)
 
 
 _HEADER = r"""
+// V consecutive elements of a row: one vector load (V = 8: 16 bytes of bf16).
+template <typename T, int V>
+struct alignas(V * sizeof(T)) Vec { T v[V]; };
+
+template <typename T, int V>
+__device__ __forceinline__ Vec<T, V> vec_at(const T* p) { return *reinterpret_cast<const Vec<T, V>*>(p); }
+
+// A warp's rows loaded together: one block per SM at one token, so the loads' latency needs hiding in the warp.
+constexpr int ROWS_IN_FLIGHT = 8;
+
 // The block's reduction of one value a thread, in a fixed order: a warp's by xor shuffles, then the warps' in
 // warp order, read by every thread from shared memory (the same bits in each).
 template <int WARPS, bool MAX>
@@ -92,69 +106,102 @@ __device__ __forceinline__ float block_reduce(float v, float* partial) {
   return total;
 }
 
-template <typename T>
-struct alignas(2 * sizeof(T)) Pair { T v[2]; };  // two consecutive elements of a row, one load
-
-template <typename T>
-__device__ __forceinline__ Pair<T> pair_at(const T* p) { return *reinterpret_cast<const Pair<T>*>(p); }
-
-constexpr int ROWS_IN_FLIGHT = 4;  // a warp's rows loaded together: the block is one per SM, latency needs hiding
-
-// Phase 1 for one group: each warp's rows' products with the head's query (lane order fixed: element pairs
-// 64 i + 2 lane, i ascending, then the xor shuffles), rounded to T as the reference's product is, scaled in
-// float32, -inf where invalid -> logits[r].
-template <typename T, int D, int WARPS>
+// Phase 1 for one group: each warp's rows (r = warp mod WARPS) times the head's query. A lane holds the V
+// elements at 32 V i + V lane, i ascending; its products in that order, then the xor shuffles. Rounded to T as
+// the reference's product is, scaled in float32, -inf where invalid -> logits[r].
+template <typename T, int D, int V, int WARPS>
 __device__ __forceinline__ void group_logits(const float (&qv)[D / 32], const T* rows, const bool* valid, int count,
                                              float scale, float* logits) {
+  constexpr int CHUNKS = D / (32 * V);
   const int lane = threadIdx.x & 31;
   for (int first = threadIdx.x >> 5; first < count; first += ROWS_IN_FLIGHT * WARPS) {
-    float acc[ROWS_IN_FLIGHT];
+    Vec<T, V> x[ROWS_IN_FLIGHT][CHUNKS];
     #pragma unroll
-    for (int u = 0; u < ROWS_IN_FLIGHT; ++u) acc[u] = 0.0f;
-    #pragma unroll
-    for (int i = 0; i < D / 64; ++i) {
+    for (int u = 0; u < ROWS_IN_FLIGHT; ++u) {
+      const int r = first + u * WARPS;
       #pragma unroll
-      for (int u = 0; u < ROWS_IN_FLIGHT; ++u) {
-        const int r = first + u * WARPS;
-        if (r < count) {
-          const Pair<T> x = pair_at(rows + (size_t)r * D + 64 * i + 2 * lane);
-          acc[u] = fmaf(qv[2 * i], static_cast<float>(x.v[0]), acc[u]);
-          acc[u] = fmaf(qv[2 * i + 1], static_cast<float>(x.v[1]), acc[u]);
-        }
+      for (int i = 0; i < CHUNKS; ++i) {
+        if (r < count) x[u][i] = vec_at<T, V>(rows + (size_t)r * D + 32 * V * i + V * lane);
       }
     }
     #pragma unroll
     for (int u = 0; u < ROWS_IN_FLIGHT; ++u) {
-      #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) acc[u] = __fadd_rn(acc[u], __shfl_xor_sync(0xFFFFFFFFu, acc[u], o));
       const int r = first + u * WARPS;
+      float acc = 0.0f;
+      if (r < count) {
+        #pragma unroll
+        for (int i = 0; i < CHUNKS; ++i) {
+          #pragma unroll
+          for (int j = 0; j < V; ++j) acc = fmaf(qv[V * i + j], static_cast<float>(x[u][i].v[j]), acc);
+        }
+      }
+      #pragma unroll
+      for (int o = 16; o > 0; o >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(0xFFFFFFFFu, acc, o));
       if (lane == 0 && r < count) {
-        logits[r] = valid[r] ? __fmul_rn(static_cast<float>(static_cast<T>(acc[u])), scale) : -__int_as_float(0x7f800000);  // -inf
+        logits[r] = valid[r] ? __fmul_rn(static_cast<float>(static_cast<T>(acc)), scale) : -__int_as_float(0x7f800000);
       }
     }
   }
 }
 
-// Phase 3 for one group: columns c, c + 1 of the probabilities (already rounded to T) times the rows, row order.
-template <typename T, int D>
-__device__ __forceinline__ void group_part(const T* rows, int count, const float* probs, int c, float& a0, float& a1) {
-  a0 = 0.0f;
-  a1 = 0.0f;
-  #pragma unroll 8
-  for (int r = 0; r < count; ++r) {
-    const float p = probs[r];
-    const Pair<T> x = pair_at(rows + (size_t)r * D + c);
-    a0 = fmaf(p, static_cast<float>(x.v[0]), a0);
-    a1 = fmaf(p, static_cast<float>(x.v[1]), a1);
+// Phase 3 for one group: the probabilities (already rounded to T) times the rows. Each warp sums its rows
+// (r = warp mod WARPS, row order) over the lane's columns 32 V i + V lane + j; then the warps' sums are added in
+// warp order -> the group's part rounded to T, columns c = threadIdx.x + THREADS k of the head's output.
+template <typename T, int D, int V, int WARPS>
+__device__ __forceinline__ void group_part(const T* rows, int count, const float* probs, float* sums, T (&part)[D / (32 * WARPS)]) {
+  constexpr int CHUNKS = D / (32 * V);
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  float acc[D / 32];
+  #pragma unroll
+  for (int k = 0; k < D / 32; ++k) acc[k] = 0.0f;
+  for (int first = warp; first < count; first += ROWS_IN_FLIGHT * WARPS) {
+    Vec<T, V> x[ROWS_IN_FLIGHT][CHUNKS];
+    #pragma unroll
+    for (int u = 0; u < ROWS_IN_FLIGHT; ++u) {
+      const int r = first + u * WARPS;
+      #pragma unroll
+      for (int i = 0; i < CHUNKS; ++i) {
+        if (r < count) x[u][i] = vec_at<T, V>(rows + (size_t)r * D + 32 * V * i + V * lane);
+      }
+    }
+    #pragma unroll
+    for (int u = 0; u < ROWS_IN_FLIGHT; ++u) {
+      const int r = first + u * WARPS;
+      if (r < count) {
+        const float p = probs[r];
+        #pragma unroll
+        for (int i = 0; i < CHUNKS; ++i) {
+          #pragma unroll
+          for (int j = 0; j < V; ++j) acc[V * i + j] = fmaf(p, static_cast<float>(x[u][i].v[j]), acc[V * i + j]);
+        }
+      }
+    }
   }
+  #pragma unroll
+  for (int i = 0; i < CHUNKS; ++i) {
+    #pragma unroll
+    for (int j = 0; j < V; ++j) sums[warp * D + 32 * V * i + V * lane + j] = acc[V * i + j];
+  }
+  __syncthreads();
+  #pragma unroll
+  for (int k = 0; k < D / (32 * WARPS); ++k) {
+    const int c = threadIdx.x + 32 * WARPS * k;
+    float total = sums[c];
+    #pragma unroll
+    for (int w = 1; w < WARPS; ++w) total = __fadd_rn(total, sums[w * D + c]);
+    part[k] = static_cast<T>(total);
+  }
+  __syncthreads();  // every thread has read sums before the next group writes them
 }
 
 // One (token, head): GROUPS groups of rows (a: the window; b: the compressed rows, if any), the sink, one softmax.
-template <typename T, typename S, int D, int THREADS, int GROUPS>
+template <typename T, typename S, int D, int V, int THREADS, int GROUPS>
 __device__ void attend(const T* q, const T* rows_a, const bool* valid_a, int count_a, const T* rows_b,
                        const bool* valid_b, int count_b, const S* sinks, float scale, T* out, float* logits,
-                       float* partial) {
+                       float* sums, float* partial) {
   constexpr int WARPS = THREADS / 32;
+  constexpr int CHUNKS = D / (32 * V);
   const int h = blockIdx.x;
   const int t = blockIdx.y;
   const int heads = gridDim.x;
@@ -162,18 +209,18 @@ __device__ void attend(const T* q, const T* rows_a, const bool* valid_a, int cou
   const T* qh = q + ((size_t)t * heads + h) * D;
   float qv[D / 32];
   #pragma unroll
-  for (int i = 0; i < D / 64; ++i) {
-    const Pair<T> x = pair_at(qh + 64 * i + 2 * lane);
-    qv[2 * i] = static_cast<float>(x.v[0]);
-    qv[2 * i + 1] = static_cast<float>(x.v[1]);
+  for (int i = 0; i < CHUNKS; ++i) {
+    const Vec<T, V> x = vec_at<T, V>(qh + 32 * V * i + V * lane);
+    #pragma unroll
+    for (int j = 0; j < V; ++j) qv[V * i + j] = static_cast<float>(x.v[j]);
   }
   rows_a += (size_t)t * count_a * D;
   valid_a += (size_t)t * count_a;
-  group_logits<T, D, WARPS>(qv, rows_a, valid_a, count_a, scale, logits);
+  group_logits<T, D, V, WARPS>(qv, rows_a, valid_a, count_a, scale, logits);
   if (GROUPS == 2) {
     rows_b += (size_t)t * count_b * D;
     valid_b += (size_t)t * count_b;
-    group_logits<T, D, WARPS>(qv, rows_b, valid_b, count_b, scale, logits + count_a);
+    group_logits<T, D, V, WARPS>(qv, rows_b, valid_b, count_b, scale, logits + count_a);
   }
   __syncthreads();
   const int count = count_a + (GROUPS == 2 ? count_b : 0);
@@ -189,38 +236,38 @@ __device__ void attend(const T* q, const T* rows_a, const bool* valid_a, int cou
     logits[r] = static_cast<float>(static_cast<T>(__fmul_rn(__expf(logits[r] - m), inverse)));
   }
   __syncthreads();
-  T* oh = out + ((size_t)t * heads + h) * D;
-  for (int c = 2 * threadIdx.x; c < D; c += 2 * THREADS) {
-    float a0, a1;
-    group_part<T, D>(rows_a, count_a, logits, c, a0, a1);
-    T o0 = static_cast<T>(a0);
-    T o1 = static_cast<T>(a1);
-    if (GROUPS == 2) {
-      float b0, b1;
-      group_part<T, D>(rows_b, count_b, logits + count_a, c, b0, b1);
-      o0 = static_cast<T>(__fadd_rn(static_cast<float>(o0), static_cast<float>(static_cast<T>(b0))));
-      o1 = static_cast<T>(__fadd_rn(static_cast<float>(o1), static_cast<float>(static_cast<T>(b1))));
+  T part[D / THREADS];
+  group_part<T, D, V, WARPS>(rows_a, count_a, logits, sums, part);
+  if (GROUPS == 2) {
+    T other[D / THREADS];
+    group_part<T, D, V, WARPS>(rows_b, count_b, logits + count_a, sums, other);
+    #pragma unroll
+    for (int k = 0; k < D / THREADS; ++k) {
+      part[k] = static_cast<T>(__fadd_rn(static_cast<float>(part[k]), static_cast<float>(other[k])));
     }
-    oh[c] = o0;
-    oh[c + 1] = o1;
   }
+  T* oh = out + ((size_t)t * heads + h) * D;
+  #pragma unroll
+  for (int k = 0; k < D / THREADS; ++k) oh[threadIdx.x + THREADS * k] = part[k];
 }
 """
 
 _SOURCE_ONE = r"""
   // q [T, H, D]; rows_a [T, Ra, D], valid_a [T, Ra]; sinks [H] -> out [T, H, D]
   __shared__ float logits[MAX_ATTENDED];
+  __shared__ float sums[(THREADS / 32) * D];
   __shared__ float partial[THREADS / 32];
-  attend<T, S, D, THREADS, 1>(q, rows_a, valid_a, rows_a_shape[1], rows_a, valid_a, 0, sinks,
-                              __int_as_float(SCALE_BITS), out, logits, partial);
+  attend<T, S, D, V, THREADS, 1>(q, rows_a, valid_a, rows_a_shape[1], rows_a, valid_a, 0, sinks,
+                                 __int_as_float(SCALE_BITS), out, logits, sums, partial);
 """
 
 _SOURCE_TWO = r"""
   // q [T, H, D]; rows_a [T, Ra, D], valid_a [T, Ra]; rows_b [T, Rb, D], valid_b [T, Rb]; sinks [H] -> out [T, H, D]
   __shared__ float logits[MAX_ATTENDED];
+  __shared__ float sums[(THREADS / 32) * D];
   __shared__ float partial[THREADS / 32];
-  attend<T, S, D, THREADS, 2>(q, rows_a, valid_a, rows_a_shape[1], rows_b, valid_b, rows_b_shape[1], sinks,
-                              __int_as_float(SCALE_BITS), out, logits, partial);
+  attend<T, S, D, V, THREADS, 2>(q, rows_a, valid_a, rows_a_shape[1], rows_b, valid_b, rows_b_shape[1], sinks,
+                                 __int_as_float(SCALE_BITS), out, logits, sums, partial);
 """
 
 _INPUTS = {1: ("q", "rows_a", "valid_a", "sinks"), 2: ("q", "rows_a", "valid_a", "rows_b", "valid_b", "sinks")}
@@ -235,8 +282,8 @@ def kernel_template(dtype: mx.Dtype, sinks_dtype: mx.Dtype, dim: int, scale: flo
     """The kernel's compile-time constants; `scale` travels as its float32 bit pattern (a template takes integers
     only), so the kernel multiplies by exactly the float32 the reference multiplies by."""
     (scale_bits,) = struct.unpack("<i", struct.pack("<f", scale))
-    return [("T", dtype), ("S", sinks_dtype), ("D", dim), ("THREADS", THREADS), ("MAX_ATTENDED", MAX_ATTENDED),
-            ("SCALE_BITS", scale_bits)]
+    return [("T", dtype), ("S", sinks_dtype), ("D", dim), ("V", VECTOR), ("THREADS", THREADS),
+            ("MAX_ATTENDED", MAX_ATTENDED), ("SCALE_BITS", scale_bits)]
 
 
 def decode_attention_kernel(q: mx.array, groups: Sequence[RowGroup], sinks: mx.array, scale: float) -> mx.array:

@@ -17,7 +17,7 @@ from tessera.engine.tools.make_model import make_model
 from tessera.engine.tools.replay import random_tokens
 from tessera.kernels import decode_attention_cuda
 
-OVERRIDES = dict(layer_types=[WINDOW, CSA, HCA, CSA], num_hidden_layers=4, compress_rates={CSA: 4, HCA: 32}, head_dim=64,
+OVERRIDES = dict(layer_types=[WINDOW, CSA, HCA, CSA], num_hidden_layers=4, compress_rates={CSA: 4, HCA: 32}, head_dim=256,
                  index_n_heads=8)
 
 
@@ -71,15 +71,17 @@ def test_decode_hands_the_attention_kernel_its_operands_and_prefill_never_takes_
 def test_the_kernel_is_chosen_by_a_rows_own_sizes_and_the_switch(monkeypatch):
     monkeypatch.setattr(decode_attention_cuda, "on_cuda", lambda: True)
     monkeypatch.setattr(decode_attention_cuda, "compile_enabled", lambda: True)
-    q = mx.zeros((3, 8, 128), dtype=mx.bfloat16)
-    group = lambda rows, dtype=mx.bfloat16: (mx.zeros((3, rows, 128), dtype=dtype), mx.ones((3, rows), dtype=mx.bool_))  # noqa: E731
+    q = mx.zeros((3, 8, 512), dtype=mx.bfloat16)
+    group = lambda rows, dtype=mx.bfloat16: (mx.zeros((3, rows, 512), dtype=dtype), mx.ones((3, rows), dtype=mx.bool_))  # noqa: E731
     supported = decode_attention_cuda.is_supported
     assert supported(q, [group(128)]) and supported(q, [group(128), group(512)])
     assert supported(q, [group(128), group(0)])  # a CSA layer before its first compressed row: the window alone
     assert supported(q, [group(128), group(decode_attention_cuda.MAX_ATTENDED - 128)])
     assert not supported(q, [group(128), group(decode_attention_cuda.MAX_ATTENDED - 127)])  # HCA far out: MLX's
     assert not supported(q, [group(128), group(512, mx.float32)])
-    assert not supported(mx.zeros((3, 8, 96), dtype=mx.bfloat16), [group(128)])  # a head dim not a multiple of 64
+    for dim in (128, 2048):  # a head dim not a multiple of the block's threads, or past the shared memory's room
+        assert not supported(mx.zeros((3, 8, dim), dtype=mx.bfloat16),
+                             [(mx.zeros((3, 128, dim), dtype=mx.bfloat16), mx.ones((3, 128), dtype=mx.bool_))])
     monkeypatch.setattr(decode_attention_cuda, "_switch", decode_attention_cuda.Switch(decode_attention_cuda.ENV_VAR, default=False))
     assert not supported(q, [group(128)])
     monkeypatch.setattr(decode_attention_cuda, "on_cuda", lambda: False)

@@ -192,8 +192,8 @@ def _attention_float64(q, groups, sinks, scale):
     (1, 64, 512, (128, 512), False, mx.bfloat16),   # a CSA layer of V4 Flash at one token
     (16, 64, 512, (128, 512), False, mx.bfloat16),  # a batch
     (3, 64, 512, (128, 640), True, mx.bfloat16),    # HCA: every token's compressed rows the same, broadcast
-    (5, 8, 128, (128,), False, mx.bfloat16),        # a window layer: one group
-    (2, 4, 64, (7, 2041), False, mx.bfloat16),      # MAX_ATTENDED rows
+    (5, 8, 256, (128,), False, mx.bfloat16),        # a window layer: one group
+    (2, 4, 1024, (7, 2041), False, mx.bfloat16),    # MAX_ATTENDED rows, MAX_DIM
     (4, 16, 256, (128, 300), False, mx.float32),
 ], ids=["csa-1", "csa-16", "hca-shared", "window", "max-rows", "float32"])
 def test_decode_attention_kernel_is_the_mixed_attention_to_the_rows_rounding(tokens, heads, dim, counts, shared_last, dtype):
