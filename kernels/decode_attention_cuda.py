@@ -50,9 +50,26 @@ THREADS = 256  # a block: eight warps, one (token, head); the head dim a multipl
 VECTOR = 8  # elements a lane loads at once (16 bytes of bf16); a warp's 32 loads cover 256 of a row
 MAX_TOKENS = 65535  # CUDA's grid limit in y, a block row per token: any decode batch (no smaller bound, which
 # would give a row other bits in a larger batch)
-MAX_ATTENDED = 2048  # rows a token (window + compressed): the block's float32 logits in shared memory
+MAX_ATTENDED = 1792  # rows a token (window + compressed): each head's float32 logits in shared memory
 MAX_DIM = 1024  # the head dim: each warp's float32 sums of the output in shared memory beside the logits
-assert (MAX_ATTENDED + (THREADS // 32) * MAX_DIM) * 4 <= SHARED_MEMORY_LIMIT
+HEADS_PER_BLOCK = (1, 2, 4)  # a block's heads, by batch size: the rows read once for each, not once a head
+
+
+def heads_per_block(tokens: int, heads: int, dim: int) -> int:
+    """One head a block at one token (64 blocks for V4's heads: the SMs' parallelism), more heads a block as the
+    batch grows (16 × 64 blocks would each read their token's rows: ~1.3 MB a block of L2 traffic at 64k). A
+    (token, head)'s sums are the same whatever the heads a block, so this choice never changes a bit. Bounded by
+    the shared memory the block's logits and sums need, and a divisor of the heads."""
+    wanted = 1 if tokens == 1 else 2 if tokens < 4 else 4
+    fits = [hb for hb in HEADS_PER_BLOCK if hb <= wanted and heads % hb == 0 and _shared_bytes(hb, dim) <= SHARED_MEMORY_LIMIT]
+    return max(fits)
+
+
+def _shared_bytes(hb: int, dim: int) -> int:
+    return (hb * MAX_ATTENDED + (THREADS // 32) * dim + THREADS // 32) * 4
+
+
+assert _shared_bytes(1, MAX_DIM) <= SHARED_MEMORY_LIMIT and _shared_bytes(4, 512) <= SHARED_MEMORY_LIMIT
 
 RowGroup = tuple[mx.array, mx.array]  # rows [T, R, d] (K = V), valid [T, R] bool
 
@@ -83,8 +100,9 @@ struct alignas(V * sizeof(T)) Vec { T v[V]; };
 template <typename T, int V>
 __device__ __forceinline__ Vec<T, V> vec_at(const T* p) { return *reinterpret_cast<const Vec<T, V>*>(p); }
 
-// A warp's rows loaded together: one block per SM at one token, so the loads' latency needs hiding in the warp.
-constexpr int ROWS_IN_FLIGHT = 8;
+// A warp's rows loaded together (one block per SM at one token: the loads' latency needs hiding in the warp).
+constexpr int LOGIT_ROWS = 8;
+constexpr int OUTPUT_ROWS = 4;  // fewer where each row feeds HB heads' sums (registers)
 
 // The block's reduction of one value a thread, in a fixed order: a warp's by xor shuffles, then the warps' in
 // warp order, read by every thread from shared memory (the same bits in each).
@@ -106,18 +124,19 @@ __device__ __forceinline__ float block_reduce(float v, float* partial) {
   return total;
 }
 
-// Phase 1 for one group: each warp's rows (r = warp mod WARPS) times the head's query. A lane holds the V
-// elements at 32 V i + V lane, i ascending; its products in that order, then the xor shuffles. Rounded to T as
-// the reference's product is, scaled in float32, -inf where invalid -> logits[r].
-template <typename T, int D, int V, int WARPS>
-__device__ __forceinline__ void group_logits(const float (&qv)[D / 32], const T* rows, const bool* valid, int count,
-                                             float scale, float* logits) {
+// Phase 1 for one group: each warp's rows (r = warp mod WARPS) times the block's HB heads' queries. A lane holds
+// the V elements at 32 V i + V lane, i ascending; a (row, head)'s products in that order, then the xor shuffles,
+// whatever HB. Rounded to T as the reference's product is, scaled in float32, -inf where invalid ->
+// logits[hb * STRIDE + r] (STRIDE: a head's room, MAX_ATTENDED).
+template <typename T, int D, int V, int WARPS, int HB, int STRIDE>
+__device__ __forceinline__ void group_logits(const float (&qv)[HB][D / 32], const T* rows, const bool* valid,
+                                             int count, float scale, float* logits) {
   constexpr int CHUNKS = D / (32 * V);
   const int lane = threadIdx.x & 31;
-  for (int first = threadIdx.x >> 5; first < count; first += ROWS_IN_FLIGHT * WARPS) {
-    Vec<T, V> x[ROWS_IN_FLIGHT][CHUNKS];
+  for (int first = threadIdx.x >> 5; first < count; first += LOGIT_ROWS * WARPS) {
+    Vec<T, V> x[LOGIT_ROWS][CHUNKS];
     #pragma unroll
-    for (int u = 0; u < ROWS_IN_FLIGHT; ++u) {
+    for (int u = 0; u < LOGIT_ROWS; ++u) {
       const int r = first + u * WARPS;
       #pragma unroll
       for (int i = 0; i < CHUNKS; ++i) {
@@ -125,106 +144,33 @@ __device__ __forceinline__ void group_logits(const float (&qv)[D / 32], const T*
       }
     }
     #pragma unroll
-    for (int u = 0; u < ROWS_IN_FLIGHT; ++u) {
+    for (int u = 0; u < LOGIT_ROWS; ++u) {
       const int r = first + u * WARPS;
-      float acc = 0.0f;
-      if (r < count) {
-        #pragma unroll
-        for (int i = 0; i < CHUNKS; ++i) {
-          #pragma unroll
-          for (int j = 0; j < V; ++j) acc = fmaf(qv[V * i + j], static_cast<float>(x[u][i].v[j]), acc);
-        }
-      }
       #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(0xFFFFFFFFu, acc, o));
-      if (lane == 0 && r < count) {
-        logits[r] = valid[r] ? __fmul_rn(static_cast<float>(static_cast<T>(acc)), scale) : -__int_as_float(0x7f800000);
+      for (int hb = 0; hb < HB; ++hb) {
+        float acc = 0.0f;
+        if (r < count) {
+          #pragma unroll
+          for (int i = 0; i < CHUNKS; ++i) {
+            #pragma unroll
+            for (int j = 0; j < V; ++j) acc = fmaf(qv[hb][V * i + j], static_cast<float>(x[u][i].v[j]), acc);
+          }
+        }
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(0xFFFFFFFFu, acc, o));
+        if (lane == 0 && r < count) {
+          logits[hb * STRIDE + r] =
+              valid[r] ? __fmul_rn(static_cast<float>(static_cast<T>(acc)), scale) : -__int_as_float(0x7f800000);
+        }
       }
     }
   }
 }
 
-// Phase 3 for one group: the probabilities (already rounded to T) times the rows. Each warp sums its rows
-// (r = warp mod WARPS, row order) over the lane's columns 32 V i + V lane + j; then the warps' sums are added in
-// warp order -> the group's part rounded to T, columns c = threadIdx.x + THREADS k of the head's output.
-template <typename T, int D, int V, int WARPS>
-__device__ __forceinline__ void group_part(const T* rows, int count, const float* probs, float* sums, T (&part)[D / (32 * WARPS)]) {
-  constexpr int CHUNKS = D / (32 * V);
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  float acc[D / 32];
-  #pragma unroll
-  for (int k = 0; k < D / 32; ++k) acc[k] = 0.0f;
-  for (int first = warp; first < count; first += ROWS_IN_FLIGHT * WARPS) {
-    Vec<T, V> x[ROWS_IN_FLIGHT][CHUNKS];
-    #pragma unroll
-    for (int u = 0; u < ROWS_IN_FLIGHT; ++u) {
-      const int r = first + u * WARPS;
-      #pragma unroll
-      for (int i = 0; i < CHUNKS; ++i) {
-        if (r < count) x[u][i] = vec_at<T, V>(rows + (size_t)r * D + 32 * V * i + V * lane);
-      }
-    }
-    #pragma unroll
-    for (int u = 0; u < ROWS_IN_FLIGHT; ++u) {
-      const int r = first + u * WARPS;
-      if (r < count) {
-        const float p = probs[r];
-        #pragma unroll
-        for (int i = 0; i < CHUNKS; ++i) {
-          #pragma unroll
-          for (int j = 0; j < V; ++j) acc[V * i + j] = fmaf(p, static_cast<float>(x[u][i].v[j]), acc[V * i + j]);
-        }
-      }
-    }
-  }
-  #pragma unroll
-  for (int i = 0; i < CHUNKS; ++i) {
-    #pragma unroll
-    for (int j = 0; j < V; ++j) sums[warp * D + 32 * V * i + V * lane + j] = acc[V * i + j];
-  }
-  __syncthreads();
-  #pragma unroll
-  for (int k = 0; k < D / (32 * WARPS); ++k) {
-    const int c = threadIdx.x + 32 * WARPS * k;
-    float total = sums[c];
-    #pragma unroll
-    for (int w = 1; w < WARPS; ++w) total = __fadd_rn(total, sums[w * D + c]);
-    part[k] = static_cast<T>(total);
-  }
-  __syncthreads();  // every thread has read sums before the next group writes them
-}
-
-// One (token, head): GROUPS groups of rows (a: the window; b: the compressed rows, if any), the sink, one softmax.
-template <typename T, typename S, int D, int V, int THREADS, int GROUPS>
-__device__ void attend(const T* q, const T* rows_a, const bool* valid_a, int count_a, const T* rows_b,
-                       const bool* valid_b, int count_b, const S* sinks, float scale, T* out, float* logits,
-                       float* sums, float* partial) {
+// Phase 2 for one head: its logits -> probabilities rounded to T (MLX's softmax: __expf, one reciprocal), in place.
+template <typename T, int THREADS>
+__device__ __forceinline__ void softmax_with_sink(float* logits, int count, float sink, float* partial) {
   constexpr int WARPS = THREADS / 32;
-  constexpr int CHUNKS = D / (32 * V);
-  const int h = blockIdx.x;
-  const int t = blockIdx.y;
-  const int heads = gridDim.x;
-  const int lane = threadIdx.x & 31;
-  const T* qh = q + ((size_t)t * heads + h) * D;
-  float qv[D / 32];
-  #pragma unroll
-  for (int i = 0; i < CHUNKS; ++i) {
-    const Vec<T, V> x = vec_at<T, V>(qh + 32 * V * i + V * lane);
-    #pragma unroll
-    for (int j = 0; j < V; ++j) qv[V * i + j] = static_cast<float>(x.v[j]);
-  }
-  rows_a += (size_t)t * count_a * D;
-  valid_a += (size_t)t * count_a;
-  group_logits<T, D, V, WARPS>(qv, rows_a, valid_a, count_a, scale, logits);
-  if (GROUPS == 2) {
-    rows_b += (size_t)t * count_b * D;
-    valid_b += (size_t)t * count_b;
-    group_logits<T, D, V, WARPS>(qv, rows_b, valid_b, count_b, scale, logits + count_a);
-  }
-  __syncthreads();
-  const int count = count_a + (GROUPS == 2 ? count_b : 0);
-  const float sink = static_cast<float>(sinks[h]);
   float m = sink;
   for (int r = threadIdx.x; r < count; r += THREADS) m = fmaxf(m, logits[r]);
   m = block_reduce<WARPS, true>(m, partial);
@@ -235,39 +181,146 @@ __device__ void attend(const T* q, const T* rows_a, const bool* valid_a, int cou
   for (int r = threadIdx.x; r < count; r += THREADS) {
     logits[r] = static_cast<float>(static_cast<T>(__fmul_rn(__expf(logits[r] - m), inverse)));
   }
-  __syncthreads();
-  T part[D / THREADS];
-  group_part<T, D, V, WARPS>(rows_a, count_a, logits, sums, part);
-  if (GROUPS == 2) {
-    T other[D / THREADS];
-    group_part<T, D, V, WARPS>(rows_b, count_b, logits + count_a, sums, other);
+}
+
+// Phase 3 for one group: the probabilities (rounded to T) times the rows. Each warp sums its rows
+// (r = warp mod WARPS, row order) over the lane's columns 32 V i + V lane + j, for each of the HB heads; then,
+// a head at a time, the warps' sums are added in warp order -> the group's part rounded to T, columns
+// c = threadIdx.x + THREADS k of the head's output. A (row, head)'s terms and their order do not depend on HB.
+template <typename T, int D, int V, int WARPS, int HB, int STRIDE>
+__device__ __forceinline__ void group_part(const T* rows, int count, const float* probs, float* sums,
+                                           T (&part)[HB][D / (32 * WARPS)]) {
+  constexpr int CHUNKS = D / (32 * V);
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  float acc[HB][D / 32];
+  #pragma unroll
+  for (int hb = 0; hb < HB; ++hb) {
     #pragma unroll
-    for (int k = 0; k < D / THREADS; ++k) {
-      part[k] = static_cast<T>(__fadd_rn(static_cast<float>(part[k]), static_cast<float>(other[k])));
+    for (int k = 0; k < D / 32; ++k) acc[hb][k] = 0.0f;
+  }
+  for (int first = warp; first < count; first += OUTPUT_ROWS * WARPS) {
+    Vec<T, V> x[OUTPUT_ROWS][CHUNKS];
+    #pragma unroll
+    for (int u = 0; u < OUTPUT_ROWS; ++u) {
+      const int r = first + u * WARPS;
+      #pragma unroll
+      for (int i = 0; i < CHUNKS; ++i) {
+        if (r < count) x[u][i] = vec_at<T, V>(rows + (size_t)r * D + 32 * V * i + V * lane);
+      }
+    }
+    #pragma unroll
+    for (int u = 0; u < OUTPUT_ROWS; ++u) {
+      const int r = first + u * WARPS;
+      if (r < count) {
+        #pragma unroll
+        for (int hb = 0; hb < HB; ++hb) {
+          const float p = probs[hb * STRIDE + r];
+          #pragma unroll
+          for (int i = 0; i < CHUNKS; ++i) {
+            #pragma unroll
+            for (int j = 0; j < V; ++j) acc[hb][V * i + j] = fmaf(p, static_cast<float>(x[u][i].v[j]), acc[hb][V * i + j]);
+          }
+        }
+      }
     }
   }
-  T* oh = out + ((size_t)t * heads + h) * D;
   #pragma unroll
-  for (int k = 0; k < D / THREADS; ++k) oh[threadIdx.x + THREADS * k] = part[k];
+  for (int hb = 0; hb < HB; ++hb) {
+    #pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+      #pragma unroll
+      for (int j = 0; j < V; ++j) sums[warp * D + 32 * V * i + V * lane + j] = acc[hb][V * i + j];
+    }
+    __syncthreads();
+    #pragma unroll
+    for (int k = 0; k < D / (32 * WARPS); ++k) {
+      const int c = threadIdx.x + 32 * WARPS * k;
+      float total = sums[c];
+      #pragma unroll
+      for (int w = 1; w < WARPS; ++w) total = __fadd_rn(total, sums[w * D + c]);
+      part[hb][k] = static_cast<T>(total);
+    }
+    __syncthreads();  // every thread has read sums before they are written again
+  }
+}
+
+// One token, HB consecutive heads: GROUPS groups of rows (a: the window; b: the compressed rows, if any), each
+// head's sink, one softmax a head.
+template <typename T, typename S, int D, int V, int THREADS, int HB, int STRIDE, int GROUPS>
+__device__ void attend(const T* q, const T* rows_a, const bool* valid_a, int count_a, const T* rows_b,
+                       const bool* valid_b, int count_b, const S* sinks, float scale, T* out, float* logits,
+                       float* sums, float* partial) {
+  constexpr int WARPS = THREADS / 32;
+  constexpr int CHUNKS = D / (32 * V);
+  const int h0 = blockIdx.x * HB;
+  const int t = blockIdx.y;
+  const int heads = gridDim.x * HB;
+  const int lane = threadIdx.x & 31;
+  float qv[HB][D / 32];
+  #pragma unroll
+  for (int hb = 0; hb < HB; ++hb) {
+    const T* qh = q + ((size_t)t * heads + h0 + hb) * D;
+    #pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+      const Vec<T, V> x = vec_at<T, V>(qh + 32 * V * i + V * lane);
+      #pragma unroll
+      for (int j = 0; j < V; ++j) qv[hb][V * i + j] = static_cast<float>(x.v[j]);
+    }
+  }
+  rows_a += (size_t)t * count_a * D;
+  valid_a += (size_t)t * count_a;
+  group_logits<T, D, V, WARPS, HB, STRIDE>(qv, rows_a, valid_a, count_a, scale, logits);
+  if (GROUPS == 2) {
+    rows_b += (size_t)t * count_b * D;
+    valid_b += (size_t)t * count_b;
+    group_logits<T, D, V, WARPS, HB, STRIDE>(qv, rows_b, valid_b, count_b, scale, logits + count_a);
+  }
+  __syncthreads();
+  const int count = count_a + (GROUPS == 2 ? count_b : 0);
+  #pragma unroll
+  for (int hb = 0; hb < HB; ++hb) {
+    softmax_with_sink<T, THREADS>(logits + hb * STRIDE, count, static_cast<float>(sinks[h0 + hb]), partial);
+  }
+  __syncthreads();
+  T part[HB][D / THREADS];
+  group_part<T, D, V, WARPS, HB, STRIDE>(rows_a, count_a, logits, sums, part);
+  if (GROUPS == 2) {
+    T other[HB][D / THREADS];
+    group_part<T, D, V, WARPS, HB, STRIDE>(rows_b, count_b, logits + count_a, sums, other);
+    #pragma unroll
+    for (int hb = 0; hb < HB; ++hb) {
+      #pragma unroll
+      for (int k = 0; k < D / THREADS; ++k) {
+        part[hb][k] = static_cast<T>(__fadd_rn(static_cast<float>(part[hb][k]), static_cast<float>(other[hb][k])));
+      }
+    }
+  }
+  #pragma unroll
+  for (int hb = 0; hb < HB; ++hb) {
+    T* oh = out + ((size_t)t * heads + h0 + hb) * D;
+    #pragma unroll
+    for (int k = 0; k < D / THREADS; ++k) oh[threadIdx.x + THREADS * k] = part[hb][k];
+  }
 }
 """
 
 _SOURCE_ONE = r"""
   // q [T, H, D]; rows_a [T, Ra, D], valid_a [T, Ra]; sinks [H] -> out [T, H, D]
-  __shared__ float logits[MAX_ATTENDED];
+  __shared__ float logits[HB * MAX_ATTENDED];
   __shared__ float sums[(THREADS / 32) * D];
   __shared__ float partial[THREADS / 32];
-  attend<T, S, D, V, THREADS, 1>(q, rows_a, valid_a, rows_a_shape[1], rows_a, valid_a, 0, sinks,
-                                 __int_as_float(SCALE_BITS), out, logits, sums, partial);
+  attend<T, S, D, V, THREADS, HB, MAX_ATTENDED, 1>(q, rows_a, valid_a, rows_a_shape[1], rows_a, valid_a, 0, sinks,
+                                     __int_as_float(SCALE_BITS), out, logits, sums, partial);
 """
 
 _SOURCE_TWO = r"""
   // q [T, H, D]; rows_a [T, Ra, D], valid_a [T, Ra]; rows_b [T, Rb, D], valid_b [T, Rb]; sinks [H] -> out [T, H, D]
-  __shared__ float logits[MAX_ATTENDED];
+  __shared__ float logits[HB * MAX_ATTENDED];
   __shared__ float sums[(THREADS / 32) * D];
   __shared__ float partial[THREADS / 32];
-  attend<T, S, D, V, THREADS, 2>(q, rows_a, valid_a, rows_a_shape[1], rows_b, valid_b, rows_b_shape[1], sinks,
-                                 __int_as_float(SCALE_BITS), out, logits, sums, partial);
+  attend<T, S, D, V, THREADS, HB, MAX_ATTENDED, 2>(q, rows_a, valid_a, rows_a_shape[1], rows_b, valid_b, rows_b_shape[1], sinks,
+                                     __int_as_float(SCALE_BITS), out, logits, sums, partial);
 """
 
 _INPUTS = {1: ("q", "rows_a", "valid_a", "sinks"), 2: ("q", "rows_a", "valid_a", "rows_b", "valid_b", "sinks")}
@@ -278,11 +331,11 @@ def kernel_name(groups: int) -> str:
     return f"tessera_decode_attention_{groups}"
 
 
-def kernel_template(dtype: mx.Dtype, sinks_dtype: mx.Dtype, dim: int, scale: float) -> list[tuple[str, object]]:
+def kernel_template(dtype: mx.Dtype, sinks_dtype: mx.Dtype, dim: int, scale: float, hb: int) -> list[tuple[str, object]]:
     """The kernel's compile-time constants; `scale` travels as its float32 bit pattern (a template takes integers
     only), so the kernel multiplies by exactly the float32 the reference multiplies by."""
     (scale_bits,) = struct.unpack("<i", struct.pack("<f", scale))
-    return [("T", dtype), ("S", sinks_dtype), ("D", dim), ("V", VECTOR), ("THREADS", THREADS),
+    return [("T", dtype), ("S", sinks_dtype), ("D", dim), ("V", VECTOR), ("THREADS", THREADS), ("HB", hb),
             ("MAX_ATTENDED", MAX_ATTENDED), ("SCALE_BITS", scale_bits)]
 
 
@@ -294,10 +347,11 @@ def decode_attention_kernel(q: mx.array, groups: Sequence[RowGroup], sinks: mx.a
     count = len(groups)
     kernel = compiled_kernel(kernel_name(count), _INPUTS[count], ("out",), _SOURCES[count], _HEADER)
     operands = [q] + [a for rows, valid in groups for a in (rows, valid.astype(mx.bool_))] + [sinks]
+    hb = heads_per_block(tokens, heads, dim)
     (out,) = kernel(
         inputs=operands,
-        template=kernel_template(q.dtype, sinks.dtype, dim, scale),
-        grid=(heads * THREADS, tokens, 1),  # threads, as mx.fast.cuda_kernel counts them: a block per (head, token)
+        template=kernel_template(q.dtype, sinks.dtype, dim, scale, hb),
+        grid=(heads // hb * THREADS, tokens, 1),  # threads, as mx.fast.cuda_kernel counts them: a block per (hb heads, token)
         threadgroup=(THREADS, 1, 1),
         output_shapes=[q.shape],
         output_dtypes=[q.dtype],

@@ -193,7 +193,7 @@ def _attention_float64(q, groups, sinks, scale):
     (16, 64, 512, (128, 512), False, mx.bfloat16),  # a batch
     (3, 64, 512, (128, 640), True, mx.bfloat16),    # HCA: every token's compressed rows the same, broadcast
     (5, 8, 256, (128,), False, mx.bfloat16),        # a window layer: one group
-    (2, 4, 1024, (7, 2041), False, mx.bfloat16),    # MAX_ATTENDED rows, MAX_DIM
+    (2, 4, 1024, (7, 1785), False, mx.bfloat16),    # MAX_ATTENDED rows, MAX_DIM
     (4, 16, 256, (128, 300), False, mx.float32),
 ], ids=["csa-1", "csa-16", "hca-shared", "window", "max-rows", "float32"])
 def test_decode_attention_kernel_is_the_mixed_attention_to_the_rows_rounding(tokens, heads, dim, counts, shared_last, dtype):
@@ -221,16 +221,20 @@ def test_decode_attention_kernel_is_the_mixed_attention_to_the_rows_rounding(tok
 
 
 def test_decode_attention_kernel_gives_a_token_the_same_bits_at_every_batch_size():
-    """A token's output depends on its own rows only (a block per token and head, sums in a fixed order)."""
-    from tessera.kernels.decode_attention_cuda import decode_attention_kernel
+    """A token's output depends on its own rows only (a block per token and 1, 2 or 4 heads as the batch grows,
+    each (token, head)'s sums in one fixed order whatever the heads a block)."""
+    from tessera.kernels.decode_attention_cuda import decode_attention_kernel, heads_per_block
+
+    assert [heads_per_block(t, 64, 512) for t in (1, 3, 16)] == [1, 2, 4]  # each layout below is exercised
 
     q, groups, sinks = _decode_attention_inputs(16, 64, 512, (128, 512), False, mx.bfloat16)
     batch = decode_attention_kernel(q, groups, sinks, 512**-0.5)
     for t in (0, 7, 15):
         alone = decode_attention_kernel(q[t : t + 1], [(r[t : t + 1], v[t : t + 1]) for r, v in groups], sinks, 512**-0.5)
         assert mx.array_equal(alone, batch[t : t + 1]).item(), t
-    part = decode_attention_kernel(q[3:9], [(r[3:9], v[3:9]) for r, v in groups], sinks, 512**-0.5)
-    assert mx.array_equal(part, batch[3:9]).item()
+    for a, b in ((3, 9), (2, 5)):
+        part = decode_attention_kernel(q[a:b], [(r[a:b], v[a:b]) for r, v in groups], sinks, 512**-0.5)
+        assert mx.array_equal(part, batch[a:b]).item(), (a, b)
 
 
 @pytest.mark.parametrize("dtype, width", [(mx.bfloat16, 4096), (mx.float32, 128), (mx.bfloat16, 8)])
