@@ -8,12 +8,20 @@ concatenation, the softmax, the split, the casts, the sum of the groups' parts a
 them — and a decode step is bound by the host's encoding of its launches, ~5–7 µs each and more for a
 captured GEMM (docs/BENCHMARKS.md, "What one graph node costs MLX's CUDA backend"; "Session 19").
 
-Layout: a block of THREADS threads per (token, head). Phase 1, each warp ROWS_IN_FLIGHT rows at a time
-(rows r ≡ warp mod WARPS): a lane's fused multiply-adds over its 16-byte pieces of the head dim in a fixed
-order, then xor shuffles: the row's product. Phase 2: the block's max and exp-sum over the products and the
-sink, in a fixed order. Phase 3, a group at a time: each warp sums its rows' probability-weighted values
-over the whole head dim (row order), then the warps' sums are added in warp order. Every sum has one order
-whatever the batch, so a token's output is the same bits at every batch size and position in it.
+Layout: a block of THREADS threads per (token, HB heads: `heads_per_block`). Phase 1, each warp LOGIT_ROWS
+rows at a time (rows r ≡ warp mod WARPS), each row loaded once for the block's heads: a lane's fused
+multiply-adds over its 16-byte pieces of the head dim in a fixed order, then xor shuffles: a (row, head)'s
+product. Phase 2, a head at a time: the block's max and exp-sum over the products and the sink, in a fixed
+order. Phase 3, a group at a time: each warp sums its rows' probability-weighted values over the whole head
+dim (row order) for each head, then the warps' sums are added in warp order. Every sum has one order whatever
+the batch or the heads a block, so a token's output is the same bits at every batch size and position in it.
+
+What it costs (H200, V4 Flash's CSA shapes, docs/BENCHMARKS.md "Session 19"): the host encodes a call in
+~35–50 µs against the reference's ~160–200; the device runs it in ~4 µs at one token, but ~176 µs at 16
+tokens against the reference's ~15: every block reads its token's rows for its own heads (16 blocks a token),
+where cuBLAS reads them once for all 64. A decode step is host-bound at both sizes on the hosts measured: at
+one sequence the step is faster with the kernel, at 16 the difference was within the hosts' noise. A kernel
+taking all of a token's heads through tensor cores would remove the device cost at larger batches.
 
 The reference's roundings are kept where it rounds: the product to the rows' dtype (cuBLAS writes it
 so), then float32 scaling and masking; probabilities in float32 (MLX's `__expf` and reciprocal
@@ -22,10 +30,11 @@ parts added in the rows' dtype. The products' own sums run in another order than
 reference's bits: the CUDA tests hold it to a float64 evaluation within the rows' dtype's rounding, and
 bit for bit across batch sizes (tests/test_kernels_cuda.py).
 
-Where it runs: decode only (engine/model/decode_attention.py), up to MAX_ATTENDED rows a token. Prefill tiles keep the reference whatever their size, so that a prompt row's output never
-depends on which tile it lands in (docs/ARCHITECTURE.md, "Tiling invariants"). Beyond MAX_ATTENDED (HCA
-past ~520k tokens) a block reading every row twice would be slower than cuBLAS; the reference runs, and
-the choice depends on the token's own row count only, never on its batch.
+Where it runs: decode only (engine/model/decode_attention.py), up to MAX_ATTENDED rows a token. Prefill
+tiles keep the reference whatever their size, so that a prompt row's output never depends on which tile it
+lands in (docs/ARCHITECTURE.md, "Tiling invariants"). Beyond MAX_ATTENDED (HCA past ~213k tokens: each
+head's logits must fit in shared memory) the reference runs; the choice depends on the token's own row count
+only, never on its batch.
 
 Switch: TESSERA_DECODE_ATTENTION_KERNEL=0 keeps the reference on CUDA too (1, the default, uses the kernel
 where `is_supported`: CUDA, compilation on — kernels/shapeless.py —, the sizes above, a head dim a
@@ -52,17 +61,15 @@ MAX_TOKENS = 65535  # CUDA's grid limit in y, a block row per token: any decode 
 # would give a row other bits in a larger batch)
 MAX_ATTENDED = 1792  # rows a token (window + compressed): each head's float32 logits in shared memory
 MAX_DIM = 1024  # the head dim: each warp's float32 sums of the output in shared memory beside the logits
-HEADS_PER_BLOCK = (1, 2, 4)  # a block's heads, by batch size: the rows read once for each, not once a head
+HEADS_PER_BLOCK = (4, 2, 1)  # a block's heads, most first: each row is read once for all of them
 
 
 def heads_per_block(tokens: int, heads: int, dim: int) -> int:
-    """One head a block at one token (64 blocks for V4's heads: the SMs' parallelism), more heads a block as the
-    batch grows (16 × 64 blocks would each read their token's rows: ~1.3 MB a block of L2 traffic at 64k). A
-    (token, head)'s sums are the same whatever the heads a block, so this choice never changes a bit. Bounded by
-    the shared memory the block's logits and sums need, and a divisor of the heads."""
-    wanted = 1 if tokens == 1 else 2 if tokens < 4 else 4
-    fits = [hb for hb in HEADS_PER_BLOCK if hb <= wanted and heads % hb == 0 and _shared_bytes(hb, dim) <= SHARED_MEMORY_LIMIT]
-    return max(fits)
+    """Four heads a block where they fit (shared memory for their logits and the warps' sums; a divisor of the
+    heads): on the H200, at V4's CSA shapes, 4.1 µs a call at one token against 8.7 with a head a block (more
+    blocks, but each reading its token's rows again), and 176 against 287 µs at 16 tokens (docs/BENCHMARKS.md,
+    "Session 19"). A (token, head)'s sums are the same whatever the heads a block, so this never changes a bit."""
+    return next(hb for hb in HEADS_PER_BLOCK if heads % hb == 0 and _shared_bytes(hb, dim) <= SHARED_MEMORY_LIMIT)
 
 
 def _shared_bytes(hb: int, dim: int) -> int:

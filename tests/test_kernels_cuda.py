@@ -220,21 +220,20 @@ def test_decode_attention_kernel_is_the_mixed_attention_to_the_rows_rounding(tok
     assert np.all(np.abs(got64 - want64) <= 2 * bound)
 
 
-def test_decode_attention_kernel_gives_a_token_the_same_bits_at_every_batch_size():
-    """A token's output depends on its own rows only (a block per token and 1, 2 or 4 heads as the batch grows,
-    each (token, head)'s sums in one fixed order whatever the heads a block)."""
-    from tessera.kernels.decode_attention_cuda import decode_attention_kernel, heads_per_block
-
-    assert [heads_per_block(t, 64, 512) for t in (1, 3, 16)] == [1, 2, 4]  # each layout below is exercised
+def test_decode_attention_kernel_gives_a_token_the_same_bits_at_every_batch_size_and_layout(monkeypatch):
+    """A token's output depends on its own rows only: a block per token and 1, 2 or 4 heads, each (token, head)'s
+    sums in one fixed order whatever the heads a block or the tokens a call."""
+    from tessera.kernels import decode_attention_cuda
+    from tessera.kernels.decode_attention_cuda import decode_attention_kernel
 
     q, groups, sinks = _decode_attention_inputs(16, 64, 512, (128, 512), False, mx.bfloat16)
     batch = decode_attention_kernel(q, groups, sinks, 512**-0.5)
-    for t in (0, 7, 15):
-        alone = decode_attention_kernel(q[t : t + 1], [(r[t : t + 1], v[t : t + 1]) for r, v in groups], sinks, 512**-0.5)
-        assert mx.array_equal(alone, batch[t : t + 1]).item(), t
-    for a, b in ((3, 9), (2, 5)):
-        part = decode_attention_kernel(q[a:b], [(r[a:b], v[a:b]) for r, v in groups], sinks, 512**-0.5)
-        assert mx.array_equal(part, batch[a:b]).item(), (a, b)
+    for hb in (1, 2, 4):
+        monkeypatch.setattr(decode_attention_cuda, "heads_per_block", lambda tokens, heads, dim: hb)
+        assert mx.array_equal(decode_attention_kernel(q, groups, sinks, 512**-0.5), batch).item(), hb
+        for a, b in ((0, 1), (7, 8), (15, 16), (3, 9), (2, 5)):
+            part = decode_attention_kernel(q[a:b], [(r[a:b], v[a:b]) for r, v in groups], sinks, 512**-0.5)
+            assert mx.array_equal(part, batch[a:b]).item(), (hb, a, b)
 
 
 @pytest.mark.parametrize("dtype, width", [(mx.bfloat16, 4096), (mx.float32, 128), (mx.bfloat16, 8)])

@@ -2,7 +2,10 @@
 the host's time to encode a call and the device's time to run it, at V4 Flash's CSA shapes (64 heads of 512, a
 128-row window and 512 selected rows a token), for each batch size, in the order A B B A.
 
-python docs/bench/decode_attention_probe.py OUT.jsonl [--batch 1 16] [--calls 20] [--rounds 2]
+python docs/bench/decode_attention_probe.py OUT.jsonl [--batch 1 16] [--calls 20] [--rounds 2] [--heads-per-block 1 4]
+
+`--heads-per-block`: kernel arms with the block's heads fixed at each value instead of the batch's choice
+(decode_attention_cuda.heads_per_block; the same bits, another layout), e.g. A B C C B A with the reference.
 
 `encode_us`: `mx.async_eval` of `--calls` independent calls returned, per call. `device_us`: the same calls queued
 behind a spin kernel that holds the GPU (mlx_encode_cost.py's method), so the host has encoded them all before
@@ -69,21 +72,26 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--spin-ms", type=float, default=20.0)
+    p.add_argument("--heads-per-block", type=int, nargs="*", default=[])
     args = p.parse_args()
     emit = jsonl_emitter(args.out)
     cycles = args.spin_ms * 1.98e6  # the H200's SM clock, ~1.98 GHz; spin_ms measures what it gives
     spin_alone = spin_ms(cycles)
     emit("spin", measured_ms=spin_alone)
     sets = {b: inputs(b, args.calls, seed=b) for b in args.batch}
-    saved = decode_attention_cuda.kernel_enabled()
+    saved = decode_attention_cuda.kernel_enabled(), decode_attention_cuda.heads_per_block
+    arms = [f"kernel_hb{hb}" for hb in args.heads_per_block] or ["kernel"]
     try:
-        for arm in ["kernel", "reference", "reference", "kernel"] * args.rounds:
-            decode_attention_cuda.set_kernel_enabled(arm == "kernel")
+        for arm in (arms + ["reference"] + ["reference"] + arms[::-1]) * args.rounds:
+            decode_attention_cuda.set_kernel_enabled(arm != "reference")
+            fixed = int(arm[len("kernel_hb"):]) if arm.startswith("kernel_hb") else None
+            decode_attention_cuda.heads_per_block = (lambda t, h, d: fixed) if fixed else saved[1]
             for batch in args.batch:
                 emit("round", arm=arm, batch=batch, calls=args.calls, kernel_ran=decode_attention_cuda.is_supported(*sets[batch][0][:2]),
-                     **measure(sets[batch], cycles, spin_alone))
+                     heads_per_block=decode_attention_cuda.heads_per_block(batch, HEADS, DIM), **measure(sets[batch], cycles, spin_alone))
     finally:
-        decode_attention_cuda.set_kernel_enabled(saved)
+        decode_attention_cuda.set_kernel_enabled(saved[0])
+        decode_attention_cuda.heads_per_block = saved[1]
 
 
 if __name__ == "__main__":

@@ -85,8 +85,8 @@ def test_decode_rows_attend_in_one_call_per_layer_and_shape(model, monkeypatch):
     sequences whose counts differ split into one call per count in HCA layers, and in CSA layers only
     where fewer than top_k rows (16) exist: there min(top_k, N) is the attended rows' shape."""
     calls = []
-    real = decode_attention.mixed_attention
-    monkeypatch.setattr(decode_attention, "mixed_attention", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    real = decode_attention.decode_mixed_attention
+    monkeypatch.setattr(decode_attention, "decode_mixed_attention", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
     same = [_prefilled(model, 130, seed) for seed in range(4)]
     model.forward([Segment(c, [3]) for c in same])
     assert calls == [4] * model.cfg.num_hidden_layers
