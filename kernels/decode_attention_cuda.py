@@ -55,7 +55,7 @@ from tessera.kernels.switch import Switch
 ENV_VAR = "TESSERA_DECODE_ATTENTION_KERNEL"
 _switch = Switch(ENV_VAR, default=True)
 
-THREADS = 256  # a block: eight warps, one (token, head); the head dim a multiple of it (V4: 512)
+THREADS = 256  # a block: eight warps, one token and `heads_per_block` heads; the head dim a multiple of it (V4: 512)
 VECTOR = 8  # elements a lane loads at once (16 bytes of bf16); a warp's 32 loads cover 256 of a row
 MAX_TOKENS = 65535  # CUDA's grid limit in y, a block row per token: any decode batch (no smaller bound, which
 # would give a row other bits in a larger batch)
