@@ -3,7 +3,8 @@ with untiled, decode with prefill, a kernel with its reference); this one compar
 same inputs, where nothing discrete can flip: a `tiny`-width model whose every layer is hash-routed (no
 learned expert choice) and prompts short enough that a CSA layer's indexer selects every compressed row
 (no top-k choice). Each layer runs on both devices from the same input streams (the CPU's output of the
-layer before), so a wrong layer shows alone, then the head. What is left is arithmetic: on CUDA, float32
+layer before), so a wrong layer shows alone, then the head; then one decoded token the same way, on the caches
+each side filled (the decode path: on CUDA, the decode attention kernel). What is left is arithmetic: on CUDA, float32
 matmuls run on TF32 tensor cores (~1e-3 relative), far inside DEVICE_AGREEMENT_MAX_REL_DIFF
 (engine/tools/check_limits.py). Session 8 saw a 1-token prompt's logits differ entirely on the H200
 (docs/BENCHMARKS.md, "Session 8 on the H200"; found and fixed in "Session 9": MLX's grouped GEMM inside the
@@ -20,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from tessera.engine.model.config import CSA, HCA, WINDOW
-from tessera.engine.model.deepseek_v4 import DeepseekV4, Segment
+from tessera.engine.model.deepseek_v4 import DeepseekV4, Segment, advance_caches
 from tessera.engine.model.loader import load_model
 from tessera.engine.model.quantized import QuantizedWeight
 from tessera.engine.tools.check_limits import DEVICE_AGREEMENT_MAX_REL_DIFF
@@ -30,6 +31,13 @@ from tessera.engine.tools.replay import random_tokens
 # 15 compressed rows, within top-k (16), so the indexer keeps them all.
 PROMPT_LENGTHS = (1, 5, 31, 62)
 LAYER_TYPES = [WINDOW, CSA, HCA, CSA]
+# After each prompt one token is decoded: a one-token step takes the decode path (engine/model/decode_attention.py),
+# on CUDA the decode attention kernel (kernels/decode_attention_cuda.py). At 63 tokens a CSA layer has 16
+# compressed rows, still all selected.
+DECODE_TOKEN = 7
+# The head dim: 256, the smallest the decode attention kernel takes (a multiple of its 256 threads), so the
+# decode rows run it on a CUDA device. The tiny preset's 32 would leave the kernel out of the comparison.
+HEAD_DIM = 256
 
 
 # The checkpoint formats compared: every tensor in float32, and DeepSeek's own (FP8 attention, FP4 experts:
@@ -53,7 +61,8 @@ def make_agreement_model(out_dir: Path, fmt: str = "plain") -> Path:
     from tessera.engine.tools.make_model import make_model
 
     return make_model(Path(out_dir), "tiny", seed=8, with_tokenizer=False, fmt=fmt, layer_types=LAYER_TYPES,
-                      num_hidden_layers=len(LAYER_TYPES), num_hash_layers=len(LAYER_TYPES), compress_rates={CSA: 4, HCA: 32})
+                      num_hidden_layers=len(LAYER_TYPES), num_hash_layers=len(LAYER_TYPES), compress_rates={CSA: 4, HCA: 32},
+                      head_dim=HEAD_DIM)
 
 
 def run_device_agreement(device: mx.Device, log=print) -> list[AgreementRow]:
@@ -126,19 +135,31 @@ def check_device_agreement(model_dir: Path, device: mx.Device = mx.gpu, referenc
 
 
 def compare_prompt(model: DeepseekV4, tokens: list[int], on_device, on_reference) -> list[AgreementRow]:
-    """on_device / on_reference: (step, model, streams, segments) -> the step's output evaluated there."""
+    """on_device / on_reference: (step, model, streams, segments) -> the step's output evaluated there. The prompt,
+    then one decoded token (DECODE_TOKEN) on each side's cache: every layer and the logits of both steps."""
     checkpoint = "official" if any(isinstance(w, QuantizedWeight) for w in model.weights.values()) else "plain"
-    segments = {"device": [Segment(model.new_cache(), tokens)], "reference": [Segment(model.new_cache(), tokens)]}
+    caches = {"device": model.new_cache(), "reference": model.new_cache()}
+    rows = _compare_step(model, caches, tokens, on_device, on_reference, checkpoint, len(tokens), "")
+    return rows + _compare_step(model, caches, [DECODE_TOKEN], on_device, on_reference, checkpoint, len(tokens), "decode ")
+
+
+def _compare_step(model: DeepseekV4, caches: dict, tokens: list[int], on_device, on_reference, checkpoint: str,
+                  prompt: int, label: str) -> list[AgreementRow]:
+    """`tokens` through every layer on both sides, each layer from the reference's streams; then both caches
+    hold them (advance_caches), so the next step reads what each side appended."""
+    segments = {side: [Segment(cache, tokens)] for side, cache in caches.items()}
     streams = on_reference(_embed, model, None, segments["reference"])
     rows = []
     for i in model.layer_ids:
         step = LayerStep(i)
         got = on_device(step, model, streams, segments["device"])
         streams = on_reference(step, model, streams, segments["reference"])
-        rows.append(AgreementRow(checkpoint, len(tokens), f"layer {i} ({model.cfg.layer_types[i]})", rel_diff(got, streams)))
+        rows.append(AgreementRow(checkpoint, prompt, f"{label}layer {i} ({model.cfg.layer_types[i]})", rel_diff(got, streams)))
     got = on_device(_head, model, streams, segments["device"])
     want = on_reference(_head, model, streams, segments["reference"])
-    return rows + [AgreementRow(checkpoint, len(tokens), "logits", rel_diff(got, want))]
+    for side_segments in segments.values():
+        advance_caches(side_segments)
+    return rows + [AgreementRow(checkpoint, prompt, f"{label}logits", rel_diff(got, want))]
 
 
 def rel_diff(got: mx.array, want: mx.array) -> float:
