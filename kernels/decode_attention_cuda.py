@@ -64,7 +64,7 @@ MAX_DIM = 1024  # the head dim: each warp's float32 sums of the output in shared
 HEADS_PER_BLOCK = (4, 2, 1)  # a block's heads, most first: each row is read once for all of them
 
 
-def heads_per_block(tokens: int, heads: int, dim: int) -> int:
+def heads_per_block(heads: int, dim: int) -> int:
     """Four heads a block where they fit (shared memory for their logits and the warps' sums; a divisor of the
     heads): on the H200, at V4's CSA shapes, 4.1 µs a call at one token against 8.7 with a head a block (more
     blocks, but each reading its token's rows again), and 176 against 287 µs at 16 tokens (docs/BENCHMARKS.md,
@@ -78,7 +78,7 @@ def _shared_bytes(hb: int, dim: int) -> int:
 
 assert _shared_bytes(1, MAX_DIM) <= SHARED_MEMORY_LIMIT and _shared_bytes(4, 512) <= SHARED_MEMORY_LIMIT
 
-RowGroup = tuple[mx.array, mx.array]  # rows [T, R, d] (K = V), valid [T, R] bool
+RowGroup = tuple[mx.array, mx.array]  # rows [T, R, d] (K = V), valid [T, R] bool (kernels/sparse_attention.py's too)
 
 
 def set_kernel_enabled(enabled: bool) -> None:
@@ -354,7 +354,7 @@ def decode_attention_kernel(q: mx.array, groups: Sequence[RowGroup], sinks: mx.a
     count = len(groups)
     kernel = compiled_kernel(kernel_name(count), _INPUTS[count], ("out",), _SOURCES[count], _HEADER)
     operands = [q] + [a for rows, valid in groups for a in (rows, valid.astype(mx.bool_))] + [sinks]
-    hb = heads_per_block(tokens, heads, dim)
+    hb = heads_per_block(heads, dim)
     (out,) = kernel(
         inputs=operands,
         template=kernel_template(q.dtype, sinks.dtype, dim, scale, hb),

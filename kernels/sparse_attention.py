@@ -15,9 +15,8 @@ from typing import Sequence
 import mlx.core as mx
 
 from tessera.kernels import decode_attention_cuda
+from tessera.kernels.decode_attention_cuda import RowGroup
 from tessera.kernels.shapeless import shapeless
-
-RowGroup = tuple[mx.array, mx.array]  # rows [T, R, d] (K = V), valid [T, R] bool
 
 
 def mixed_attention_reference(q: mx.array, groups: Sequence[RowGroup], sinks: mx.array, scale: float) -> mx.array:

@@ -229,7 +229,7 @@ def test_decode_attention_kernel_gives_a_token_the_same_bits_at_every_batch_size
     q, groups, sinks = _decode_attention_inputs(16, 64, 512, (128, 512), False, mx.bfloat16)
     batch = decode_attention_kernel(q, groups, sinks, 512**-0.5)
     for hb in (1, 2, 4):
-        monkeypatch.setattr(decode_attention_cuda, "heads_per_block", lambda tokens, heads, dim: hb)
+        monkeypatch.setattr(decode_attention_cuda, "heads_per_block", lambda heads, dim: hb)
         assert mx.array_equal(decode_attention_kernel(q, groups, sinks, 512**-0.5), batch).item(), hb
         for a, b in ((0, 1), (7, 8), (15, 16), (3, 9), (2, 5)):
             part = decode_attention_kernel(q[a:b], [(r[a:b], v[a:b]) for r, v in groups], sinks, 512**-0.5)

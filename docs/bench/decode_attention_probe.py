@@ -85,10 +85,10 @@ def main() -> None:
         for arm in (arms + ["reference"] + ["reference"] + arms[::-1]) * args.rounds:
             decode_attention_cuda.set_kernel_enabled(arm != "reference")
             fixed = int(arm[len("kernel_hb"):]) if arm.startswith("kernel_hb") else None
-            decode_attention_cuda.heads_per_block = (lambda t, h, d: fixed) if fixed else saved[1]
+            decode_attention_cuda.heads_per_block = (lambda h, d: fixed) if fixed else saved[1]
             for batch in args.batch:
                 emit("round", arm=arm, batch=batch, calls=args.calls, kernel_ran=decode_attention_cuda.is_supported(*sets[batch][0][:2]),
-                     heads_per_block=decode_attention_cuda.heads_per_block(batch, HEADS, DIM), **measure(sets[batch], cycles, spin_alone))
+                     heads_per_block=decode_attention_cuda.heads_per_block(HEADS, DIM), **measure(sets[batch], cycles, spin_alone))
     finally:
         decode_attention_cuda.set_kernel_enabled(saved[0])
         decode_attention_cuda.heads_per_block = saved[1]
