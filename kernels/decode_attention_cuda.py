@@ -1,44 +1,45 @@
-"""A decode batch's mixed attention (kernels/sparse_attention.py) as one CUDA kernel: every token's heads
-against their window rows and, where the layer has them, their compressed rows (CSA's selected, HCA's
-all), plus the head's sink, under one softmax.
+"""A decode batch's mixed attention (kernels/sparse_attention.py) on tensor cores, in two CUDA kernels: every
+token's heads against their window rows and, where the layer has them, their compressed rows (CSA's selected,
+HCA's all), plus the head's sink, under one softmax.
 
-Why a kernel: on MLX's CUDA backend the reference is ~20 launches a layer at one token — two cuBLAS
-products a group (each captured from a stream into a child CUDA graph), the scaling and mask, the
-concatenation, the softmax, the split, the casts, the sum of the groups' parts and the copies between
-them — and a decode step is bound by the host's encoding of its launches, ~5–7 µs each and more for a
-captured GEMM (docs/BENCHMARKS.md, "What one graph node costs MLX's CUDA backend"; "Session 19").
+Why kernels: on MLX's CUDA backend the reference is ~20 launches a layer at one token — two cuBLAS products a
+group (each captured from a stream into a child CUDA graph), the scaling and mask, the concatenation, the
+softmax, the split, the casts, the sum of the groups' parts and the copies between them — and a decode step is
+bound by the host's encoding of its launches, ~5–7 µs each and ~17 for a captured GEMM (docs/BENCHMARKS.md,
+"Session 19"). Here a call is two launches.
 
-Layout: a block of THREADS threads per (token, HB heads: `heads_per_block`). Phase 1, each warp LOGIT_ROWS
-rows at a time (rows r ≡ warp mod WARPS), each row loaded once for the block's heads: a lane's fused
-multiply-adds over its 16-byte pieces of the head dim in a fixed order, then xor shuffles: a (row, head)'s
-product. Phase 2, a head at a time: the block's max and exp-sum over the products and the sink, in a fixed
-order. Phase 3, a group at a time: each warp sums its rows' probability-weighted values over the whole head
-dim (row order) for each head, then the warps' sums are added in warp order. Every sum has one order whatever
-the batch or the heads a block, so a token's output is the same bits at every batch size and position in it.
+Why tensor cores, all of a token's heads together: V4's attention shares one K = V row among all heads, so
+the products are [H, d] × [d, R] matrices. Session 19's kernel took 4 heads a block on CUDA cores and read each
+row once per block — 16 times a token — which made 16 tokens ~10× slower on the device than cuBLAS (176 against
+~15 µs a call). Here each row is read once per head tile from L2 and the products run as `mma.sync` m16n8k16
+(bf16 or fp16 in, float32 sums):
+- `logits` kernel: a block per (token, 16 rows); each warp a tile of 16 heads, the head dim in steps of 16
+  (the A operand the query, the B operand the rows) -> the token's logits [H, R] in float32, rounded to the
+  rows' dtype, scaled, -inf where invalid;
+- `output` kernel: a block per (token, COLUMNS output columns); first each head's max and exp-sum over its
+  logits and its sink (a warp a head: a lane's rows in order, then xor shuffles, lane 0's result), then each
+  warp a tile of 16 heads × 32 columns, a group's rows in steps of 16 (the A operand the probabilities,
+  rounded to the rows' dtype, the B operand the rows).
+Every sum has one order whatever the batch — a block reads one token's data and its shape does not depend on
+the batch — so a token's output is the same bits at every batch size and position in it.
 
-What it costs (H200, V4 Flash's CSA shapes, docs/BENCHMARKS.md "Session 19"): the host encodes a call in
-~35–50 µs against the reference's ~160–200; the device runs it in ~4 µs at one token, but ~176 µs at 16
-tokens against the reference's ~15: every block reads its token's rows for its own heads (16 blocks a token),
-where cuBLAS reads them once for all 64. A decode step is host-bound at both sizes on the hosts measured: at
-one sequence the step is faster with the kernel, at 16 the difference was within the hosts' noise. A kernel
-taking all of a token's heads through tensor cores would remove the device cost at larger batches.
+The reference's roundings are kept where it rounds: the product to the rows' dtype (cuBLAS writes it so), then
+float32 scaling and masking; probabilities in float32 (MLX's `__expf` and reciprocal normalizer), rounded to
+the rows' dtype before their product; each group's part rounded, then the parts added in the rows' dtype. The
+tensor cores' sums run in another order than cuBLAS's, so not the reference's bits: the CUDA tests hold the
+kernels to a float64 evaluation within the rows' dtype's rounding, and bit for bit across batch sizes
+(tests/test_kernels_cuda.py).
 
-The reference's roundings are kept where it rounds: the product to the rows' dtype (cuBLAS writes it
-so), then float32 scaling and masking; probabilities in float32 (MLX's `__expf` and reciprocal
-normalizer), rounded to the rows' dtype before their product; each group's part rounded, then the
-parts added in the rows' dtype. The products' own sums run in another order than cuBLAS's, so not the
-reference's bits: the CUDA tests hold it to a float64 evaluation within the rows' dtype's rounding, and
-bit for bit across batch sizes (tests/test_kernels_cuda.py).
+Where it runs: decode only (engine/model/decode_attention.py), for bf16 and fp16 rows (the tensor cores' input
+types; float32 takes the reference), heads a multiple of 16 up to MAX_HEADS, a head dim a multiple of COLUMNS.
+The logits live in a device array, not shared memory, so the attended rows have no small bound (MAX_ATTENDED:
+16 MiB of logits a token at 64 heads): HCA at 1M tokens takes the kernels too. Prefill tiles keep the reference
+whatever their size, so that a prompt row's output never depends on which tile it lands in
+(docs/ARCHITECTURE.md, "Tiling invariants"). The choice depends on the token's own shapes only, never on its
+batch.
 
-Where it runs: decode only (engine/model/decode_attention.py), up to MAX_ATTENDED rows a token. Prefill
-tiles keep the reference whatever their size, so that a prompt row's output never depends on which tile it
-lands in (docs/ARCHITECTURE.md, "Tiling invariants"). Beyond MAX_ATTENDED (HCA past ~213k tokens: each
-head's logits must fit in shared memory) the reference runs; the choice depends on the token's own row count
-only, never on its batch.
-
-Switch: TESSERA_DECODE_ATTENTION_KERNEL=0 keeps the reference on CUDA too (1, the default, uses the kernel
-where `is_supported`: CUDA, compilation on — kernels/shapeless.py —, the sizes above, a head dim a
-multiple of THREADS up to MAX_DIM).
+Switch: TESSERA_DECODE_ATTENTION_KERNEL=0 keeps the reference on CUDA too (1, the default, uses the kernels
+where `is_supported`: CUDA, compilation on — kernels/shapeless.py —, the shapes above).
 """
 
 from __future__ import annotations
@@ -48,35 +49,22 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from tessera.kernels.cuda import SHARED_MEMORY_LIMIT, compiled_kernel, on_cuda
+from tessera.kernels.cuda import compiled_kernel, on_cuda
 from tessera.kernels.shapeless import compile_enabled
 from tessera.kernels.switch import Switch
 
 ENV_VAR = "TESSERA_DECODE_ATTENTION_KERNEL"
 _switch = Switch(ENV_VAR, default=True)
 
-THREADS = 256  # a block: eight warps, one token and `heads_per_block` heads; the head dim a multiple of it (V4: 512)
-VECTOR = 8  # elements a lane loads at once (16 bytes of bf16); a warp's 32 loads cover 256 of a row
+TILE = 16  # mma.m16n8k16: a warp's heads (M), and the rows of a step (K); the logits kernel's rows a block
+LOGIT_THREADS = 128  # four warps: at V4's 64 heads a head tile each
+OUTPUT_THREADS = 128  # four warps: at 64 heads and COLUMNS 32 a (head tile, columns) tile each
+COLUMNS = 32  # output columns a block of the output kernel: four n8 tiles a warp
+MAX_HEADS = 128  # the output kernel's per-head max and normalizer in shared memory
 MAX_TOKENS = 65535  # CUDA's grid limit in y, a block row per token: any decode batch (no smaller bound, which
 # would give a row other bits in a larger batch)
-MAX_ATTENDED = 1792  # rows a token (window + compressed): each head's float32 logits in shared memory
-MAX_DIM = 1024  # the head dim: each warp's float32 sums of the output in shared memory beside the logits
-HEADS_PER_BLOCK = (4, 2, 1)  # a block's heads, most first: each row is read once for all of them
-
-
-def heads_per_block(heads: int, dim: int) -> int:
-    """Four heads a block where they fit (shared memory for their logits and the warps' sums; a divisor of the
-    heads): on the H200, at V4's CSA shapes, 4.1 µs a call at one token against 8.7 with a head a block (more
-    blocks, but each reading its token's rows again), and 176 against 287 µs at 16 tokens (docs/BENCHMARKS.md,
-    "Session 19"). A (token, head)'s sums are the same whatever the heads a block, so this never changes a bit."""
-    return next(hb for hb in HEADS_PER_BLOCK if heads % hb == 0 and _shared_bytes(hb, dim) <= SHARED_MEMORY_LIMIT)
-
-
-def _shared_bytes(hb: int, dim: int) -> int:
-    return (hb * MAX_ATTENDED + (THREADS // 32) * dim + THREADS // 32) * 4
-
-
-assert _shared_bytes(1, MAX_DIM) <= SHARED_MEMORY_LIMIT and _shared_bytes(4, 512) <= SHARED_MEMORY_LIMIT
+MAX_ATTENDED = 65536  # rows a token: its float32 logits, 16 MiB at 64 heads (HCA at 1M tokens attends ~8k)
+DTYPES = (mx.bfloat16, mx.float16)  # the tensor cores' input types here
 
 RowGroup = tuple[mx.array, mx.array]  # rows [T, R, d] (K = V), valid [T, R] bool (kernels/sparse_attention.py's too)
 
@@ -91,259 +79,259 @@ def kernel_enabled() -> bool:
 
 def is_supported(q: mx.array, groups: Sequence[RowGroup]) -> bool:
     """q: [T, H, d]; groups of (rows [T, R, d], valid [T, R]): one or two groups of q's dtype."""
-    tokens, _, dim = q.shape
+    tokens, heads, dim = q.shape
     return (_switch.enabled() and compile_enabled() and on_cuda() and 0 < tokens <= MAX_TOKENS
-            and dim % THREADS == 0 and dim <= MAX_DIM
-            and q.dtype in (mx.bfloat16, mx.float16, mx.float32) and len(groups) in (1, 2)
+            and heads % TILE == 0 and heads <= MAX_HEADS and dim % COLUMNS == 0
+            and q.dtype in DTYPES and len(groups) in (1, 2)
             and all(rows.dtype == q.dtype and rows.shape[0] == tokens for rows, _ in groups)
             and groups[0][0].shape[1] > 0 and sum(rows.shape[1] for rows, _ in groups) <= MAX_ATTENDED)
 
 
 _HEADER = r"""
-// V consecutive elements of a row: one vector load (V = 8: 16 bytes of bf16).
-template <typename T, int V>
-struct alignas(V * sizeof(T)) Vec { T v[V]; };
+// Two consecutive elements of a row as the 32-bit register an mma operand takes (the lower index in the low half).
+template <typename T>
+__device__ __forceinline__ uint32_t pair_at(const T* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
-template <typename T, int V>
-__device__ __forceinline__ Vec<T, V> vec_at(const T* p) { return *reinterpret_cast<const Vec<T, V>*>(p); }
+__device__ __forceinline__ uint32_t raw_bits(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
+__device__ __forceinline__ uint32_t raw_bits(__half x) { return __half_as_ushort(x); }
 
-// A warp's rows loaded together (one block per SM at one token: the loads' latency needs hiding in the warp).
-constexpr int LOGIT_ROWS = 8;
-constexpr int OUTPUT_ROWS = 4;  // fewer where each row feeds HB heads' sums (registers)
+template <typename T>
+__device__ __forceinline__ uint32_t pair_of(T lo, T hi) { return raw_bits(lo) | (raw_bits(hi) << 16); }
 
-// The block's reduction of one value a thread, in a fixed order: a warp's by xor shuffles, then the warps' in
-// warp order, read by every thread from shared memory (the same bits in each).
-template <int WARPS, bool MAX>
-__device__ __forceinline__ float block_reduce(float v, float* partial) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float other = __shfl_xor_sync(0xFFFFFFFFu, v, o);
-    v = MAX ? fmaxf(v, other) : __fadd_rn(v, other);
-  }
-  if (lane == 0) partial[warp] = v;
-  __syncthreads();
-  float total = partial[0];
-  #pragma unroll
-  for (int k = 1; k < WARPS; ++k) total = MAX ? fmaxf(total, partial[k]) : __fadd_rn(total, partial[k]);
-  __syncthreads();  // every thread has read partial before a second call writes it
-  return total;
+// d += a [16 x 16, row-major] * b [16 x 8, column-major], float32 sums (PTX ISA: mma.m16n8k16 fragments; lane =
+// 4 g + i: a {(g, 2i..), (g + 8, 2i..), (g, 2i + 8..), (g + 8, 2i + 8..)}, b {(2i.., g), (2i + 8.., g)},
+// d {(g, 2i), (g, 2i + 1), (g + 8, 2i), (g + 8, 2i + 1)}).
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], __nv_bfloat16) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], __half) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Phase 1 for one group: each warp's rows (r = warp mod WARPS) times the block's HB heads' queries. A lane holds
-// the V elements at 32 V i + V lane, i ascending; a (row, head)'s products in that order, then the xor shuffles,
-// whatever HB. Rounded to T as the reference's product is, scaled in float32, -inf where invalid ->
-// logits[hb * STRIDE + r] (STRIDE: a head's room, MAX_ATTENDED).
-template <typename T, int D, int V, int WARPS, int HB, int STRIDE>
-__device__ __forceinline__ void group_logits(const float (&qv)[HB][D / 32], const T* rows, const bool* valid,
-                                             int count, float scale, float* logits) {
-  constexpr int CHUNKS = D / (32 * V);
-  const int lane = threadIdx.x & 31;
-  for (int first = threadIdx.x >> 5; first < count; first += LOGIT_ROWS * WARPS) {
-    Vec<T, V> x[LOGIT_ROWS][CHUNKS];
-    #pragma unroll
-    for (int u = 0; u < LOGIT_ROWS; ++u) {
-      const int r = first + u * WARPS;
-      #pragma unroll
-      for (int i = 0; i < CHUNKS; ++i) {
-        if (r < count) x[u][i] = vec_at<T, V>(rows + (size_t)r * D + 32 * V * i + V * lane);
-      }
-    }
-    #pragma unroll
-    for (int u = 0; u < LOGIT_ROWS; ++u) {
-      const int r = first + u * WARPS;
-      #pragma unroll
-      for (int hb = 0; hb < HB; ++hb) {
-        float acc = 0.0f;
-        if (r < count) {
-          #pragma unroll
-          for (int i = 0; i < CHUNKS; ++i) {
-            #pragma unroll
-            for (int j = 0; j < V; ++j) acc = fmaf(qv[hb][V * i + j], static_cast<float>(x[u][i].v[j]), acc);
-          }
-        }
-        #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(0xFFFFFFFFu, acc, o));
-        if (lane == 0 && r < count) {
-          logits[hb * STRIDE + r] =
-              valid[r] ? __fmul_rn(static_cast<float>(static_cast<T>(acc)), scale) : -__int_as_float(0x7f800000);
-        }
-      }
-    }
-  }
+// Row r of the token's attended rows (the first group's, then the second's), or nullptr past them.
+template <typename T, int D>
+__device__ __forceinline__ const T* attended_row(const T* rows_a, int count_a, const T* rows_b, int count_b, int t, int r) {
+  if (r < count_a) return rows_a + ((size_t)t * count_a + r) * D;
+  if (r < count_a + count_b) return rows_b + ((size_t)t * count_b + (r - count_a)) * D;
+  return nullptr;
 }
 
-// Phase 2 for one head: its logits -> probabilities rounded to T (MLX's softmax: __expf, one reciprocal), in place.
-template <typename T, int THREADS>
-__device__ __forceinline__ void softmax_with_sink(float* logits, int count, float sink, float* partial) {
+// Block (16 rows, token t): logits[t, h, r] = the product q[t, h] . row r rounded to T, times scale in float32;
+// -inf where the row is invalid. Each warp a tile of 16 heads at a time, the head dim in steps of 16.
+template <typename T, int H, int D, int THREADS>
+__device__ void tile_logits(const T* q, const T* rows_a, const bool* valid_a, int count_a, const T* rows_b,
+                            const bool* valid_b, int count_b, float scale, float* logits) {
   constexpr int WARPS = THREADS / 32;
-  float m = sink;
-  for (int r = threadIdx.x; r < count; r += THREADS) m = fmaxf(m, logits[r]);
-  m = block_reduce<WARPS, true>(m, partial);
-  float e = 0.0f;
-  for (int r = threadIdx.x; r < count; r += THREADS) e = __fadd_rn(e, __expf(logits[r] - m));
-  const float normalizer = __fadd_rn(block_reduce<WARPS, false>(e, partial), __expf(sink - m));
-  const float inverse = 1.0f / normalizer;
-  for (int r = threadIdx.x; r < count; r += THREADS) {
-    logits[r] = static_cast<float>(static_cast<T>(__fmul_rn(__expf(logits[r] - m), inverse)));
-  }
-}
-
-// Phase 3 for one group: the probabilities (rounded to T) times the rows. Each warp sums its rows
-// (r = warp mod WARPS, row order) over the lane's columns 32 V i + V lane + j, for each of the HB heads; then,
-// a head at a time, the warps' sums are added in warp order -> the group's part rounded to T, columns
-// c = threadIdx.x + THREADS k of the head's output. A (row, head)'s terms and their order do not depend on HB.
-template <typename T, int D, int V, int WARPS, int HB, int STRIDE>
-__device__ __forceinline__ void group_part(const T* rows, int count, const float* probs, float* sums,
-                                           T (&part)[HB][D / (32 * WARPS)]) {
-  constexpr int CHUNKS = D / (32 * V);
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  float acc[HB][D / 32];
-  #pragma unroll
-  for (int hb = 0; hb < HB; ++hb) {
-    #pragma unroll
-    for (int k = 0; k < D / 32; ++k) acc[hb][k] = 0.0f;
-  }
-  for (int first = warp; first < count; first += OUTPUT_ROWS * WARPS) {
-    Vec<T, V> x[OUTPUT_ROWS][CHUNKS];
-    #pragma unroll
-    for (int u = 0; u < OUTPUT_ROWS; ++u) {
-      const int r = first + u * WARPS;
-      #pragma unroll
-      for (int i = 0; i < CHUNKS; ++i) {
-        if (r < count) x[u][i] = vec_at<T, V>(rows + (size_t)r * D + 32 * V * i + V * lane);
-      }
-    }
-    #pragma unroll
-    for (int u = 0; u < OUTPUT_ROWS; ++u) {
-      const int r = first + u * WARPS;
-      if (r < count) {
-        #pragma unroll
-        for (int hb = 0; hb < HB; ++hb) {
-          const float p = probs[hb * STRIDE + r];
-          #pragma unroll
-          for (int i = 0; i < CHUNKS; ++i) {
-            #pragma unroll
-            for (int j = 0; j < V; ++j) acc[hb][V * i + j] = fmaf(p, static_cast<float>(x[u][i].v[j]), acc[hb][V * i + j]);
-          }
-        }
-      }
-    }
-  }
-  #pragma unroll
-  for (int hb = 0; hb < HB; ++hb) {
-    #pragma unroll
-    for (int i = 0; i < CHUNKS; ++i) {
-      #pragma unroll
-      for (int j = 0; j < V; ++j) sums[warp * D + 32 * V * i + V * lane + j] = acc[hb][V * i + j];
-    }
-    __syncthreads();
-    #pragma unroll
-    for (int k = 0; k < D / (32 * WARPS); ++k) {
-      const int c = threadIdx.x + 32 * WARPS * k;
-      float total = sums[c];
-      #pragma unroll
-      for (int w = 1; w < WARPS; ++w) total = __fadd_rn(total, sums[w * D + c]);
-      part[hb][k] = static_cast<T>(total);
-    }
-    __syncthreads();  // every thread has read sums before they are written again
-  }
-}
-
-// One token, HB consecutive heads: GROUPS groups of rows (a: the window; b: the compressed rows, if any), each
-// head's sink, one softmax a head.
-template <typename T, typename S, int D, int V, int THREADS, int HB, int STRIDE, int GROUPS>
-__device__ void attend(const T* q, const T* rows_a, const bool* valid_a, int count_a, const T* rows_b,
-                       const bool* valid_b, int count_b, const S* sinks, float scale, T* out, float* logits,
-                       float* sums, float* partial) {
-  constexpr int WARPS = THREADS / 32;
-  constexpr int CHUNKS = D / (32 * V);
-  const int h0 = blockIdx.x * HB;
   const int t = blockIdx.y;
-  const int heads = gridDim.x * HB;
+  const int r0 = blockIdx.x * 16;
+  const int count = count_a + count_b;
   const int lane = threadIdx.x & 31;
-  float qv[HB][D / 32];
+  const int g = lane >> 2;
+  const int i = lane & 3;
+  const T* row[2];  // this lane's B-operand row of each 8-row half: r0 + 8 n + g
   #pragma unroll
-  for (int hb = 0; hb < HB; ++hb) {
-    const T* qh = q + ((size_t)t * heads + h0 + hb) * D;
-    #pragma unroll
-    for (int i = 0; i < CHUNKS; ++i) {
-      const Vec<T, V> x = vec_at<T, V>(qh + 32 * V * i + V * lane);
+  for (int n = 0; n < 2; ++n) row[n] = attended_row<T, D>(rows_a, count_a, rows_b, count_b, t, r0 + 8 * n + g);
+  for (int h0 = 16 * (threadIdx.x >> 5); h0 < H; h0 += 16 * WARPS) {
+    const T* q_lo = q + ((size_t)t * H + h0 + g) * D + 2 * i;  // head h0 + g
+    const T* q_hi = q_lo + 8 * D;  // head h0 + g + 8
+    float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    #pragma unroll 4
+    for (int k0 = 0; k0 < D; k0 += 16) {
+      const uint32_t a[4] = {pair_at(q_lo + k0), pair_at(q_hi + k0), pair_at(q_lo + k0 + 8), pair_at(q_hi + k0 + 8)};
       #pragma unroll
-      for (int j = 0; j < V; ++j) qv[hb][V * i + j] = static_cast<float>(x.v[j]);
+      for (int n = 0; n < 2; ++n) {
+        const uint32_t b[2] = {row[n] ? pair_at(row[n] + k0 + 2 * i) : 0u, row[n] ? pair_at(row[n] + k0 + 8 + 2 * i) : 0u};
+        mma(acc[n], a, b, T());
+      }
     }
-  }
-  rows_a += (size_t)t * count_a * D;
-  valid_a += (size_t)t * count_a;
-  group_logits<T, D, V, WARPS, HB, STRIDE>(qv, rows_a, valid_a, count_a, scale, logits);
-  if (GROUPS == 2) {
-    rows_b += (size_t)t * count_b * D;
-    valid_b += (size_t)t * count_b;
-    group_logits<T, D, V, WARPS, HB, STRIDE>(qv, rows_b, valid_b, count_b, scale, logits + count_a);
-  }
-  __syncthreads();
-  const int count = count_a + (GROUPS == 2 ? count_b : 0);
-  #pragma unroll
-  for (int hb = 0; hb < HB; ++hb) {
-    softmax_with_sink<T, THREADS>(logits + hb * STRIDE, count, static_cast<float>(sinks[h0 + hb]), partial);
-  }
-  __syncthreads();
-  T part[HB][D / THREADS];
-  group_part<T, D, V, WARPS, HB, STRIDE>(rows_a, count_a, logits, sums, part);
-  if (GROUPS == 2) {
-    T other[HB][D / THREADS];
-    group_part<T, D, V, WARPS, HB, STRIDE>(rows_b, count_b, logits + count_a, sums, other);
     #pragma unroll
-    for (int hb = 0; hb < HB; ++hb) {
+    for (int n = 0; n < 2; ++n) {
       #pragma unroll
-      for (int k = 0; k < D / THREADS; ++k) {
-        part[hb][k] = static_cast<T>(__fadd_rn(static_cast<float>(part[hb][k]), static_cast<float>(other[hb][k])));
+      for (int e = 0; e < 4; ++e) {
+        const int h = h0 + g + (e >= 2 ? 8 : 0);
+        const int r = r0 + 8 * n + 2 * i + (e & 1);
+        if (r < count) {
+          const bool ok = r < count_a ? valid_a[(size_t)t * count_a + r] : valid_b[(size_t)t * count_b + (r - count_a)];
+          logits[((size_t)t * H + h) * count + r] =
+              ok ? __fmul_rn(static_cast<float>(static_cast<T>(acc[n][e])), scale) : -__int_as_float(0x7f800000);
+        }
       }
     }
   }
-  #pragma unroll
-  for (int hb = 0; hb < HB; ++hb) {
-    T* oh = out + ((size_t)t * heads + h0 + hb) * D;
+}
+
+// Each head's max and normalizer's reciprocal over its logits [count] and its sink: a warp a head, a lane's rows
+// in row order, then xor shuffles; lane 0's values (MLX's softmax: __expf, one reciprocal).
+template <typename S, int H, int WARPS>
+__device__ void head_stats(const float* logits, int count, const S* sinks, float* head_max, float* head_inverse) {
+  const int lane = threadIdx.x & 31;
+  for (int h = threadIdx.x >> 5; h < H; h += WARPS) {
+    const float* lh = logits + (size_t)h * count;
+    const float sink = static_cast<float>(sinks[h]);
+    float m = sink;
+    for (int r = lane; r < count; r += 32) m = fmaxf(m, lh[r]);
     #pragma unroll
-    for (int k = 0; k < D / THREADS; ++k) oh[threadIdx.x + THREADS * k] = part[hb][k];
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    float e = 0.0f;
+    for (int r = lane; r < count; r += 32) e = __fadd_rn(e, __expf(lh[r] - m));
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) e = __fadd_rn(e, __shfl_xor_sync(0xFFFFFFFFu, e, o));
+    if (lane == 0) {
+      head_max[h] = m;
+      head_inverse[h] = 1.0f / __fadd_rn(e, __expf(sink - m));
+    }
+  }
+}
+
+// Probabilities k and k + 1 of a head (rounded to T; 0 past the group's rows) as one A-operand register.
+template <typename T>
+__device__ __forceinline__ uint32_t prob_pair(const float* lh, int k, int count, float m, float inverse) {
+  const T lo = static_cast<T>(k < count ? __fmul_rn(__expf(lh[k] - m), inverse) : 0.0f);
+  const T hi = static_cast<T>(k + 1 < count ? __fmul_rn(__expf(lh[k + 1] - m), inverse) : 0.0f);
+  return pair_of(lo, hi);
+}
+
+// Column c of rows k and k + 1 (0 past the group's rows) as one B-operand register.
+template <typename T, int D>
+__device__ __forceinline__ uint32_t column_pair(const T* rows, int k, int count, int c) {
+  const T zero = static_cast<T>(0.0f);
+  return pair_of(k < count ? rows[(size_t)k * D + c] : zero, k + 1 < count ? rows[(size_t)(k + 1) * D + c] : zero);
+}
+
+// One group's part of a (16 heads, 32 columns) tile: sum over its rows, in steps of 16, of probability x row.
+// l_lo / l_hi: heads h0 + g and h0 + g + 8's logits at the group's first row; rows: the token's group [count, D].
+template <typename T, int D>
+__device__ void group_part(const float* l_lo, const float* l_hi, float m_lo, float inv_lo, float m_hi, float inv_hi,
+                           const T* rows, int count, int c0, float (&acc)[4][4]) {
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int i = lane & 3;
+  #pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+  }
+  for (int k0 = 0; k0 < count; k0 += 16) {
+    const int ka = k0 + 2 * i;
+    const int kb = ka + 8;
+    const uint32_t a[4] = {prob_pair<T>(l_lo, ka, count, m_lo, inv_lo), prob_pair<T>(l_hi, ka, count, m_hi, inv_hi),
+                           prob_pair<T>(l_lo, kb, count, m_lo, inv_lo), prob_pair<T>(l_hi, kb, count, m_hi, inv_hi)};
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int c = c0 + 8 * j + g;
+      const uint32_t b[2] = {column_pair<T, D>(rows, ka, count, c), column_pair<T, D>(rows, kb, count, c)};
+      mma(acc[j], a, b, T());
+    }
+  }
+}
+
+// Block (COLS columns, token t): the softmax's statistics, then each warp a (16 heads, 32 columns) tile: each
+// group's part rounded to T, the parts added in T -> out[t, h, c].
+template <typename T, typename S, int H, int D, int COLS, int THREADS, int GROUPS>
+__device__ void tile_output(const float* logits, const T* rows_a, int count_a, const T* rows_b, int count_b,
+                            const S* sinks, T* out, float* head_max, float* head_inverse) {
+  constexpr int WARPS = THREADS / 32;
+  constexpr int HEAD_TILES = H / 16;
+  const int t = blockIdx.y;
+  const int count = count_a + count_b;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int i = lane & 3;
+  const float* lt = logits + (size_t)t * H * count;
+  head_stats<S, H, WARPS>(lt, count, sinks, head_max, head_inverse);
+  __syncthreads();
+  for (int tile = threadIdx.x >> 5; tile < HEAD_TILES * (COLS / 32); tile += WARPS) {
+    const int h0 = 16 * (tile % HEAD_TILES);
+    const int c0 = blockIdx.x * COLS + 32 * (tile / HEAD_TILES);
+    const float* l_lo = lt + (size_t)(h0 + g) * count;
+    const float* l_hi = l_lo + (size_t)8 * count;
+    const float m_lo = head_max[h0 + g], inv_lo = head_inverse[h0 + g];
+    const float m_hi = head_max[h0 + g + 8], inv_hi = head_inverse[h0 + g + 8];
+    float acc[4][4];
+    group_part<T, D>(l_lo, l_hi, m_lo, inv_lo, m_hi, inv_hi, rows_a + (size_t)t * count_a * D, count_a, c0, acc);
+    T part[4][4];
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) part[j][e] = static_cast<T>(acc[j][e]);
+    }
+    if (GROUPS == 2) {
+      group_part<T, D>(l_lo + count_a, l_hi + count_a, m_lo, inv_lo, m_hi, inv_hi, rows_b + (size_t)t * count_b * D,
+                       count_b, c0, acc);
+      #pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          part[j][e] = static_cast<T>(__fadd_rn(static_cast<float>(part[j][e]), static_cast<float>(static_cast<T>(acc[j][e]))));
+        }
+      }
+    }
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int h = h0 + g + (e >= 2 ? 8 : 0);
+        const int c = c0 + 8 * j + 2 * i + (e & 1);
+        out[((size_t)t * H + h) * D + c] = part[j][e];
+      }
+    }
   }
 }
 """
 
-_SOURCE_ONE = r"""
-  // q [T, H, D]; rows_a [T, Ra, D], valid_a [T, Ra]; sinks [H] -> out [T, H, D]
-  __shared__ float logits[HB * MAX_ATTENDED];
-  __shared__ float sums[(THREADS / 32) * D];
-  __shared__ float partial[THREADS / 32];
-  attend<T, S, D, V, THREADS, HB, MAX_ATTENDED, 1>(q, rows_a, valid_a, rows_a_shape[1], rows_a, valid_a, 0, sinks,
-                                     __int_as_float(SCALE_BITS), out, logits, sums, partial);
+_LOGITS_ONE = r"""
+  // q [T, H, D]; rows_a [T, Ra, D], valid_a [T, Ra] -> logits [T, H, Ra] float32
+  tile_logits<T, H, D, THREADS>(q, rows_a, valid_a, rows_a_shape[1], rows_a, valid_a, 0, __int_as_float(SCALE_BITS), logits);
 """
 
-_SOURCE_TWO = r"""
-  // q [T, H, D]; rows_a [T, Ra, D], valid_a [T, Ra]; rows_b [T, Rb, D], valid_b [T, Rb]; sinks [H] -> out [T, H, D]
-  __shared__ float logits[HB * MAX_ATTENDED];
-  __shared__ float sums[(THREADS / 32) * D];
-  __shared__ float partial[THREADS / 32];
-  attend<T, S, D, V, THREADS, HB, MAX_ATTENDED, 2>(q, rows_a, valid_a, rows_a_shape[1], rows_b, valid_b, rows_b_shape[1], sinks,
-                                     __int_as_float(SCALE_BITS), out, logits, sums, partial);
+_LOGITS_TWO = r"""
+  // q [T, H, D]; rows_a [T, Ra, D], valid_a [T, Ra]; rows_b [T, Rb, D], valid_b [T, Rb] -> logits [T, H, Ra + Rb] float32
+  tile_logits<T, H, D, THREADS>(q, rows_a, valid_a, rows_a_shape[1], rows_b, valid_b, rows_b_shape[1],
+                                __int_as_float(SCALE_BITS), logits);
 """
 
-_INPUTS = {1: ("q", "rows_a", "valid_a", "sinks"), 2: ("q", "rows_a", "valid_a", "rows_b", "valid_b", "sinks")}
-_SOURCES = {1: _SOURCE_ONE, 2: _SOURCE_TWO}
+_OUTPUT_ONE = r"""
+  // logits [T, H, Ra]; rows_a [T, Ra, D]; sinks [H] -> out [T, H, D]
+  __shared__ float head_max[H];
+  __shared__ float head_inverse[H];
+  tile_output<T, S, H, D, COLS, THREADS, 1>(logits, rows_a, rows_a_shape[1], rows_a, 0, sinks, out, head_max, head_inverse);
+"""
+
+_OUTPUT_TWO = r"""
+  // logits [T, H, Ra + Rb]; rows_a [T, Ra, D]; rows_b [T, Rb, D]; sinks [H] -> out [T, H, D]
+  __shared__ float head_max[H];
+  __shared__ float head_inverse[H];
+  tile_output<T, S, H, D, COLS, THREADS, 2>(logits, rows_a, rows_a_shape[1], rows_b, rows_b_shape[1], sinks, out,
+                                            head_max, head_inverse);
+"""
+
+_LOGITS_INPUTS = {1: ("q", "rows_a", "valid_a"), 2: ("q", "rows_a", "valid_a", "rows_b", "valid_b")}
+_OUTPUT_INPUTS = {1: ("logits", "rows_a", "sinks"), 2: ("logits", "rows_a", "rows_b", "sinks")}
+_LOGITS_SOURCES = {1: _LOGITS_ONE, 2: _LOGITS_TWO}
+_OUTPUT_SOURCES = {1: _OUTPUT_ONE, 2: _OUTPUT_TWO}
 
 
-def kernel_name(groups: int) -> str:
-    return f"tessera_decode_attention_{groups}"
+def logits_kernel_name(groups: int) -> str:
+    return f"tessera_decode_attention_logits_{groups}"
 
 
-def kernel_template(dtype: mx.Dtype, sinks_dtype: mx.Dtype, dim: int, scale: float, hb: int) -> list[tuple[str, object]]:
-    """The kernel's compile-time constants; `scale` travels as its float32 bit pattern (a template takes integers
-    only), so the kernel multiplies by exactly the float32 the reference multiplies by."""
+def output_kernel_name(groups: int) -> str:
+    return f"tessera_decode_attention_output_{groups}"
+
+
+def logits_template(dtype: mx.Dtype, heads: int, dim: int, scale: float) -> list[tuple[str, object]]:
+    """The logits kernel's compile-time constants; `scale` travels as its float32 bit pattern (a template takes
+    integers only), so the kernel multiplies by exactly the float32 the reference multiplies by."""
     (scale_bits,) = struct.unpack("<i", struct.pack("<f", scale))
-    return [("T", dtype), ("S", sinks_dtype), ("D", dim), ("V", VECTOR), ("THREADS", THREADS), ("HB", hb),
-            ("MAX_ATTENDED", MAX_ATTENDED), ("SCALE_BITS", scale_bits)]
+    return [("T", dtype), ("H", heads), ("D", dim), ("THREADS", LOGIT_THREADS), ("SCALE_BITS", scale_bits)]
+
+
+def output_template(dtype: mx.Dtype, sinks_dtype: mx.Dtype, heads: int, dim: int) -> list[tuple[str, object]]:
+    return [("T", dtype), ("S", sinks_dtype), ("H", heads), ("D", dim), ("COLS", COLUMNS), ("THREADS", OUTPUT_THREADS)]
 
 
 def decode_attention_kernel(q: mx.array, groups: Sequence[RowGroup], sinks: mx.array, scale: float) -> mx.array:
@@ -352,14 +340,22 @@ def decode_attention_kernel(q: mx.array, groups: Sequence[RowGroup], sinks: mx.a
     tokens, heads, dim = q.shape
     groups = [(rows, valid) for rows, valid in groups if rows.shape[1] > 0]  # the first has rows (`is_supported`)
     count = len(groups)
-    kernel = compiled_kernel(kernel_name(count), _INPUTS[count], ("out",), _SOURCES[count], _HEADER)
-    operands = [q] + [a for rows, valid in groups for a in (rows, valid.astype(mx.bool_))] + [sinks]
-    hb = heads_per_block(heads, dim)
-    (out,) = kernel(
-        inputs=operands,
-        template=kernel_template(q.dtype, sinks.dtype, dim, scale, hb),
-        grid=(heads // hb * THREADS, tokens, 1),  # threads, as mx.fast.cuda_kernel counts them: a block per (hb heads, token)
-        threadgroup=(THREADS, 1, 1),
+    attended = sum(rows.shape[1] for rows, _ in groups)
+    logits_kernel = compiled_kernel(logits_kernel_name(count), _LOGITS_INPUTS[count], ("logits",), _LOGITS_SOURCES[count], _HEADER)
+    (logits,) = logits_kernel(
+        inputs=[q] + [a for rows, valid in groups for a in (rows, valid.astype(mx.bool_))],
+        template=logits_template(q.dtype, heads, dim, scale),
+        grid=(-(-attended // TILE) * LOGIT_THREADS, tokens, 1),  # threads, as mx.fast.cuda_kernel counts them: a block per (16 rows, token)
+        threadgroup=(LOGIT_THREADS, 1, 1),
+        output_shapes=[(tokens, heads, attended)],
+        output_dtypes=[mx.float32],
+    )  # [T, H, R]
+    output_kernel = compiled_kernel(output_kernel_name(count), _OUTPUT_INPUTS[count], ("out",), _OUTPUT_SOURCES[count], _HEADER)
+    (out,) = output_kernel(
+        inputs=[logits] + [rows for rows, _ in groups] + [sinks],
+        template=output_template(q.dtype, sinks.dtype, heads, dim),
+        grid=(dim // COLUMNS * OUTPUT_THREADS, tokens, 1),  # a block per (COLUMNS columns, token)
+        threadgroup=(OUTPUT_THREADS, 1, 1),
         output_shapes=[q.shape],
         output_dtypes=[q.dtype],
     )

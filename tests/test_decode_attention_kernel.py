@@ -18,7 +18,7 @@ from tessera.engine.tools.replay import random_tokens
 from tessera.kernels import decode_attention_cuda
 
 OVERRIDES = dict(layer_types=[WINDOW, CSA, HCA, CSA], num_hidden_layers=4, compress_rates={CSA: 4, HCA: 32}, head_dim=256,
-                 index_n_heads=8)
+                 index_n_heads=8, num_attention_heads=16)  # the kernels' head tiles: a multiple of 16
 
 
 def _stand_in(calls: list):
@@ -58,6 +58,7 @@ def test_decode_hands_the_attention_kernel_its_operands_and_prefill_never_takes_
     monkeypatch.setattr(decode_attention_cuda, "on_cuda", lambda: True)
     monkeypatch.setattr(decode_attention_cuda, "compile_enabled", lambda: True)
     monkeypatch.setattr(decode_attention_cuda, "decode_attention_kernel", _stand_in(calls))
+    monkeypatch.setattr(decode_attention_cuda, "DTYPES", (mx.float32,))  # the stand-in's contract holds in any dtype
     caches = [model.new_cache()]
     model.forward([Segment(caches[0], random_tokens(model.cfg.vocab_size, 40, 9))], tile=1)  # one-row tiles: no kernel
     assert calls == []
@@ -71,17 +72,23 @@ def test_decode_hands_the_attention_kernel_its_operands_and_prefill_never_takes_
 def test_the_kernel_is_chosen_by_a_rows_own_sizes_and_the_switch(monkeypatch):
     monkeypatch.setattr(decode_attention_cuda, "on_cuda", lambda: True)
     monkeypatch.setattr(decode_attention_cuda, "compile_enabled", lambda: True)
-    q = mx.zeros((3, 8, 512), dtype=mx.bfloat16)
+    q = mx.zeros((3, 64, 512), dtype=mx.bfloat16)
     group = lambda rows, dtype=mx.bfloat16: (mx.zeros((3, rows, 512), dtype=dtype), mx.ones((3, rows), dtype=mx.bool_))  # noqa: E731
     supported = decode_attention_cuda.is_supported
     assert supported(q, [group(128)]) and supported(q, [group(128), group(512)])
     assert supported(q, [group(128), group(0)])  # a CSA layer before its first compressed row: the window alone
     assert not supported(q, [group(0), group(128)])  # no window rows: the kernel's first group must have some
+    assert supported(q, [group(128), group(8192)])  # HCA at 1M tokens: the logits live in a device array
     assert supported(q, [group(128), group(decode_attention_cuda.MAX_ATTENDED - 128)])
-    assert not supported(q, [group(128), group(decode_attention_cuda.MAX_ATTENDED - 127)])  # HCA far out: MLX's
-    assert not supported(q, [group(128), group(512, mx.float32)])
-    for dim in (128, 2048):  # a head dim not a multiple of the block's threads, or past the shared memory's room
-        assert not supported(mx.zeros((3, 8, dim), dtype=mx.bfloat16),
+    assert not supported(q, [group(128), group(decode_attention_cuda.MAX_ATTENDED - 127)])
+    assert not supported(q, [group(128), group(512, mx.float16)])  # the groups in q's dtype
+    assert supported(q.astype(mx.float16), [group(128, mx.float16)])
+    assert not supported(q.astype(mx.float32), [group(128, mx.float32)])  # no float32 tensor-core path: the reference
+    for heads in (8, 24, 256):  # the head tiles (16) and the shared statistics (MAX_HEADS)
+        assert not supported(mx.zeros((3, heads, 512), dtype=mx.bfloat16), [group(128)])
+    assert supported(mx.zeros((3, 128, 512), dtype=mx.bfloat16), [group(128)])
+    for dim in (48, 200):  # a head dim not a multiple of the output kernel's COLUMNS
+        assert not supported(mx.zeros((3, 64, dim), dtype=mx.bfloat16),
                              [(mx.zeros((3, 128, dim), dtype=mx.bfloat16), mx.ones((3, 128), dtype=mx.bool_))])
     monkeypatch.setattr(decode_attention_cuda, "_switch", decode_attention_cuda.Switch(decode_attention_cuda.ENV_VAR, default=False))
     assert not supported(q, [group(128)])

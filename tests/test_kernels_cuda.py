@@ -192,14 +192,15 @@ def _attention_float64(q, groups, sinks, scale):
     (1, 64, 512, (128, 512), False, mx.bfloat16),   # a CSA layer of V4 Flash at one token
     (16, 64, 512, (128, 512), False, mx.bfloat16),  # a batch
     (3, 64, 512, (128, 640), True, mx.bfloat16),    # HCA: every token's compressed rows the same, broadcast
-    (5, 8, 256, (128,), False, mx.bfloat16),        # a window layer: one group
-    (2, 4, 1024, (7, 1785), False, mx.bfloat16),    # MAX_ATTENDED rows, MAX_DIM
-    (4, 16, 256, (128, 300), False, mx.float32),
-], ids=["csa-1", "csa-16", "hca-shared", "window", "max-rows", "float32"])
+    (5, 16, 256, (128,), False, mx.bfloat16),       # a window layer: one group
+    (2, 16, 1024, (7, 1785), False, mx.bfloat16),   # rows not a multiple of the tiles' 16, a wide head
+    (2, 128, 512, (128, 8192), False, mx.bfloat16),  # HCA at 1M tokens (~8k compressed rows), MAX_HEADS
+    (4, 32, 256, (128, 300), False, mx.float16),
+], ids=["csa-1", "csa-16", "hca-shared", "window", "odd-rows", "hca-1m", "float16"])
 def test_decode_attention_kernel_is_the_mixed_attention_to_the_rows_rounding(tokens, heads, dim, counts, shared_last, dtype):
     """Against a float64 evaluation of the same math: within what rounding the products, the probabilities and the
-    output to the rows' dtype can move it (bf16: the logits' rounding moves a probability by up to ~1 %; float32:
-    10⁻⁵). The reference (MLX, cuBLAS) is held to the same bound, and the two to twice it. Invalid rows are 6×
+    output to the rows' dtype can move it (bf16: the logits' rounding moves a probability by up to ~1 %; fp16:
+    ~10⁻³). The reference (MLX, cuBLAS) is held to the same bound, and the two to twice it. Invalid rows are 6×
     larger, so attending one would move its token far past the bound; a wrong sink, row or head likewise."""
     from tessera.kernels.decode_attention_cuda import decode_attention_kernel, is_supported
     from tessera.kernels.sparse_attention import mixed_attention_reference
@@ -210,8 +211,8 @@ def test_decode_attention_kernel_is_the_mixed_attention_to_the_rows_rounding(tok
     got = decode_attention_kernel(q, groups, sinks, scale)
     want = mixed_attention_reference(q, groups, sinks, scale)
     exact, size = _attention_float64(q, groups, sinks, scale)
-    rel = 2e-2 if dtype == mx.bfloat16 else 1e-5
-    out_ulp = 2.0**-8 if dtype == mx.bfloat16 else 2.0**-24
+    rel = 2e-2 if dtype == mx.bfloat16 else 4e-3
+    out_ulp = 2.0**-8 if dtype == mx.bfloat16 else 2.0**-11
     bound = rel * size + out_ulp * np.abs(exact) + 1e-30
     assert got.shape == q.shape and got.dtype == dtype
     got64, want64 = np.array(got.astype(mx.float32), dtype=np.float64), np.array(want.astype(mx.float32), dtype=np.float64)
@@ -220,20 +221,16 @@ def test_decode_attention_kernel_is_the_mixed_attention_to_the_rows_rounding(tok
     assert np.all(np.abs(got64 - want64) <= 2 * bound)
 
 
-def test_decode_attention_kernel_gives_a_token_the_same_bits_at_every_batch_size_and_layout(monkeypatch):
-    """A token's output depends on its own rows only: a block per token and 1, 2 or 4 heads, each (token, head)'s
-    sums in one fixed order whatever the heads a block or the tokens a call."""
-    from tessera.kernels import decode_attention_cuda
+def test_decode_attention_kernel_gives_a_token_the_same_bits_at_every_batch_size():
+    """A token's output depends on its own rows only: each block reads one token's data, and its sums have one order
+    whatever the tokens a call."""
     from tessera.kernels.decode_attention_cuda import decode_attention_kernel
 
     q, groups, sinks = _decode_attention_inputs(16, 64, 512, (128, 512), False, mx.bfloat16)
     batch = decode_attention_kernel(q, groups, sinks, 512**-0.5)
-    for hb in (1, 2, 4):
-        monkeypatch.setattr(decode_attention_cuda, "heads_per_block", lambda heads, dim: hb)
-        assert mx.array_equal(decode_attention_kernel(q, groups, sinks, 512**-0.5), batch).item(), hb
-        for a, b in ((0, 1), (7, 8), (15, 16), (3, 9), (2, 5)):
-            part = decode_attention_kernel(q[a:b], [(r[a:b], v[a:b]) for r, v in groups], sinks, 512**-0.5)
-            assert mx.array_equal(part, batch[a:b]).item(), (hb, a, b)
+    for a, b in ((0, 1), (7, 8), (15, 16), (3, 9), (2, 5)):
+        part = decode_attention_kernel(q[a:b], [(r[a:b], v[a:b]) for r, v in groups], sinks, 512**-0.5)
+        assert mx.array_equal(part, batch[a:b]).item(), (a, b)
 
 
 @pytest.mark.parametrize("dtype, width", [(mx.bfloat16, 4096), (mx.float32, 128), (mx.bfloat16, 8)])

@@ -2,10 +2,10 @@
 the host's time to encode a call and the device's time to run it, at V4 Flash's CSA shapes (64 heads of 512, a
 128-row window and 512 selected rows a token), for each batch size, in the order A B B A.
 
-python docs/bench/decode_attention_probe.py OUT.jsonl [--batch 1 16] [--calls 20] [--rounds 2] [--heads-per-block 1 4]
+python docs/bench/decode_attention_probe.py OUT.jsonl [--batch 1 16] [--calls 20] [--rounds 2]
 
-`--heads-per-block`: kernel arms with the block's heads fixed at each value instead of the batch's choice
-(decode_attention_cuda.heads_per_block; the same bits, another layout), e.g. A B C C B A with the reference.
+(Session 19's `--heads-per-block` arms timed the CUDA-core kernel's layouts; that kernel was replaced by the
+tensor-core kernels in session 20, and the option with it: it is at 7bb3b78 in the history.)
 
 `encode_us`: `mx.async_eval` of `--calls` independent calls returned, per call. `device_us`: the same calls queued
 behind a spin kernel that holds the GPU (mlx_encode_cost.py's method), so the host has encoded them all before
@@ -36,14 +36,14 @@ from tessera.kernels.sparse_attention import decode_mixed_attention  # noqa: E40
 HEADS, DIM, WINDOW, SELECTED = 64, 512, 128, 512
 
 
-def inputs(batch: int, calls: int, seed: int = 0):
+def inputs(batch: int, calls: int, seed: int = 0, selected: int = SELECTED):
     """`calls` independent sets of (q, groups, sinks) for `batch` tokens, evaluated."""
     rng = np.random.default_rng(seed)
     bf16 = lambda shape: mx.array(rng.standard_normal(shape, dtype=np.float32)).astype(mx.bfloat16)  # noqa: E731
     sets = []
     for _ in range(calls):
         groups = [(bf16((batch, WINDOW, DIM)), mx.ones((batch, WINDOW), dtype=mx.bool_)),
-                  (bf16((batch, SELECTED, DIM)), mx.array(rng.random((batch, SELECTED)) > 0.1))]
+                  (bf16((batch, selected, DIM)), mx.array(rng.random((batch, selected)) > 0.1))]
         sets.append((bf16((batch, HEADS, DIM)), groups, mx.array(rng.uniform(0, 3, (HEADS,)).astype(np.float32))))
     mx.eval(sets)
     return sets
@@ -72,27 +72,22 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--spin-ms", type=float, default=20.0)
-    p.add_argument("--heads-per-block", type=int, nargs="*", default=[])
+    p.add_argument("--rows", type=int, default=SELECTED, help="the second group's rows a token (HCA at 1M tokens: 8192)")
     args = p.parse_args()
     emit = jsonl_emitter(args.out)
     cycles = args.spin_ms * 1.98e6  # the H200's SM clock, ~1.98 GHz; spin_ms measures what it gives
     spin_alone = spin_ms(cycles)
     emit("spin", measured_ms=spin_alone)
-    sets = {b: inputs(b, args.calls, seed=b) for b in args.batch}
-    saved = decode_attention_cuda.kernel_enabled(), decode_attention_cuda.heads_per_block
-    arms = [f"kernel_hb{hb}" for hb in args.heads_per_block] or ["kernel"]
+    sets = {b: inputs(b, args.calls, seed=b, selected=args.rows) for b in args.batch}
+    saved = decode_attention_cuda.kernel_enabled()
     try:
-        for arm in (arms + ["reference"] + ["reference"] + arms[::-1]) * args.rounds:
-            decode_attention_cuda.set_kernel_enabled(arm != "reference")
-            fixed = int(arm[len("kernel_hb"):]) if arm.startswith("kernel_hb") else None
-            decode_attention_cuda.heads_per_block = (lambda h, d: fixed) if fixed else saved[1]
+        for arm in ["kernel", "reference", "reference", "kernel"] * args.rounds:
+            decode_attention_cuda.set_kernel_enabled(arm == "kernel")
             for batch in args.batch:
-                emit("round", arm=arm, batch=batch, calls=args.calls, kernel_ran=decode_attention_cuda.is_supported(*sets[batch][0][:2]),
-                     heads_per_block=decode_attention_cuda.heads_per_block(HEADS, DIM), **measure(sets[batch], cycles, spin_alone))
+                emit("round", arm=arm, batch=batch, rows=WINDOW + args.rows, calls=args.calls, kernel_ran=decode_attention_cuda.is_supported(*sets[batch][0][:2]),
+                     **measure(sets[batch], cycles, spin_alone))
     finally:
-        decode_attention_cuda.set_kernel_enabled(saved[0])
-        decode_attention_cuda.heads_per_block = saved[1]
-
+        decode_attention_cuda.set_kernel_enabled(saved)
 
 if __name__ == "__main__":
     main()

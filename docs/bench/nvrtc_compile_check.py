@@ -75,6 +75,22 @@ def wrapped(kernel: KernelText) -> str:
             + ",\n".join(params) + ") {\n" + constants + "\n" + kernel.source + "\n}\n\n} // namespace mlx::core::cu\n")
 
 
+def decode_attention_texts() -> list[KernelText]:
+    """kernels/decode_attention_cuda.py's two kernels, one and two groups each, bf16 and fp16, at V4 Flash's CSA
+    shapes (64 heads of 512)."""
+    dac, f32, texts = decode_attention_cuda, mx.float32, []
+    for dtype in (mx.bfloat16, mx.float16):
+        for groups, rows in ((1, (("rows_a", dtype), ("valid_a", mx.bool_))),
+                             (2, (("rows_a", dtype), ("valid_a", mx.bool_), ("rows_b", dtype), ("valid_b", mx.bool_)))):
+            texts.append(KernelText(dac.logits_kernel_name(groups), (("q", dtype),) + rows, (("logits", f32),),
+                                    dac._LOGITS_SOURCES[groups], dac._HEADER, tuple(dac.logits_template(dtype, 64, 512, 512**-0.5))))
+            row_inputs = tuple(r for r in rows if r[0].startswith("rows"))
+            texts.append(KernelText(dac.output_kernel_name(groups), (("logits", f32),) + row_inputs + (("sinks", f32),),
+                                    (("out", dtype),), dac._OUTPUT_SOURCES[groups], dac._HEADER,
+                                    tuple(dac.output_template(dtype, f32, 64, 512))))
+    return texts
+
+
 def checked_kernels() -> list[KernelText]:
     """Every kernel in kernels/, at V4 Flash's widths (batched kernels at 16 buffers)."""
     bf16, f32, i32, u32, u8 = mx.bfloat16, mx.float32, mx.int32, mx.uint32, mx.uint8
@@ -88,13 +104,7 @@ def checked_kernels() -> list[KernelText]:
                    sink + (("TOKENS_PER_WARP", sinkhorn.tokens_per_warp(4)),)),
         KernelText("tessera_hc_mix", (("flat", bf16), ("fn", f32), ("scale", f32), ("base", f32)), (("out", f32),),
                    hc_mix._SOURCE, hc_mix._HEADER, tuple(hc_mix.kernel_template(bf16, 1e-6))),
-        KernelText("tessera_decode_attention_1", (("q", bf16), ("rows_a", bf16), ("valid_a", mx.bool_), ("sinks", f32)),
-                   (("out", bf16),), decode_attention_cuda._SOURCE_ONE, decode_attention_cuda._HEADER,
-                   tuple(decode_attention_cuda.kernel_template(bf16, f32, 512, 512**-0.5, 1))),
-        KernelText("tessera_decode_attention_2", (("q", bf16), ("rows_a", bf16), ("valid_a", mx.bool_), ("rows_b", bf16),
-                                                  ("valid_b", mx.bool_), ("sinks", f32)),
-                   (("out", bf16),), decode_attention_cuda._SOURCE_TWO, decode_attention_cuda._HEADER,
-                   tuple(decode_attention_cuda.kernel_template(bf16, f32, 512, 512**-0.5, 4))),
+        *decode_attention_texts(),
         KernelText("tessera_take_rows", (("x", bf16), ("idx", i32)), (("out", bf16),), row_gather._SOURCE, "",
                    (("VECTORS_PER_ROW", 4096 * 2 // row_gather.VECTOR_BYTES),)),
         KernelText(gather_name, (("idx", i32), *((n, bf16) for n in gather_inputs[1:])), ((gather_outputs[0], bf16),),
