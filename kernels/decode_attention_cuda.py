@@ -15,11 +15,11 @@ row once per block — 16 times a token — which made 16 tokens ~10× slower on
 (bf16 or fp16 in, float32 sums):
 - `logits` kernel: a block per (token, 16 rows); each warp a tile of 16 heads, the head dim in steps of 16
   (the A operand the query, the B operand the rows) -> the token's logits [H, R] in float32, rounded to the
-  rows' dtype, scaled, -inf where invalid;
-- `output` kernel: a block per (token, COLUMNS output columns); first each head's max and exp-sum over its
-  logits and its sink (a warp a head: a lane's rows in order, then xor shuffles, lane 0's result), then each
-  warp a tile of 16 heads × 32 columns, a group's rows in steps of 16 (the A operand the probabilities,
-  rounded to the rows' dtype, the B operand the rows).
+  rows' dtype, scaled, -inf where invalid; and each head's max and exp-sum over the block's 16 rows;
+- `output` kernel: a block per (token, COLUMNS output columns); first each head's max and normalizer from
+  the 16-row tiles' and its sink (a warp a head: a lane's tiles in order, then xor shuffles, lane 0's result),
+  then each warp a tile of 16 heads × 32 columns, a group's rows in steps of 16 (the A operand the
+  probabilities, rounded to the rows' dtype, the B operand the rows).
 Every sum has one order whatever the batch — a block reads one token's data and its shape does not depend on
 the batch — so a token's output is the same bits at every batch size and position in it.
 
@@ -32,8 +32,9 @@ kernels to a float64 evaluation within the rows' dtype's rounding, and bit for b
 
 Where it runs: decode only (engine/model/decode_attention.py), for bf16 and fp16 rows (the tensor cores' input
 types; float32 takes the reference), heads a multiple of 16 up to MAX_HEADS, a head dim a multiple of COLUMNS.
-The logits live in a device array, not shared memory, so the attended rows have no small bound (MAX_ATTENDED:
-16 MiB of logits a token at 64 heads): HCA at 1M tokens takes the kernels too. Prefill tiles keep the reference
+Up to MAX_ATTENDED rows a token: past it the output kernel's blocks (D / COLUMNS a token) each walk every row,
+and the reference is faster on the device (session 20, H100, 8,320 rows: 79–97 against 19 µs at one token, 820
+against 220 at 16; docs/BENCHMARKS.md); HCA beyond ~213k tokens takes the reference, as it did. Prefill tiles keep the reference
 whatever their size, so that a prompt row's output never depends on which tile it lands in
 (docs/ARCHITECTURE.md, "Tiling invariants"). The choice depends on the token's own shapes only, never on its
 batch.
@@ -63,7 +64,7 @@ COLUMNS = 32  # output columns a block of the output kernel: four n8 tiles a war
 MAX_HEADS = 128  # the output kernel's per-head max and normalizer in shared memory
 MAX_TOKENS = 65535  # CUDA's grid limit in y, a block row per token: any decode batch (no smaller bound, which
 # would give a row other bits in a larger batch)
-MAX_ATTENDED = 65536  # rows a token: its float32 logits, 16 MiB at 64 heads (HCA at 1M tokens attends ~8k)
+MAX_ATTENDED = 1792  # rows a token: measured faster than the reference at 640, slower at 8,320 (module docstring)
 DTYPES = (mx.bfloat16, mx.float16)  # the tensor cores' input types here
 
 RowGroup = tuple[mx.array, mx.array]  # rows [T, R, d] (K = V), valid [T, R] bool (kernels/sparse_attention.py's too)
@@ -121,10 +122,11 @@ __device__ __forceinline__ const T* attended_row(const T* rows_a, int count_a, c
 }
 
 // Block (16 rows, token t): logits[t, h, r] = the product q[t, h] . row r rounded to T, times scale in float32;
-// -inf where the row is invalid. Each warp a tile of 16 heads at a time, the head dim in steps of 16.
+// -inf where the row is invalid; and each head's max and exp-sum over the block's rows, stats[t, h, block].
+// Each warp a tile of 16 heads at a time, the head dim in steps of 16.
 template <typename T, int H, int D, int THREADS>
 __device__ void tile_logits(const T* q, const T* rows_a, const bool* valid_a, int count_a, const T* rows_b,
-                            const bool* valid_b, int count_b, float scale, float* logits) {
+                            const bool* valid_b, int count_b, float scale, float* logits, float* stats) {
   constexpr int WARPS = THREADS / 32;
   const int t = blockIdx.y;
   const int r0 = blockIdx.x * 16;
@@ -148,36 +150,63 @@ __device__ void tile_logits(const T* q, const T* rows_a, const bool* valid_a, in
         mma(acc[n], a, b, T());
       }
     }
+    float value[2][4];  // the logits of this lane's (head, row) pairs, -inf past the rows
     #pragma unroll
     for (int n = 0; n < 2; ++n) {
       #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int h = h0 + g + (e >= 2 ? 8 : 0);
         const int r = r0 + 8 * n + 2 * i + (e & 1);
+        value[n][e] = -__int_as_float(0x7f800000);
         if (r < count) {
           const bool ok = r < count_a ? valid_a[(size_t)t * count_a + r] : valid_b[(size_t)t * count_b + (r - count_a)];
-          logits[((size_t)t * H + h) * count + r] =
-              ok ? __fmul_rn(static_cast<float>(static_cast<T>(acc[n][e])), scale) : -__int_as_float(0x7f800000);
+          if (ok) value[n][e] = __fmul_rn(static_cast<float>(static_cast<T>(acc[n][e])), scale);
+          logits[((size_t)t * H + h) * count + r] = value[n][e];
         }
+      }
+    }
+    // The tile's max and exp-sum for heads h0 + g (e 0, 1) and h0 + g + 8 (e 2, 3): the lane's four values in
+    // (n, e) order, then the quad's lanes (xor 1, 2) -> stats[t, h, tile] = (max, sum), written by lane i = 0.
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float m = fmaxf(fmaxf(value[0][2 * half], value[0][2 * half + 1]), fmaxf(value[1][2 * half], value[1][2 * half + 1]));
+      m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
+      float sum = 0.0f;
+      if (m != -__int_as_float(0x7f800000)) {  // a tile without a valid row adds nothing (and exp(-inf + inf) is NaN)
+        #pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          #pragma unroll
+          for (int e = 2 * half; e < 2 * half + 2; ++e) sum = __fadd_rn(sum, __expf(value[n][e] - m));
+        }
+      }
+      sum = __fadd_rn(sum, __shfl_xor_sync(0xFFFFFFFFu, sum, 1));
+      sum = __fadd_rn(sum, __shfl_xor_sync(0xFFFFFFFFu, sum, 2));
+      if (i == 0) {
+        float* st = stats + (((size_t)t * H + h0 + g + 8 * half) * gridDim.x + blockIdx.x) * 2;
+        st[0] = m;
+        st[1] = sum;
       }
     }
   }
 }
 
-// Each head's max and normalizer's reciprocal over its logits [count] and its sink: a warp a head, a lane's rows
-// in row order, then xor shuffles; lane 0's values (MLX's softmax: __expf, one reciprocal).
+// Each head's max and normalizer's reciprocal from its tiles' (max, exp-sum) [tiles, 2] and its sink: a warp a
+// head, a lane's tiles in order, then xor shuffles; lane 0's values (MLX's softmax: __expf, one reciprocal).
 template <typename S, int H, int WARPS>
-__device__ void head_stats(const float* logits, int count, const S* sinks, float* head_max, float* head_inverse) {
+__device__ void head_stats(const float* stats, int tiles, const S* sinks, float* head_max, float* head_inverse) {
   const int lane = threadIdx.x & 31;
   for (int h = threadIdx.x >> 5; h < H; h += WARPS) {
-    const float* lh = logits + (size_t)h * count;
+    const float* sh = stats + (size_t)h * tiles * 2;
     const float sink = static_cast<float>(sinks[h]);
     float m = sink;
-    for (int r = lane; r < count; r += 32) m = fmaxf(m, lh[r]);
+    for (int j = lane; j < tiles; j += 32) m = fmaxf(m, sh[2 * j]);
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
     float e = 0.0f;
-    for (int r = lane; r < count; r += 32) e = __fadd_rn(e, __expf(lh[r] - m));
+    for (int j = lane; j < tiles; j += 32) {
+      if (sh[2 * j + 1] > 0.0f) e = __fadd_rn(e, __fmul_rn(sh[2 * j + 1], __expf(sh[2 * j] - m)));
+    }
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) e = __fadd_rn(e, __shfl_xor_sync(0xFFFFFFFFu, e, o));
     if (lane == 0) {
@@ -229,10 +258,10 @@ __device__ void group_part(const float* l_lo, const float* l_hi, float m_lo, flo
   }
 }
 
-// Block (COLS columns, token t): the softmax's statistics, then each warp a (16 heads, 32 columns) tile: each
+// Block (COLS columns, token t): the softmax's statistics from the tiles', then each warp a (16 heads, 32 columns) tile: each
 // group's part rounded to T, the parts added in T -> out[t, h, c].
 template <typename T, typename S, int H, int D, int COLS, int THREADS, int GROUPS>
-__device__ void tile_output(const float* logits, const T* rows_a, int count_a, const T* rows_b, int count_b,
+__device__ void tile_output(const float* logits, const float* stats, const T* rows_a, int count_a, const T* rows_b, int count_b,
                             const S* sinks, T* out, float* head_max, float* head_inverse) {
   constexpr int WARPS = THREADS / 32;
   constexpr int HEAD_TILES = H / 16;
@@ -242,7 +271,8 @@ __device__ void tile_output(const float* logits, const T* rows_a, int count_a, c
   const int g = lane >> 2;
   const int i = lane & 3;
   const float* lt = logits + (size_t)t * H * count;
-  head_stats<S, H, WARPS>(lt, count, sinks, head_max, head_inverse);
+  const int tiles = (count + 15) / 16;
+  head_stats<S, H, WARPS>(stats + (size_t)t * H * tiles * 2, tiles, sinks, head_max, head_inverse);
   __syncthreads();
   for (int tile = threadIdx.x >> 5; tile < HEAD_TILES * (COLS / 32); tile += WARPS) {
     const int h0 = 16 * (tile % HEAD_TILES);
@@ -284,33 +314,35 @@ __device__ void tile_output(const float* logits, const T* rows_a, int count_a, c
 """
 
 _LOGITS_ONE = r"""
-  // q [T, H, D]; rows_a [T, Ra, D], valid_a [T, Ra] -> logits [T, H, Ra] float32
-  tile_logits<T, H, D, THREADS>(q, rows_a, valid_a, rows_a_shape[1], rows_a, valid_a, 0, __int_as_float(SCALE_BITS), logits);
+  // q [T, H, D]; rows_a [T, Ra, D], valid_a [T, Ra] -> logits [T, H, Ra], stats [T, H, Ra / 16, 2] float32
+  tile_logits<T, H, D, THREADS>(q, rows_a, valid_a, rows_a_shape[1], rows_a, valid_a, 0, __int_as_float(SCALE_BITS), logits,
+                                stats);
 """
 
 _LOGITS_TWO = r"""
-  // q [T, H, D]; rows_a [T, Ra, D], valid_a [T, Ra]; rows_b [T, Rb, D], valid_b [T, Rb] -> logits [T, H, Ra + Rb] float32
+  // q [T, H, D]; rows_a [T, Ra, D], valid_a [T, Ra]; rows_b [T, Rb, D], valid_b [T, Rb]
+  //   -> logits [T, H, Ra + Rb], stats [T, H, (Ra + Rb) / 16, 2] float32
   tile_logits<T, H, D, THREADS>(q, rows_a, valid_a, rows_a_shape[1], rows_b, valid_b, rows_b_shape[1],
-                                __int_as_float(SCALE_BITS), logits);
+                                __int_as_float(SCALE_BITS), logits, stats);
 """
 
 _OUTPUT_ONE = r"""
-  // logits [T, H, Ra]; rows_a [T, Ra, D]; sinks [H] -> out [T, H, D]
+  // logits [T, H, Ra], stats [T, H, Ra / 16, 2]; rows_a [T, Ra, D]; sinks [H] -> out [T, H, D]
   __shared__ float head_max[H];
   __shared__ float head_inverse[H];
-  tile_output<T, S, H, D, COLS, THREADS, 1>(logits, rows_a, rows_a_shape[1], rows_a, 0, sinks, out, head_max, head_inverse);
+  tile_output<T, S, H, D, COLS, THREADS, 1>(logits, stats, rows_a, rows_a_shape[1], rows_a, 0, sinks, out, head_max, head_inverse);
 """
 
 _OUTPUT_TWO = r"""
-  // logits [T, H, Ra + Rb]; rows_a [T, Ra, D]; rows_b [T, Rb, D]; sinks [H] -> out [T, H, D]
+  // logits [T, H, Ra + Rb], stats [T, H, (Ra + Rb) / 16, 2]; rows_a [T, Ra, D]; rows_b [T, Rb, D]; sinks [H] -> out [T, H, D]
   __shared__ float head_max[H];
   __shared__ float head_inverse[H];
-  tile_output<T, S, H, D, COLS, THREADS, 2>(logits, rows_a, rows_a_shape[1], rows_b, rows_b_shape[1], sinks, out,
+  tile_output<T, S, H, D, COLS, THREADS, 2>(logits, stats, rows_a, rows_a_shape[1], rows_b, rows_b_shape[1], sinks, out,
                                             head_max, head_inverse);
 """
 
 _LOGITS_INPUTS = {1: ("q", "rows_a", "valid_a"), 2: ("q", "rows_a", "valid_a", "rows_b", "valid_b")}
-_OUTPUT_INPUTS = {1: ("logits", "rows_a", "sinks"), 2: ("logits", "rows_a", "rows_b", "sinks")}
+_OUTPUT_INPUTS = {1: ("logits", "stats", "rows_a", "sinks"), 2: ("logits", "stats", "rows_a", "rows_b", "sinks")}
 _LOGITS_SOURCES = {1: _LOGITS_ONE, 2: _LOGITS_TWO}
 _OUTPUT_SOURCES = {1: _OUTPUT_ONE, 2: _OUTPUT_TWO}
 
@@ -341,18 +373,20 @@ def decode_attention_kernel(q: mx.array, groups: Sequence[RowGroup], sinks: mx.a
     groups = [(rows, valid) for rows, valid in groups if rows.shape[1] > 0]  # the first has rows (`is_supported`)
     count = len(groups)
     attended = sum(rows.shape[1] for rows, _ in groups)
-    logits_kernel = compiled_kernel(logits_kernel_name(count), _LOGITS_INPUTS[count], ("logits",), _LOGITS_SOURCES[count], _HEADER)
-    (logits,) = logits_kernel(
+    tiles = -(-attended // TILE)
+    logits_kernel = compiled_kernel(logits_kernel_name(count), _LOGITS_INPUTS[count], ("logits", "stats"), _LOGITS_SOURCES[count],
+                                    _HEADER)
+    logits, stats = logits_kernel(
         inputs=[q] + [a for rows, valid in groups for a in (rows, valid.astype(mx.bool_))],
         template=logits_template(q.dtype, heads, dim, scale),
-        grid=(-(-attended // TILE) * LOGIT_THREADS, tokens, 1),  # threads, as mx.fast.cuda_kernel counts them: a block per (16 rows, token)
+        grid=(tiles * LOGIT_THREADS, tokens, 1),  # threads, as mx.fast.cuda_kernel counts them: a block per (16 rows, token)
         threadgroup=(LOGIT_THREADS, 1, 1),
-        output_shapes=[(tokens, heads, attended)],
-        output_dtypes=[mx.float32],
-    )  # [T, H, R]
+        output_shapes=[(tokens, heads, attended), (tokens, heads, tiles, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )  # [T, H, R], [T, H, R / 16, 2]
     output_kernel = compiled_kernel(output_kernel_name(count), _OUTPUT_INPUTS[count], ("out",), _OUTPUT_SOURCES[count], _HEADER)
     (out,) = output_kernel(
-        inputs=[logits] + [rows for rows, _ in groups] + [sinks],
+        inputs=[logits, stats] + [rows for rows, _ in groups] + [sinks],
         template=output_template(q.dtype, sinks.dtype, heads, dim),
         grid=(dim // COLUMNS * OUTPUT_THREADS, tokens, 1),  # a block per (COLUMNS columns, token)
         threadgroup=(OUTPUT_THREADS, 1, 1),

@@ -82,10 +82,11 @@ def decode_attention_texts() -> list[KernelText]:
     for dtype in (mx.bfloat16, mx.float16):
         for groups, rows in ((1, (("rows_a", dtype), ("valid_a", mx.bool_))),
                              (2, (("rows_a", dtype), ("valid_a", mx.bool_), ("rows_b", dtype), ("valid_b", mx.bool_)))):
-            texts.append(KernelText(dac.logits_kernel_name(groups), (("q", dtype),) + rows, (("logits", f32),),
+            suffix = "" if dtype == mx.bfloat16 else "_float16"  # one line each in the report
+            texts.append(KernelText(dac.logits_kernel_name(groups) + suffix, (("q", dtype),) + rows, (("logits", f32), ("stats", f32)),
                                     dac._LOGITS_SOURCES[groups], dac._HEADER, tuple(dac.logits_template(dtype, 64, 512, 512**-0.5))))
             row_inputs = tuple(r for r in rows if r[0].startswith("rows"))
-            texts.append(KernelText(dac.output_kernel_name(groups), (("logits", f32),) + row_inputs + (("sinks", f32),),
+            texts.append(KernelText(dac.output_kernel_name(groups) + suffix, (("logits", f32), ("stats", f32)) + row_inputs + (("sinks", f32),),
                                     (("out", dtype),), dac._OUTPUT_SOURCES[groups], dac._HEADER,
                                     tuple(dac.output_template(dtype, f32, 64, 512))))
     return texts

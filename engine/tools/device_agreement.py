@@ -4,7 +4,7 @@ same inputs, where nothing discrete can flip: a `tiny`-width model whose every l
 learned expert choice) and prompts short enough that a CSA layer's indexer selects every compressed row
 (no top-k choice). Each layer runs on both devices from the same input streams (the CPU's output of the
 layer before), so a wrong layer shows alone, then the head; then one decoded token the same way, on the caches
-each side filled (the decode path: on CUDA, the decode attention kernel). What is left is arithmetic: on CUDA, float32
+each side filled (the batched decode path). What is left is arithmetic: on CUDA, float32
 matmuls run on TF32 tensor cores (~1e-3 relative), far inside DEVICE_AGREEMENT_MAX_REL_DIFF
 (engine/tools/check_limits.py). Session 8 saw a 1-token prompt's logits differ entirely on the H200
 (docs/BENCHMARKS.md, "Session 8 on the H200"; found and fixed in "Session 9": MLX's grouped GEMM inside the
@@ -31,12 +31,13 @@ from tessera.engine.tools.replay import random_tokens
 # 15 compressed rows, within top-k (16), so the indexer keeps them all.
 PROMPT_LENGTHS = (1, 5, 31, 62)
 LAYER_TYPES = [WINDOW, CSA, HCA, CSA]
-# After each prompt one token is decoded: a one-token step takes the decode path (engine/model/decode_attention.py),
-# on CUDA the decode attention kernel (kernels/decode_attention_cuda.py). At 63 tokens a CSA layer has 16
-# compressed rows, still all selected.
+# After each prompt one token is decoded: a one-token step takes the decode path (engine/model/decode_attention.py:
+# the batched compressors, indexer and row gathers). At 63 tokens a CSA layer has 16 compressed rows, still all
+# selected. The decode attention kernel (kernels/decode_attention_cuda.py) runs bf16 and fp16 only, so this float32
+# comparison takes its reference; the kernel is held to a float64 evaluation by tests/test_kernels_cuda.py.
 DECODE_TOKEN = 7
-# The head dim: 256, the smallest the decode attention kernel takes (a multiple of its 256 threads), so the
-# decode rows run it on a CUDA device. The tiny preset's 32 would leave the kernel out of the comparison.
+# The head dim: 256, nearer V4's 512 than the tiny preset's 32 (the products' lengths, and so their rounding, grow
+# with it); the comparison measured on the H100 in session 20 ran with it.
 HEAD_DIM = 256
 
 
