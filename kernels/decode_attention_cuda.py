@@ -18,8 +18,11 @@ row once per block — 16 times a token — which made 16 tokens ~10× slower on
   rows' dtype, scaled, -inf where invalid; and each head's max and exp-sum over the block's 16 rows;
 - `output` kernel: a block per (token, COLUMNS output columns); first each head's max and normalizer from
   the 16-row tiles' and its sink (a warp a head: a lane's tiles in order, then xor shuffles, lane 0's result),
-  then each warp a tile of 16 heads × 32 columns, a group's rows in steps of 16 (the A operand the
-  probabilities, rounded to the rows' dtype, the B operand the rows).
+  then each tile of 16 heads × 32 columns by `row_slices` warps (4 at 64 heads), each a slice of a group's rows
+  in steps of 16 (the A operand the probabilities, rounded to the rows' dtype, the B operand the rows), the
+  slices' sums added in slice order in shared memory. With one warp a tile (session 20) a token's rows were one
+  chain of dependent loads in few warps: slower than MLX on the device at one token and ~3× at sixteen
+  (docs/BENCHMARKS.md, "Session 21").
 Every sum has one order whatever the batch — a block reads one token's data and its shape does not depend on
 the batch — so a token's output is the same bits at every batch size and position in it.
 
@@ -59,7 +62,8 @@ _switch = Switch(ENV_VAR, default=True)
 
 TILE = 16  # mma.m16n8k16: a warp's heads (M), and the rows of a step (K); the logits kernel's rows a block
 LOGIT_THREADS = 128  # four warps: at V4's 64 heads a head tile each
-OUTPUT_THREADS = 128  # four warps: at 64 heads and COLUMNS 32 a (head tile, columns) tile each
+OUTPUT_WARPS = 16  # the output kernel's warps a block: each (16 heads, COLUMNS) tile's rows split over OUTPUT_WARPS / tiles
+# warps (4 at V4's 64 heads); one warp a tile walked all of a token's rows in one chain of dependent loads (session 21)
 COLUMNS = 32  # output columns a block of the output kernel: four n8 tiles a warp
 MAX_HEADS = 128  # the output kernel's per-head max and normalizer in shared memory
 MAX_TOKENS = 65535  # CUDA's grid limit in y, a block row per token: any decode batch (no smaller bound, which
@@ -231,11 +235,12 @@ __device__ __forceinline__ uint32_t column_pair(const T* rows, int k, int count,
   return pair_of(k < count ? rows[(size_t)k * D + c] : zero, k + 1 < count ? rows[(size_t)(k + 1) * D + c] : zero);
 }
 
-// One group's part of a (16 heads, 32 columns) tile: sum over its rows, in steps of 16, of probability x row.
-// l_lo / l_hi: heads h0 + g and h0 + g + 8's logits at the group's first row; rows: the token's group [count, D].
-template <typename T, int D>
+// One row slice's share of a group's part of a (16 heads, 32 columns) tile: the sum, over the slice's steps of 16
+// rows (steps slice, slice + SLICES, ...), of probability x row. l_lo / l_hi: heads h0 + g and h0 + g + 8's logits
+// at the group's first row; rows: the token's group [count, D].
+template <typename T, int D, int SLICES>
 __device__ void group_part(const float* l_lo, const float* l_hi, float m_lo, float inv_lo, float m_hi, float inv_hi,
-                           const T* rows, int count, int c0, float (&acc)[4][4]) {
+                           const T* rows, int count, int c0, int slice, float (&acc)[4][4]) {
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
   const int i = lane & 3;
@@ -244,7 +249,8 @@ __device__ void group_part(const float* l_lo, const float* l_hi, float m_lo, flo
     #pragma unroll
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
   }
-  for (int k0 = 0; k0 < count; k0 += 16) {
+  #pragma unroll 2
+  for (int k0 = 16 * slice; k0 < count; k0 += 16 * SLICES) {
     const int ka = k0 + 2 * i;
     const int kb = ka + 8;
     const uint32_t a[4] = {prob_pair<T>(l_lo, ka, count, m_lo, inv_lo), prob_pair<T>(l_hi, ka, count, m_hi, inv_hi),
@@ -258,56 +264,90 @@ __device__ void group_part(const float* l_lo, const float* l_hi, float m_lo, flo
   }
 }
 
-// Block (COLS columns, token t): the softmax's statistics from the tiles', then each warp a (16 heads, 32 columns) tile: each
-// group's part rounded to T, the parts added in T -> out[t, h, c].
-template <typename T, typename S, int H, int D, int COLS, int THREADS, int GROUPS>
+// A tile's row slices summed in slice order into slice 0's acc (one order whatever the batch). partial: shared,
+// [SLICES - 1][TILES][16][32] floats (lane fastest: no bank conflicts). Every warp of the block calls it.
+template <int TILES, int SLICES>
+__device__ void slice_sum(float (&acc)[4][4], float* partial, int tile, int slice) {
+  if (SLICES == 1) return;
+  const int lane = threadIdx.x & 31;
+  if (slice > 0) {
+    float* mine = partial + ((size_t)(slice - 1) * TILES + tile) * 512 + lane;
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) mine[(4 * j + e) * 32] = acc[j][e];
+    }
+  }
+  __syncthreads();
+  if (slice == 0) {
+    for (int s = 1; s < SLICES; ++s) {
+      const float* theirs = partial + ((size_t)(s - 1) * TILES + tile) * 512 + lane;
+      #pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = __fadd_rn(acc[j][e], theirs[(4 * j + e) * 32]);
+      }
+    }
+  }
+  __syncthreads();  // `partial` is free for the next group
+}
+
+// Block (COLS columns, token t): the softmax's statistics from the tiles', then each (16 heads, 32 columns) tile
+// by SLICES warps, each a slice of the rows (a token's rows in one warp's loop left few warps in flight and a
+// long chain of dependent loads: slow at one token and at sixteen); slice 0's warp adds the slices, rounds each
+// group's part to T, adds the parts in T -> out[t, h, c].
+template <typename T, typename S, int H, int D, int COLS, int SLICES, int GROUPS>
 __device__ void tile_output(const float* logits, const float* stats, const T* rows_a, int count_a, const T* rows_b, int count_b,
-                            const S* sinks, T* out, float* head_max, float* head_inverse) {
-  constexpr int WARPS = THREADS / 32;
+                            const S* sinks, T* out, float* head_max, float* head_inverse, float* partial) {
   constexpr int HEAD_TILES = H / 16;
+  constexpr int TILES = HEAD_TILES * (COLS / 32);
+  constexpr int WARPS = TILES * SLICES;
   const int t = blockIdx.y;
   const int count = count_a + count_b;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
   const int i = lane & 3;
+  const int tile = (threadIdx.x >> 5) % TILES;
+  const int slice = (threadIdx.x >> 5) / TILES;
   const float* lt = logits + (size_t)t * H * count;
   const int tiles = (count + 15) / 16;
   head_stats<S, H, WARPS>(stats + (size_t)t * H * tiles * 2, tiles, sinks, head_max, head_inverse);
   __syncthreads();
-  for (int tile = threadIdx.x >> 5; tile < HEAD_TILES * (COLS / 32); tile += WARPS) {
-    const int h0 = 16 * (tile % HEAD_TILES);
-    const int c0 = blockIdx.x * COLS + 32 * (tile / HEAD_TILES);
-    const float* l_lo = lt + (size_t)(h0 + g) * count;
-    const float* l_hi = l_lo + (size_t)8 * count;
-    const float m_lo = head_max[h0 + g], inv_lo = head_inverse[h0 + g];
-    const float m_hi = head_max[h0 + g + 8], inv_hi = head_inverse[h0 + g + 8];
-    float acc[4][4];
-    group_part<T, D>(l_lo, l_hi, m_lo, inv_lo, m_hi, inv_hi, rows_a + (size_t)t * count_a * D, count_a, c0, acc);
-    T part[4][4];
+  const int h0 = 16 * (tile % HEAD_TILES);
+  const int c0 = blockIdx.x * COLS + 32 * (tile / HEAD_TILES);
+  const float* l_lo = lt + (size_t)(h0 + g) * count;
+  const float* l_hi = l_lo + (size_t)8 * count;
+  const float m_lo = head_max[h0 + g], inv_lo = head_inverse[h0 + g];
+  const float m_hi = head_max[h0 + g + 8], inv_hi = head_inverse[h0 + g + 8];
+  float acc[4][4];
+  group_part<T, D, SLICES>(l_lo, l_hi, m_lo, inv_lo, m_hi, inv_hi, rows_a + (size_t)t * count_a * D, count_a, c0, slice, acc);
+  slice_sum<TILES, SLICES>(acc, partial, tile, slice);
+  T part[4][4];
+  #pragma unroll
+  for (int j = 0; j < 4; ++j) {
     #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      #pragma unroll
-      for (int e = 0; e < 4; ++e) part[j][e] = static_cast<T>(acc[j][e]);
-    }
-    if (GROUPS == 2) {
-      group_part<T, D>(l_lo + count_a, l_hi + count_a, m_lo, inv_lo, m_hi, inv_hi, rows_b + (size_t)t * count_b * D,
-                       count_b, c0, acc);
-      #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          part[j][e] = static_cast<T>(__fadd_rn(static_cast<float>(part[j][e]), static_cast<float>(static_cast<T>(acc[j][e]))));
-        }
-      }
-    }
+    for (int e = 0; e < 4; ++e) part[j][e] = static_cast<T>(acc[j][e]);
+  }
+  if (GROUPS == 2) {
+    group_part<T, D, SLICES>(l_lo + count_a, l_hi + count_a, m_lo, inv_lo, m_hi, inv_hi, rows_b + (size_t)t * count_b * D,
+                             count_b, c0, slice, acc);
+    slice_sum<TILES, SLICES>(acc, partial, tile, slice);
     #pragma unroll
     for (int j = 0; j < 4; ++j) {
       #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int h = h0 + g + (e >= 2 ? 8 : 0);
-        const int c = c0 + 8 * j + 2 * i + (e & 1);
-        out[((size_t)t * H + h) * D + c] = part[j][e];
+        part[j][e] = static_cast<T>(__fadd_rn(static_cast<float>(part[j][e]), static_cast<float>(static_cast<T>(acc[j][e]))));
       }
+    }
+  }
+  if (slice != 0) return;
+  #pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int h = h0 + g + (e >= 2 ? 8 : 0);
+      const int c = c0 + 8 * j + 2 * i + (e & 1);
+      out[((size_t)t * H + h) * D + c] = part[j][e];
     }
   }
 }
@@ -330,15 +370,18 @@ _OUTPUT_ONE = r"""
   // logits [T, H, Ra], stats [T, H, Ra / 16, 2]; rows_a [T, Ra, D]; sinks [H] -> out [T, H, D]
   __shared__ float head_max[H];
   __shared__ float head_inverse[H];
-  tile_output<T, S, H, D, COLS, THREADS, 1>(logits, stats, rows_a, rows_a_shape[1], rows_a, 0, sinks, out, head_max, head_inverse);
+  __shared__ float partial[PARTIAL];
+  tile_output<T, S, H, D, COLS, SLICES, 1>(logits, stats, rows_a, rows_a_shape[1], rows_a, 0, sinks, out, head_max, head_inverse,
+                                           partial);
 """
 
 _OUTPUT_TWO = r"""
   // logits [T, H, Ra + Rb], stats [T, H, (Ra + Rb) / 16, 2]; rows_a [T, Ra, D]; rows_b [T, Rb, D]; sinks [H] -> out [T, H, D]
   __shared__ float head_max[H];
   __shared__ float head_inverse[H];
-  tile_output<T, S, H, D, COLS, THREADS, 2>(logits, stats, rows_a, rows_a_shape[1], rows_b, rows_b_shape[1], sinks, out,
-                                            head_max, head_inverse);
+  __shared__ float partial[PARTIAL];
+  tile_output<T, S, H, D, COLS, SLICES, 2>(logits, stats, rows_a, rows_a_shape[1], rows_b, rows_b_shape[1], sinks, out,
+                                           head_max, head_inverse, partial);
 """
 
 _LOGITS_INPUTS = {1: ("q", "rows_a", "valid_a"), 2: ("q", "rows_a", "valid_a", "rows_b", "valid_b")}
@@ -362,8 +405,31 @@ def logits_template(dtype: mx.Dtype, heads: int, dim: int, scale: float) -> list
     return [("T", dtype), ("H", heads), ("D", dim), ("THREADS", LOGIT_THREADS), ("SCALE_BITS", scale_bits)]
 
 
+_forced_slices: int | None = None
+
+
+def force_row_slices(slices: int | None) -> None:
+    """The output kernel's row slices a tile, for a probe's comparison of layouts (None: `row_slices`' choice). Any
+    count gives a token the same bits at every batch size; different counts differ in the last bits."""
+    global _forced_slices
+    _forced_slices = slices
+
+
+def row_slices(heads: int) -> int:
+    """Warps that share a (16 heads, COLUMNS) tile's rows: a function of the heads only, never of the batch."""
+    return _forced_slices or max(1, OUTPUT_WARPS // (heads // TILE * (COLUMNS // 32)))
+
+
+def output_threads(heads: int) -> int:
+    return 32 * heads // TILE * (COLUMNS // 32) * row_slices(heads)
+
+
 def output_template(dtype: mx.Dtype, sinks_dtype: mx.Dtype, heads: int, dim: int) -> list[tuple[str, object]]:
-    return [("T", dtype), ("S", sinks_dtype), ("H", heads), ("D", dim), ("COLS", COLUMNS), ("THREADS", OUTPUT_THREADS)]
+    slices, tiles = row_slices(heads), heads // TILE * (COLUMNS // 32)
+    partial = max(1, (slices - 1) * tiles * 16 * 32)  # floats of the slices' sums in shared memory (kernel `slice_sum`)
+    if tiles * slices > 32 or partial * 4 > 40 * 1024:  # a block's 1024 threads; static shared memory's 48 KiB
+        raise ValueError(f"{slices} row slices of {tiles} tiles do not fit one block")
+    return [("T", dtype), ("S", sinks_dtype), ("H", heads), ("D", dim), ("COLS", COLUMNS), ("SLICES", slices), ("PARTIAL", partial)]
 
 
 def decode_attention_kernel(q: mx.array, groups: Sequence[RowGroup], sinks: mx.array, scale: float) -> mx.array:
@@ -388,8 +454,8 @@ def decode_attention_kernel(q: mx.array, groups: Sequence[RowGroup], sinks: mx.a
     (out,) = output_kernel(
         inputs=[logits, stats] + [rows for rows, _ in groups] + [sinks],
         template=output_template(q.dtype, sinks.dtype, heads, dim),
-        grid=(dim // COLUMNS * OUTPUT_THREADS, tokens, 1),  # a block per (COLUMNS columns, token)
-        threadgroup=(OUTPUT_THREADS, 1, 1),
+        grid=(dim // COLUMNS * output_threads(heads), tokens, 1),  # a block per (COLUMNS columns, token)
+        threadgroup=(output_threads(heads), 1, 1),
         output_shapes=[q.shape],
         output_dtypes=[q.dtype],
     )

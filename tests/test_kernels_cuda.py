@@ -221,16 +221,23 @@ def test_decode_attention_kernel_is_the_mixed_attention_to_the_rows_rounding(tok
     assert np.all(np.abs(got64 - want64) <= 2 * bound)
 
 
-def test_decode_attention_kernel_gives_a_token_the_same_bits_at_every_batch_size():
+@pytest.mark.parametrize("slices", [None, 1, 2])
+def test_decode_attention_kernel_gives_a_token_the_same_bits_at_every_batch_size(slices, monkeypatch):
     """A token's output depends on its own rows only: each block reads one token's data, and its sums have one order
-    whatever the tokens a call."""
+    whatever the tokens a call — in the output kernel's default layout (a tile's rows over 4 warps at 64 heads) and in
+    the layouts a probe compares (1: session 20's one warp a tile, 2), each also within the float64 bound."""
+    from tessera.kernels import decode_attention_cuda
     from tessera.kernels.decode_attention_cuda import decode_attention_kernel
 
+    monkeypatch.setattr(decode_attention_cuda, "_forced_slices", slices)
     q, groups, sinks = _decode_attention_inputs(16, 64, 512, (128, 512), False, mx.bfloat16)
     batch = decode_attention_kernel(q, groups, sinks, 512**-0.5)
     for a, b in ((0, 1), (7, 8), (15, 16), (3, 9), (2, 5)):
         part = decode_attention_kernel(q[a:b], [(r[a:b], v[a:b]) for r, v in groups], sinks, 512**-0.5)
         assert mx.array_equal(part, batch[a:b]).item(), (a, b)
+    exact, size = _attention_float64(q, groups, sinks, 512**-0.5)
+    got = np.array(batch.astype(mx.float32), dtype=np.float64)
+    assert np.all(np.abs(got - exact) <= 2e-2 * size + 2.0**-8 * np.abs(exact) + 1e-30)
 
 
 @pytest.mark.parametrize("dtype, width", [(mx.bfloat16, 4096), (mx.float32, 128), (mx.bfloat16, 8)])

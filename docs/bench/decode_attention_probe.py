@@ -2,7 +2,11 @@
 the host's time to encode a call and the device's time to run it, at V4 Flash's CSA shapes (64 heads of 512, a
 128-row window and 512 selected rows a token), for each batch size, in the order A B B A.
 
-python docs/bench/decode_attention_probe.py OUT.jsonl [--batch 1 16] [--calls 20] [--rounds 2]
+python docs/bench/decode_attention_probe.py OUT.jsonl [--batch 1 16] [--calls 20] [--rounds 2] [--arms kernel reference]
+
+Arms: `reference` (MLX), `kernel` (the kernels as `row_slices` lays them out) and `kernel:N` (the output kernel's rows
+split over N warps a tile, `decode_attention_cuda.force_row_slices`; `kernel:1` is session 20's layout). The
+arms run in the given order, then reversed, `--rounds` times (A B C C B A).
 
 (Session 19's `--heads-per-block` arms timed the CUDA-core kernel's layouts; that kernel was replaced by the
 tensor-core kernels in session 20, and the option with it: it is at 7bb3b78 in the history.)
@@ -73,7 +77,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--spin-ms", type=float, default=20.0)
     p.add_argument("--rows", type=int, default=SELECTED, help="the second group's rows a token (HCA at 1M tokens: 8192)")
+    p.add_argument("--arms", nargs="+", default=["kernel", "reference"], help="reference, kernel or kernel:N (N row slices)")
     args = p.parse_args()
+    for arm in args.arms:  # a misspelt arm stops the run before anything is measured
+        use_arm(arm)
     emit = jsonl_emitter(args.out)
     cycles = args.spin_ms * 1.98e6  # the H200's SM clock, ~1.98 GHz; spin_ms measures what it gives
     spin_alone = spin_ms(cycles)
@@ -81,13 +88,24 @@ def main() -> None:
     sets = {b: inputs(b, args.calls, seed=b, selected=args.rows) for b in args.batch}
     saved = decode_attention_cuda.kernel_enabled()
     try:
-        for arm in ["kernel", "reference", "reference", "kernel"] * args.rounds:
-            decode_attention_cuda.set_kernel_enabled(arm == "kernel")
+        for arm in (args.arms + args.arms[::-1]) * args.rounds:
+            use_arm(arm)
             for batch in args.batch:
-                emit("round", arm=arm, batch=batch, rows=WINDOW + args.rows, calls=args.calls, kernel_ran=decode_attention_cuda.is_supported(*sets[batch][0][:2]),
+                emit("round", arm=arm, batch=batch, rows=WINDOW + args.rows, calls=args.calls,
+                     slices=decode_attention_cuda.row_slices(HEADS), kernel_ran=decode_attention_cuda.is_supported(*sets[batch][0][:2]),
                      **measure(sets[batch], cycles, spin_alone))
     finally:
         decode_attention_cuda.set_kernel_enabled(saved)
+        decode_attention_cuda.force_row_slices(None)
+
+
+def use_arm(arm: str) -> None:
+    """reference | kernel | kernel:N -> the switch and the output kernel's row slices."""
+    name, _, slices = arm.partition(":")
+    if name not in ("kernel", "reference") or (slices and (name != "kernel" or not slices.isdigit())):
+        raise SystemExit(f"--arms: {arm!r} is not reference, kernel or kernel:N")
+    decode_attention_cuda.set_kernel_enabled(name == "kernel")
+    decode_attention_cuda.force_row_slices(int(slices) if slices else None)
 
 if __name__ == "__main__":
     main()
