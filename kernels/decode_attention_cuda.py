@@ -11,18 +11,19 @@ bound by the host's encoding of its launches, ~5–7 µs each and ~17 for a capt
 Why tensor cores, all of a token's heads together: V4's attention shares one K = V row among all heads, so
 the products are [H, d] × [d, R] matrices. Session 19's kernel took 4 heads a block on CUDA cores and read each
 row once per block — 16 times a token — which made 16 tokens ~10× slower on the device than cuBLAS (176 against
-~15 µs a call). Here each row is read once per head tile from L2 and the products run as `mma.sync` m16n8k16
-(bf16 or fp16 in, float32 sums):
-- `logits` kernel: a block per (token, 16 rows); each warp a tile of 16 heads, the head dim in steps of 16
-  (the A operand the query, the B operand the rows) -> the token's logits [H, R] in float32, rounded to the
-  rows' dtype, scaled, -inf where invalid; and each head's max and exp-sum over the block's 16 rows;
-- `output` kernel: a block per (token, COLUMNS output columns); first each head's max and normalizer from
-  the 16-row tiles' and its sink (a warp a head: a lane's tiles in order, then xor shuffles, lane 0's result),
-  then each tile of 16 heads × 32 columns by `row_slices` warps (4 at 64 heads), each a slice of a group's rows
-  in steps of 16 (the A operand the probabilities, rounded to the rows' dtype, the B operand the rows), the
-  slices' sums added in slice order in shared memory. With one warp a tile (session 20) a token's rows were one
-  chain of dependent loads in few warps: slower than MLX on the device at one token and ~3× at sixteen
-  (docs/BENCHMARKS.md, "Session 21").
+~15 µs a call). Here the products run as `mma.sync` m16n8k16 (bf16 or fp16 in, float32 sums), all of a token's
+heads against each row it stages:
+- `logits` kernel: a block per (token, 32 rows), eight warps; the head dim in staged steps of 64: the block's
+  16-byte loads of the next step's q [H, 64] and rows [32, 64] run while its warps multiply this step's from
+  shared memory (a warp a unit of 16 heads × 16 rows) -> the token's logits [H, R] in float32, rounded to the
+  rows' dtype, scaled, -inf where invalid; and each head's max and exp-sum over each 16-row tile;
+- `output` kernel: a block per (token, COLUMNS output columns), eight warps; first each head's max and
+  normalizer from the tiles' and its sink (a warp a head), then the rows in staged steps of 64 (32 past 64
+  heads): the next step's rows [64, COLUMNS] and logits [H, 64] load while the warps multiply this step's
+  probabilities (computed once a step, by the thread that stages them, rounded to the rows' dtype) by its rows
+  (a warp a tile of 16 heads × 32 columns).
+Sessions 20–22's layouts loaded each operand straight from global memory into the mma's registers, a few
+scalar loads at a time: latency-bound, 3–10× MLX's device time at 16 tokens (docs/BENCHMARKS.md, "Session 22").
 Every sum has one order whatever the batch — a block reads one token's data and its shape does not depend on
 the batch — so a token's output is the same bits at every batch size and position in it.
 
@@ -36,8 +37,8 @@ kernels to a float64 evaluation within the rows' dtype's rounding, and bit for b
 Where it runs: decode only (engine/model/decode_attention.py), for bf16 and fp16 rows (the tensor cores' input
 types; float32 takes the reference), heads a multiple of 16 up to MAX_HEADS, a head dim a multiple of COLUMNS.
 Up to MAX_ATTENDED rows a token: past it the output kernel's blocks (D / COLUMNS a token) each walk every row,
-and the reference is faster on the device (session 20, H100, 8,320 rows: 79–97 against 19 µs at one token, 820
-against 220 at 16; docs/BENCHMARKS.md); HCA beyond ~213k tokens takes the reference, as it did. Prefill tiles keep the reference
+and the reference was faster on the device (session 20's layout, H100, 8,320 rows: 79–97 against 19 µs at one
+token, 820 against 220 at 16; docs/BENCHMARKS.md); HCA beyond ~213k tokens takes the reference, as it did. Prefill tiles keep the reference
 whatever their size, so that a prompt row's output never depends on which tile it lands in
 (docs/ARCHITECTURE.md, "Tiling invariants"). The choice depends on the token's own shapes only, never on its
 batch.
@@ -60,12 +61,14 @@ from tessera.kernels.switch import Switch
 ENV_VAR = "TESSERA_DECODE_ATTENTION_KERNEL"
 _switch = Switch(ENV_VAR, default=True)
 
-TILE = 16  # mma.m16n8k16: a warp's heads (M), and the rows of a step (K); the logits kernel's rows a block
-LOGIT_THREADS = 128  # four warps: at V4's 64 heads a head tile each
-OUTPUT_WARPS = 16  # the output kernel's warps a block: each (16 heads, COLUMNS) tile's rows split over OUTPUT_WARPS / tiles
-# warps (4 at V4's 64 heads); one warp a tile walked all of a token's rows in one chain of dependent loads (session 21)
-COLUMNS = 32  # output columns a block of the output kernel: four n8 tiles a warp
-MAX_HEADS = 128  # the output kernel's per-head max and normalizer in shared memory
+TILE = 16  # mma.m16n8k16: a warp's heads (M) and the rows or columns of a unit
+THREADS = 256  # the logits kernel's: eight warps, a step's loads spread over all of them
+LOGIT_ROWS = 32  # the logits kernel's rows a block: two 16-row tiles
+COLUMNS = 64  # the output kernel's columns a block (two 32-column tiles), and the logits kernel's head-dim step
+OUTPUT_ROWS = 64  # the output kernel's rows a staged step
+OUTPUT_HEADS = 64  # the output kernel's heads a block (where they divide the heads, else 16): at V4's 64 a block a
+# (token, 64 columns), eight warps; 32 (two blocks, four warps each) measured slower at 16 tokens (docs/BENCHMARKS.md, "Session 23")
+MAX_HEADS = 128  # the logits kernel's two staged q steps [H, 64 + 8] in bf16: 36 KiB of the 48 shared
 MAX_TOKENS = 65535  # CUDA's grid limit in y, a block row per token: any decode batch (no smaller bound, which
 # would give a row other bits in a larger batch)
 MAX_ATTENDED = 1792  # rows a token: measured faster than the reference at 640, slower at 8,320 (module docstring)
@@ -92,7 +95,7 @@ def is_supported(q: mx.array, groups: Sequence[RowGroup]) -> bool:
             and groups[0][0].shape[1] > 0 and sum(rows.shape[1] for rows, _ in groups) <= MAX_ATTENDED)
 
 
-_HEADER = r"""
+_KERNELS = r"""
 // Two consecutive elements of a row as the 32-bit register an mma operand takes (the lower index in the low half).
 template <typename T>
 __device__ __forceinline__ uint32_t pair_at(const T* p) { return *reinterpret_cast<const uint32_t*>(p); }
@@ -125,47 +128,147 @@ __device__ __forceinline__ const T* attended_row(const T* rows_a, int count_a, c
   return nullptr;
 }
 
-// Block (16 rows, token t): logits[t, h, r] = the product q[t, h] . row r rounded to T, times scale in float32;
-// -inf where the row is invalid; and each head's max and exp-sum over the block's rows, stats[t, h, block].
-// Each warp a tile of 16 heads at a time, the head dim in steps of 16.
-template <typename T, int H, int D, int THREADS>
+// 16 bytes (8 elements) of a row as one register set; zeros for nullptr (past the rows). `aligned`: the kernel's
+// input buffers start on 16 bytes (MLX's allocations do; a view's offset need not), else 8 element loads.
+template <typename T>
+__device__ __forceinline__ uint4 load8(const T* p, bool aligned) {
+  uint4 v;
+  if (p == nullptr) {
+    v.x = v.y = v.z = v.w = 0u;
+  } else if (aligned) {
+    v = *reinterpret_cast<const uint4*>(p);
+  } else {
+    v.x = pair_of(p[0], p[1]); v.y = pair_of(p[2], p[3]); v.z = pair_of(p[4], p[5]); v.w = pair_of(p[6], p[7]);
+  }
+  return v;
+}
+
+__device__ __forceinline__ bool all_aligned(const void* a, const void* b, const void* c) {
+  return ((reinterpret_cast<size_t>(a) | reinterpret_cast<size_t>(b) | reinterpret_cast<size_t>(c)) & 15) == 0;
+}
+
+// Two consecutive 16-bit elements of a shared array as one 32-bit operand register (their address is 4-byte aligned).
+__device__ __forceinline__ uint32_t shared_pair(const unsigned short* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+constexpr int PAD = 8;  // each shared row 16 bytes longer: a fragment's loads hit 32 distinct banks
+
+// Block (32 rows, token t): products[t, h, r] = q[t, h] . row r rounded to T (-inf where the row is invalid: the
+// output kernel scales it as the logit here is scaled, the same float32, from half the bytes a float32 would
+// take); and each head's max and exp-sum over each 16-row tile of the logits (the product times scale in float32),
+// stats[t, h, tile].
+// The head dim in staged steps of CHUNK: the next step's q [H, CHUNK] and rows [32, CHUNK] load (16 bytes a
+// thread, coalesced) while the warps multiply this step's from shared memory. Warp w takes (16 heads, 16 rows)
+// units w, w + 8, ...; a unit's sums run over the head dim in one order.
+template <typename T, int H, int D>
 __device__ void tile_logits(const T* q, const T* rows_a, const bool* valid_a, int count_a, const T* rows_b,
-                            const bool* valid_b, int count_b, float scale, float* logits, float* stats) {
-  constexpr int WARPS = THREADS / 32;
+                            const bool* valid_b, int count_b, float scale, T* products, float* stats) {
+  constexpr int HEAD_TILES = H / 16;
+  constexpr int UNITS = HEAD_TILES * (LOGIT_ROWS / 16);
+  constexpr int PER_WARP = (UNITS + 7) / 8;
+  constexpr int Q_VECTORS = H * CHUNK / 8;  // 16-byte pieces of a step's q
+  constexpr int Q_LOADS = (Q_VECTORS + THREADS - 1) / THREADS;
+  constexpr int STEPS = D / CHUNK;
+  __shared__ __align__(16) unsigned short q_s[2][H][CHUNK + PAD];
+  __shared__ __align__(16) unsigned short r_s[2][LOGIT_ROWS][CHUNK + PAD];
   const int t = blockIdx.y;
-  const int r0 = blockIdx.x * 16;
+  const int r0 = blockIdx.x * LOGIT_ROWS;
   const int count = count_a + count_b;
+  const int tiles = (count + 15) / 16;
   const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;
   const int i = lane & 3;
-  const T* row[2];  // this lane's B-operand row of each 8-row half: r0 + 8 n + g
+  const bool aligned = all_aligned(q, rows_a, rows_b);
+  const T* q_t = q + (size_t)t * H * D;
+  const int my_row = threadIdx.x / 8;  // the row and 8 columns of a step this thread stages
+  const int my_col = 8 * (threadIdx.x % 8);
+  const T* row = attended_row<T, D>(rows_a, count_a, rows_b, count_b, t, r0 + my_row);
+  uint4 q_reg[Q_LOADS];
+  uint4 r_reg;
+  bool ok[PER_WARP][2][2];  // whether this lane's rows of each unit are valid, loaded with the first step
   #pragma unroll
-  for (int n = 0; n < 2; ++n) row[n] = attended_row<T, D>(rows_a, count_a, rows_b, count_b, t, r0 + 8 * n + g);
-  for (int h0 = 16 * (threadIdx.x >> 5); h0 < H; h0 += 16 * WARPS) {
-    const T* q_lo = q + ((size_t)t * H + h0 + g) * D + 2 * i;  // head h0 + g
-    const T* q_hi = q_lo + 8 * D;  // head h0 + g + 8
-    float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-    #pragma unroll 4
-    for (int k0 = 0; k0 < D; k0 += 16) {
-      const uint32_t a[4] = {pair_at(q_lo + k0), pair_at(q_hi + k0), pair_at(q_lo + k0 + 8), pair_at(q_hi + k0 + 8)};
+  for (int u = 0; u < PER_WARP; ++u) {
+    const int unit = warp + 8 * u;
+    #pragma unroll
+    for (int n = 0; n < 2; ++n) {
       #pragma unroll
-      for (int n = 0; n < 2; ++n) {
-        const uint32_t b[2] = {row[n] ? pair_at(row[n] + k0 + 2 * i) : 0u, row[n] ? pair_at(row[n] + k0 + 8 + 2 * i) : 0u};
-        mma(acc[n], a, b, T());
+      for (int b = 0; b < 2; ++b) {
+        const int r = r0 + 16 * (unit / HEAD_TILES) + 8 * n + 2 * i + b;
+        ok[u][n][b] = unit < UNITS && r < count
+                      && (r < count_a ? valid_a[(size_t)t * count_a + r] : valid_b[(size_t)t * count_b + (r - count_a)]);
       }
     }
+  }
+  float acc[PER_WARP][2][4];
+  #pragma unroll
+  for (int u = 0; u < PER_WARP; ++u) {
+    #pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) acc[u][n][e] = 0.0f;
+    }
+  }
+  #pragma unroll
+  for (int j = 0; j < Q_LOADS; ++j) {
+    const int v = threadIdx.x + THREADS * j;
+    if (v < Q_VECTORS) q_reg[j] = load8(q_t + (size_t)(v / (CHUNK / 8)) * D + 8 * (v % (CHUNK / 8)), aligned);
+  }
+  r_reg = load8(row ? row + my_col : row, aligned);
+  for (int s = 0; s < STEPS; ++s) {
+    const int buf = s & 1;  // the other buffer was last read before the previous step's barrier
+    #pragma unroll
+    for (int j = 0; j < Q_LOADS; ++j) {
+      const int v = threadIdx.x + THREADS * j;
+      if (v < Q_VECTORS) *reinterpret_cast<uint4*>(&q_s[buf][v / (CHUNK / 8)][8 * (v % (CHUNK / 8))]) = q_reg[j];
+    }
+    *reinterpret_cast<uint4*>(&r_s[buf][my_row][my_col]) = r_reg;
+    __syncthreads();
+    if (s + 1 < STEPS) {
+      const int k0 = (s + 1) * CHUNK;
+      #pragma unroll
+      for (int j = 0; j < Q_LOADS; ++j) {
+        const int v = threadIdx.x + THREADS * j;
+        if (v < Q_VECTORS) q_reg[j] = load8(q_t + (size_t)(v / (CHUNK / 8)) * D + k0 + 8 * (v % (CHUNK / 8)), aligned);
+      }
+      r_reg = load8(row ? row + k0 + my_col : row, aligned);
+    }
+    #pragma unroll
+    for (int u = 0; u < PER_WARP; ++u) {
+      const int unit = warp + 8 * u;
+      if (unit >= UNITS) break;
+      const int h0 = 16 * (unit % HEAD_TILES);
+      const int n0 = 16 * (unit / HEAD_TILES);
+      #pragma unroll
+      for (int kk = 0; kk < CHUNK; kk += 16) {
+        const uint32_t a[4] = {shared_pair(&q_s[buf][h0 + g][kk + 2 * i]), shared_pair(&q_s[buf][h0 + g + 8][kk + 2 * i]),
+                               shared_pair(&q_s[buf][h0 + g][kk + 2 * i + 8]), shared_pair(&q_s[buf][h0 + g + 8][kk + 2 * i + 8])};
+        #pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          const uint32_t b[2] = {shared_pair(&r_s[buf][n0 + 8 * n + g][kk + 2 * i]), shared_pair(&r_s[buf][n0 + 8 * n + g][kk + 2 * i + 8])};
+          mma(acc[u][n], a, b, T());
+        }
+      }
+    }
+  }
+  #pragma unroll
+  for (int u = 0; u < PER_WARP; ++u) {
+    const int unit = warp + 8 * u;
+    if (unit >= UNITS) break;
+    const int h0 = 16 * (unit % HEAD_TILES);
+    const int tr0 = r0 + 16 * (unit / HEAD_TILES);  // the unit's first row
+    if (tr0 >= count) break;  // the block's last tile past the rows (warp-uniform)
     float value[2][4];  // the logits of this lane's (head, row) pairs, -inf past the rows
     #pragma unroll
     for (int n = 0; n < 2; ++n) {
       #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int h = h0 + g + (e >= 2 ? 8 : 0);
-        const int r = r0 + 8 * n + 2 * i + (e & 1);
+        const int r = tr0 + 8 * n + 2 * i + (e & 1);
         value[n][e] = -__int_as_float(0x7f800000);
         if (r < count) {
-          const bool ok = r < count_a ? valid_a[(size_t)t * count_a + r] : valid_b[(size_t)t * count_b + (r - count_a)];
-          if (ok) value[n][e] = __fmul_rn(static_cast<float>(static_cast<T>(acc[n][e])), scale);
-          logits[((size_t)t * H + h) * count + r] = value[n][e];
+          const T product = static_cast<T>(ok[u][n][e & 1] ? acc[u][n][e] : value[n][e]);
+          if (ok[u][n][e & 1]) value[n][e] = __fmul_rn(static_cast<float>(product), scale);
+          products[((size_t)t * H + h) * count + r] = product;
         }
       }
     }
@@ -187,7 +290,7 @@ __device__ void tile_logits(const T* q, const T* rows_a, const bool* valid_a, in
       sum = __fadd_rn(sum, __shfl_xor_sync(0xFFFFFFFFu, sum, 1));
       sum = __fadd_rn(sum, __shfl_xor_sync(0xFFFFFFFFu, sum, 2));
       if (i == 0) {
-        float* st = stats + (((size_t)t * H + h0 + g + 8 * half) * gridDim.x + blockIdx.x) * 2;
+        float* st = stats + (((size_t)t * H + h0 + g + 8 * half) * tiles + tr0 / 16) * 2;
         st[0] = m;
         st[1] = sum;
       }
@@ -195,197 +298,201 @@ __device__ void tile_logits(const T* q, const T* rows_a, const bool* valid_a, in
   }
 }
 
-// Each head's max and normalizer's reciprocal from its tiles' (max, exp-sum) [tiles, 2] and its sink: a warp a
-// head, a lane's tiles in order, then xor shuffles; lane 0's values (MLX's softmax: __expf, one reciprocal).
-template <typename S, int H, int WARPS>
-__device__ void head_stats(const float* stats, int tiles, const S* sinks, float* head_max, float* head_inverse) {
+// Heads h0 .. h0 + HB - 1's max and normalizer's reciprocal from their tiles' (max, exp-sum) [tiles, 2] and their
+// sinks -> head_max[h - h0], head_inverse[h - h0]. A warp takes HB / WARPS heads at once: all their tiles' values
+// load together (one round trip, not two a head), then each head as MLX's softmax: a lane's tiles in order, xor
+// shuffles, __expf, one reciprocal.
+template <typename S, int HB, int WARPS>
+__device__ void head_stats(const float* stats, int tiles, const S* sinks, int h0, float* head_max, float* head_inverse) {
+  constexpr int HEADS_A_WARP = HB / WARPS;
   const int lane = threadIdx.x & 31;
-  for (int h = threadIdx.x >> 5; h < H; h += WARPS) {
-    const float* sh = stats + (size_t)h * tiles * 2;
-    const float sink = static_cast<float>(sinks[h]);
-    float m = sink;
-    for (int j = lane; j < tiles; j += 32) m = fmaxf(m, sh[2 * j]);
+  const int first = h0 + (threadIdx.x >> 5) * HEADS_A_WARP;
+  float tile_max[HEADS_A_WARP][TILES_A_LANE];
+  float tile_sum[HEADS_A_WARP][TILES_A_LANE];
+  float sink[HEADS_A_WARP];
+  #pragma unroll
+  for (int hh = 0; hh < HEADS_A_WARP; ++hh) {
+    const float* sh = stats + (size_t)(first + hh) * tiles * 2;
+    sink[hh] = static_cast<float>(sinks[first + hh]);
+    #pragma unroll
+    for (int q = 0; q < TILES_A_LANE; ++q) {
+      const int j = lane + 32 * q;
+      tile_max[hh][q] = j < tiles ? sh[2 * j] : -__int_as_float(0x7f800000);
+      tile_sum[hh][q] = j < tiles ? sh[2 * j + 1] : 0.0f;
+    }
+  }
+  #pragma unroll
+  for (int hh = 0; hh < HEADS_A_WARP; ++hh) {
+    float m = sink[hh];
+    #pragma unroll
+    for (int q = 0; q < TILES_A_LANE; ++q) m = fmaxf(m, tile_max[hh][q]);
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
     float e = 0.0f;
-    for (int j = lane; j < tiles; j += 32) {
-      if (sh[2 * j + 1] > 0.0f) e = __fadd_rn(e, __fmul_rn(sh[2 * j + 1], __expf(sh[2 * j] - m)));
+    #pragma unroll
+    for (int q = 0; q < TILES_A_LANE; ++q) {
+      if (tile_sum[hh][q] > 0.0f) e = __fadd_rn(e, __fmul_rn(tile_sum[hh][q], __expf(tile_max[hh][q] - m)));
     }
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) e = __fadd_rn(e, __shfl_xor_sync(0xFFFFFFFFu, e, o));
     if (lane == 0) {
-      head_max[h] = m;
-      head_inverse[h] = 1.0f / __fadd_rn(e, __expf(sink - m));
+      head_max[first - h0 + hh] = m;
+      head_inverse[first - h0 + hh] = 1.0f / __fadd_rn(e, __expf(sink[hh] - m));
     }
   }
 }
 
-// Probabilities k and k + 1 of a head (rounded to T; 0 past the group's rows) as one A-operand register.
-template <typename T>
-__device__ __forceinline__ uint32_t prob_pair(const float* lh, int k, int count, float m, float inverse) {
-  const T lo = static_cast<T>(k < count ? __fmul_rn(__expf(lh[k] - m), inverse) : 0.0f);
-  const T hi = static_cast<T>(k + 1 < count ? __fmul_rn(__expf(lh[k + 1] - m), inverse) : 0.0f);
-  return pair_of(lo, hi);
-}
-
-// Column c of rows k and k + 1 (0 past the group's rows) as one B-operand register.
-template <typename T, int D>
-__device__ __forceinline__ uint32_t column_pair(const T* rows, int k, int count, int c) {
-  const T zero = static_cast<T>(0.0f);
-  return pair_of(k < count ? rows[(size_t)k * D + c] : zero, k + 1 < count ? rows[(size_t)(k + 1) * D + c] : zero);
-}
-
-// One row slice's share of a group's part of a (16 heads, 32 columns) tile: the sum, over the slice's steps of 16
-// rows (steps slice, slice + SLICES, ...), of probability x row. l_lo / l_hi: heads h0 + g and h0 + g + 8's logits
-// at the group's first row; rows: the token's group [count, D].
-template <typename T, int D, int SLICES>
-__device__ void group_part(const float* l_lo, const float* l_hi, float m_lo, float inv_lo, float m_hi, float inv_hi,
-                           const T* rows, int count, int c0, int slice, float (&acc)[4][4]) {
+// Block (64 columns, HB heads, token t), a warp a (16 heads, 32 columns) tile: the heads' softmax statistics from
+// the tiles', then out[t, heads, columns] = probabilities x rows, each group's part rounded to T, the parts added
+// in T. The rows in staged steps of OUT_ROWS: the next step's rows [OUT_ROWS, 64] (16 bytes a thread) and products
+// [HB, OUT_ROWS] (a warp a head's consecutive ones) load while the warps multiply this step's; a step's
+// probabilities are computed once, by the thread that stages them (the logit as the logits kernel scaled it, MLX's
+// __expf and normalizer, rounded to T). A tile's sums run over the rows in one order.
+template <typename T, typename S, int H, int HB, int D, int GROUPS>
+__device__ void tile_output(const T* products, const float* stats, const T* rows_a, int count_a, const T* rows_b, int count_b,
+                            const S* sinks, float scale, T* out) {
+  constexpr int KR = OUT_ROWS;
+  constexpr int HEAD_TILES = HB / 16;
+  constexpr int WARPS = HEAD_TILES * (OUT_COLUMNS / 32);
+  constexpr int THREADS_OUT = 32 * WARPS;
+  constexpr int R_LOADS = KR * OUT_COLUMNS / 8 / THREADS_OUT;  // 16-byte pieces of a step's rows a thread
+  constexpr int P_LOADS = HB * KR / THREADS_OUT;  // a step's products a thread
+  __shared__ __align__(16) unsigned short r_s[2][KR][OUT_COLUMNS + PAD];
+  __shared__ __align__(16) unsigned short p_s[2][HB][KR + PAD];
+  __shared__ float head_max[HB];
+  __shared__ float head_inverse[HB];
+  const int t = blockIdx.y;
+  const int c0 = (blockIdx.x % (D / OUT_COLUMNS)) * OUT_COLUMNS;
+  const int hb0 = (blockIdx.x / (D / OUT_COLUMNS)) * HB;  // the block's first head
+  const int count = count_a + count_b;
+  const int tiles = (count + 15) / 16;
   const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;
   const int i = lane & 3;
-  #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
-  }
-  #pragma unroll 2
-  for (int k0 = 16 * slice; k0 < count; k0 += 16 * SLICES) {
-    const int ka = k0 + 2 * i;
-    const int kb = ka + 8;
-    const uint32_t a[4] = {prob_pair<T>(l_lo, ka, count, m_lo, inv_lo), prob_pair<T>(l_hi, ka, count, m_hi, inv_hi),
-                           prob_pair<T>(l_lo, kb, count, m_lo, inv_lo), prob_pair<T>(l_hi, kb, count, m_hi, inv_hi)};
-    #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int c = c0 + 8 * j + g;
-      const uint32_t b[2] = {column_pair<T, D>(rows, ka, count, c), column_pair<T, D>(rows, kb, count, c)};
-      mma(acc[j], a, b, T());
-    }
-  }
-}
-
-// A tile's row slices summed in slice order into slice 0's acc (one order whatever the batch). partial: shared,
-// [SLICES - 1][TILES][16][32] floats (lane fastest: no bank conflicts). Every warp of the block calls it.
-template <int TILES, int SLICES>
-__device__ void slice_sum(float (&acc)[4][4], float* partial, int tile, int slice) {
-  if (SLICES == 1) return;
-  const int lane = threadIdx.x & 31;
-  if (slice > 0) {
-    float* mine = partial + ((size_t)(slice - 1) * TILES + tile) * 512 + lane;
-    #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      #pragma unroll
-      for (int e = 0; e < 4; ++e) mine[(4 * j + e) * 32] = acc[j][e];
-    }
-  }
+  const int h0 = 16 * (warp % HEAD_TILES);  // the warp's tile, in the block's heads
+  const int cw = 32 * (warp / HEAD_TILES);  // and in its columns
+  const bool aligned = all_aligned(rows_a, rows_b, rows_a);
+  const T* lt = products + ((size_t)t * H + hb0) * count;
+  head_stats<S, HB, WARPS>(stats + (size_t)t * H * tiles * 2, tiles, sinks, hb0, head_max, head_inverse);
   __syncthreads();
-  if (slice == 0) {
-    for (int s = 1; s < SLICES; ++s) {
-      const float* theirs = partial + ((size_t)(s - 1) * TILES + tile) * 512 + lane;
+  T part[4][4];
+  uint4 r_reg[R_LOADS];
+  T l_reg[P_LOADS];
+  int step = 0;  // steps over both groups: the buffers alternate across the groups' boundary too
+  #pragma unroll 1
+  for (int grp = 0; grp < GROUPS; ++grp) {
+    const T* rows = grp == 0 ? rows_a + (size_t)t * count_a * D : rows_b + (size_t)t * count_b * D;
+    const int cnt = grp == 0 ? count_a : count_b;
+    const T* lg = lt + (grp == 0 ? 0 : count_a);
+    float acc[4][4];
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) {
       #pragma unroll
-      for (int j = 0; j < 4; ++j) {
+      for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+    }
+    #pragma unroll
+    for (int j = 0; j < R_LOADS; ++j) {
+      const int v = threadIdx.x + THREADS_OUT * j, k = v / 8;
+      r_reg[j] = load8(k < cnt ? rows + (size_t)k * D + c0 + 8 * (v % 8) : nullptr, aligned);
+    }
+    #pragma unroll
+    for (int j = 0; j < P_LOADS; ++j) {
+      const int v = threadIdx.x + THREADS_OUT * j, k = v % KR;
+      l_reg[j] = k < cnt ? lg[(size_t)(v / KR) * count + k] : static_cast<T>(0.0f);
+    }
+    for (int k0 = 0; k0 < cnt; k0 += KR, ++step) {
+      const int buf = step & 1;  // the other buffer was last read before the previous step's barrier
+      #pragma unroll
+      for (int j = 0; j < R_LOADS; ++j) {
+        const int v = threadIdx.x + THREADS_OUT * j;
+        *reinterpret_cast<uint4*>(&r_s[buf][v / 8][8 * (v % 8)]) = r_reg[j];
+      }
+      #pragma unroll
+      for (int j = 0; j < P_LOADS; ++j) {
+        const int v = threadIdx.x + THREADS_OUT * j, h = v / KR, k = v % KR;
+        const float logit = __fmul_rn(static_cast<float>(l_reg[j]), scale);
+        const T p = static_cast<T>(k0 + k < cnt ? __fmul_rn(__expf(logit - head_max[h]), head_inverse[h]) : 0.0f);
+        p_s[buf][h][k] = static_cast<unsigned short>(raw_bits(p));
+      }
+      __syncthreads();
+      if (k0 + KR < cnt) {
+        const int k1 = k0 + KR;
         #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] = __fadd_rn(acc[j][e], theirs[(4 * j + e) * 32]);
+        for (int j = 0; j < R_LOADS; ++j) {
+          const int v = threadIdx.x + THREADS_OUT * j, k = k1 + v / 8;
+          r_reg[j] = load8(k < cnt ? rows + (size_t)k * D + c0 + 8 * (v % 8) : nullptr, aligned);
+        }
+        #pragma unroll
+        for (int j = 0; j < P_LOADS; ++j) {
+          const int v = threadIdx.x + THREADS_OUT * j, k = k1 + v % KR;
+          l_reg[j] = k < cnt ? lg[(size_t)(v / KR) * count + k] : static_cast<T>(0.0f);
+        }
+      }
+      #pragma unroll
+      for (int kk = 0; kk < KR; kk += 16) {
+        const uint32_t a[4] = {shared_pair(&p_s[buf][h0 + g][kk + 2 * i]), shared_pair(&p_s[buf][h0 + g + 8][kk + 2 * i]),
+                               shared_pair(&p_s[buf][h0 + g][kk + 2 * i + 8]), shared_pair(&p_s[buf][h0 + g + 8][kk + 2 * i + 8])};
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int c = cw + 8 * j + g;
+          const uint32_t b[2] = {static_cast<uint32_t>(r_s[buf][kk + 2 * i][c]) | (static_cast<uint32_t>(r_s[buf][kk + 2 * i + 1][c]) << 16),
+                                 static_cast<uint32_t>(r_s[buf][kk + 2 * i + 8][c]) | (static_cast<uint32_t>(r_s[buf][kk + 2 * i + 9][c]) << 16)};
+          mma(acc[j], a, b, T());
+        }
       }
     }
-  }
-  __syncthreads();  // `partial` is free for the next group
-}
-
-// Block (COLS columns, token t): the softmax's statistics from the tiles', then each (16 heads, 32 columns) tile
-// by SLICES warps, each a slice of the rows (a token's rows in one warp's loop left few warps in flight and a
-// long chain of dependent loads: slow at one token and at sixteen); slice 0's warp adds the slices, rounds each
-// group's part to T, adds the parts in T -> out[t, h, c].
-template <typename T, typename S, int H, int D, int COLS, int SLICES, int GROUPS>
-__device__ void tile_output(const float* logits, const float* stats, const T* rows_a, int count_a, const T* rows_b, int count_b,
-                            const S* sinks, T* out, float* head_max, float* head_inverse, float* partial) {
-  constexpr int HEAD_TILES = H / 16;
-  constexpr int TILES = HEAD_TILES * (COLS / 32);
-  constexpr int WARPS = TILES * SLICES;
-  const int t = blockIdx.y;
-  const int count = count_a + count_b;
-  const int lane = threadIdx.x & 31;
-  const int g = lane >> 2;
-  const int i = lane & 3;
-  const int tile = (threadIdx.x >> 5) % TILES;
-  const int slice = (threadIdx.x >> 5) / TILES;
-  const float* lt = logits + (size_t)t * H * count;
-  const int tiles = (count + 15) / 16;
-  head_stats<S, H, WARPS>(stats + (size_t)t * H * tiles * 2, tiles, sinks, head_max, head_inverse);
-  __syncthreads();
-  const int h0 = 16 * (tile % HEAD_TILES);
-  const int c0 = blockIdx.x * COLS + 32 * (tile / HEAD_TILES);
-  const float* l_lo = lt + (size_t)(h0 + g) * count;
-  const float* l_hi = l_lo + (size_t)8 * count;
-  const float m_lo = head_max[h0 + g], inv_lo = head_inverse[h0 + g];
-  const float m_hi = head_max[h0 + g + 8], inv_hi = head_inverse[h0 + g + 8];
-  float acc[4][4];
-  group_part<T, D, SLICES>(l_lo, l_hi, m_lo, inv_lo, m_hi, inv_hi, rows_a + (size_t)t * count_a * D, count_a, c0, slice, acc);
-  slice_sum<TILES, SLICES>(acc, partial, tile, slice);
-  T part[4][4];
-  #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    #pragma unroll
-    for (int e = 0; e < 4; ++e) part[j][e] = static_cast<T>(acc[j][e]);
-  }
-  if (GROUPS == 2) {
-    group_part<T, D, SLICES>(l_lo + count_a, l_hi + count_a, m_lo, inv_lo, m_hi, inv_hi, rows_b + (size_t)t * count_b * D,
-                             count_b, c0, slice, acc);
-    slice_sum<TILES, SLICES>(acc, partial, tile, slice);
     #pragma unroll
     for (int j = 0; j < 4; ++j) {
       #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        part[j][e] = static_cast<T>(__fadd_rn(static_cast<float>(part[j][e]), static_cast<float>(static_cast<T>(acc[j][e]))));
+        const T mine = static_cast<T>(acc[j][e]);  // the group's part, rounded as the reference rounds it
+        part[j][e] = grp == 0 ? mine : static_cast<T>(__fadd_rn(static_cast<float>(part[j][e]), static_cast<float>(mine)));
       }
     }
   }
-  if (slice != 0) return;
   #pragma unroll
   for (int j = 0; j < 4; ++j) {
     #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int h = h0 + g + (e >= 2 ? 8 : 0);
-      const int c = c0 + 8 * j + 2 * i + (e & 1);
+      const int h = hb0 + h0 + g + (e >= 2 ? 8 : 0);
+      const int c = c0 + cw + 8 * j + 2 * i + (e & 1);
       out[((size_t)t * H + h) * D + c] = part[j][e];
     }
   }
 }
 """
 
+# The CUDA source's layout constants, from the Python ones above (one owner).
+_HEADER = (f"constexpr int THREADS = {THREADS};\nconstexpr int LOGIT_ROWS = {LOGIT_ROWS};\nconstexpr int CHUNK = {COLUMNS};\n"
+           f"constexpr int OUT_COLUMNS = {COLUMNS};\nconstexpr int OUT_ROWS = {OUTPUT_ROWS};\n"
+           f"constexpr int TILES_A_LANE = {-(-MAX_ATTENDED // (TILE * 32))};\n") + _KERNELS  # a warp's lanes hold a head's tiles
+
 _LOGITS_ONE = r"""
-  // q [T, H, D]; rows_a [T, Ra, D], valid_a [T, Ra] -> logits [T, H, Ra], stats [T, H, Ra / 16, 2] float32
-  tile_logits<T, H, D, THREADS>(q, rows_a, valid_a, rows_a_shape[1], rows_a, valid_a, 0, __int_as_float(SCALE_BITS), logits,
-                                stats);
+  // q [T, H, D]; rows_a [T, Ra, D], valid_a [T, Ra] -> products [T, H, Ra] T, stats [T, H, Ra / 16, 2] float32
+  tile_logits<T, H, D>(q, rows_a, valid_a, rows_a_shape[1], rows_a, valid_a, 0, __int_as_float(SCALE_BITS), products, stats);
 """
 
 _LOGITS_TWO = r"""
   // q [T, H, D]; rows_a [T, Ra, D], valid_a [T, Ra]; rows_b [T, Rb, D], valid_b [T, Rb]
-  //   -> logits [T, H, Ra + Rb], stats [T, H, (Ra + Rb) / 16, 2] float32
-  tile_logits<T, H, D, THREADS>(q, rows_a, valid_a, rows_a_shape[1], rows_b, valid_b, rows_b_shape[1],
-                                __int_as_float(SCALE_BITS), logits, stats);
+  //   -> products [T, H, Ra + Rb] T, stats [T, H, (Ra + Rb) / 16, 2] float32
+  tile_logits<T, H, D>(q, rows_a, valid_a, rows_a_shape[1], rows_b, valid_b, rows_b_shape[1], __int_as_float(SCALE_BITS),
+                       products, stats);
 """
 
 _OUTPUT_ONE = r"""
-  // logits [T, H, Ra], stats [T, H, Ra / 16, 2]; rows_a [T, Ra, D]; sinks [H] -> out [T, H, D]
-  __shared__ float head_max[H];
-  __shared__ float head_inverse[H];
-  __shared__ float partial[PARTIAL];
-  tile_output<T, S, H, D, COLS, SLICES, 1>(logits, stats, rows_a, rows_a_shape[1], rows_a, 0, sinks, out, head_max, head_inverse,
-                                           partial);
+  // products [T, H, Ra], stats [T, H, Ra / 16, 2]; rows_a [T, Ra, D]; sinks [H] -> out [T, H, D]
+  tile_output<T, S, H, HB, D, 1>(products, stats, rows_a, rows_a_shape[1], rows_a, 0, sinks, __int_as_float(SCALE_BITS), out);
 """
 
 _OUTPUT_TWO = r"""
-  // logits [T, H, Ra + Rb], stats [T, H, (Ra + Rb) / 16, 2]; rows_a [T, Ra, D]; rows_b [T, Rb, D]; sinks [H] -> out [T, H, D]
-  __shared__ float head_max[H];
-  __shared__ float head_inverse[H];
-  __shared__ float partial[PARTIAL];
-  tile_output<T, S, H, D, COLS, SLICES, 2>(logits, stats, rows_a, rows_a_shape[1], rows_b, rows_b_shape[1], sinks, out,
-                                           head_max, head_inverse, partial);
+  // products [T, H, Ra + Rb], stats [T, H, (Ra + Rb) / 16, 2]; rows_a [T, Ra, D]; rows_b [T, Rb, D]; sinks [H] -> out [T, H, D]
+  tile_output<T, S, H, HB, D, 2>(products, stats, rows_a, rows_a_shape[1], rows_b, rows_b_shape[1], sinks, __int_as_float(SCALE_BITS),
+                             out);
 """
 
 _LOGITS_INPUTS = {1: ("q", "rows_a", "valid_a"), 2: ("q", "rows_a", "valid_a", "rows_b", "valid_b")}
-_OUTPUT_INPUTS = {1: ("logits", "stats", "rows_a", "sinks"), 2: ("logits", "stats", "rows_a", "rows_b", "sinks")}
+_OUTPUT_INPUTS = {1: ("products", "stats", "rows_a", "sinks"), 2: ("products", "stats", "rows_a", "rows_b", "sinks")}
 _LOGITS_SOURCES = {1: _LOGITS_ONE, 2: _LOGITS_TWO}
 _OUTPUT_SOURCES = {1: _OUTPUT_ONE, 2: _OUTPUT_TWO}
 
@@ -398,38 +505,41 @@ def output_kernel_name(groups: int) -> str:
     return f"tessera_decode_attention_output_{groups}"
 
 
+def scale_bits(scale: float) -> int:
+    """`scale` as its float32 bit pattern (a template takes integers only), so the kernels multiply by exactly the
+    float32 the reference multiplies by."""
+    return struct.unpack("<i", struct.pack("<f", scale))[0]
+
+
 def logits_template(dtype: mx.Dtype, heads: int, dim: int, scale: float) -> list[tuple[str, object]]:
-    """The logits kernel's compile-time constants; `scale` travels as its float32 bit pattern (a template takes
-    integers only), so the kernel multiplies by exactly the float32 the reference multiplies by."""
-    (scale_bits,) = struct.unpack("<i", struct.pack("<f", scale))
-    return [("T", dtype), ("H", heads), ("D", dim), ("THREADS", LOGIT_THREADS), ("SCALE_BITS", scale_bits)]
+    return [("T", dtype), ("H", heads), ("D", dim), ("SCALE_BITS", scale_bits(scale))]
 
 
-_forced_slices: int | None = None
+_forced_block_heads: int | None = None
 
 
-def force_row_slices(slices: int | None) -> None:
-    """The output kernel's row slices a tile, for a probe's comparison of layouts (None: `row_slices`' choice). Any
-    count gives a token the same bits at every batch size; different counts differ in the last bits."""
-    global _forced_slices
-    _forced_slices = slices
+def force_block_heads(heads: int | None) -> None:
+    """The output kernel's heads a block, for a probe's comparison of layouts (None: `block_heads`' choice). Every
+    layout gives a token the same bits at every batch size; they differ from each other in no bit either (a
+    (16 heads, 32 columns) tile's sums run in the same order whatever the block around it)."""
+    if heads not in (None, 16, 32, 64):  # 128 would take 512 threads and 54 KiB of shared memory
+        raise ValueError(f"{heads} heads a block: 16, 32 or 64")
+    global _forced_block_heads
+    _forced_block_heads = heads
 
 
-def row_slices(heads: int) -> int:
-    """Warps that share a (16 heads, COLUMNS) tile's rows: a function of the heads only, never of the batch."""
-    return _forced_slices or max(1, OUTPUT_WARPS // (heads // TILE * (COLUMNS // 32)))
+def block_heads(heads: int) -> int:
+    """The output kernel's heads a block: a function of the heads only, never of the batch."""
+    wanted = _forced_block_heads or OUTPUT_HEADS
+    return wanted if heads % wanted == 0 else TILE
 
 
 def output_threads(heads: int) -> int:
-    return 32 * heads // TILE * (COLUMNS // 32) * row_slices(heads)
+    return 32 * block_heads(heads) // TILE * (COLUMNS // 32)  # a warp a (16 heads, 32 columns) tile
 
 
-def output_template(dtype: mx.Dtype, sinks_dtype: mx.Dtype, heads: int, dim: int) -> list[tuple[str, object]]:
-    slices, tiles = row_slices(heads), heads // TILE * (COLUMNS // 32)
-    partial = max(1, (slices - 1) * tiles * 16 * 32)  # floats of the slices' sums in shared memory (kernel `slice_sum`)
-    if tiles * slices > 32 or partial * 4 > 40 * 1024:  # a block's 1024 threads; static shared memory's 48 KiB
-        raise ValueError(f"{slices} row slices of {tiles} tiles do not fit one block")
-    return [("T", dtype), ("S", sinks_dtype), ("H", heads), ("D", dim), ("COLS", COLUMNS), ("SLICES", slices), ("PARTIAL", partial)]
+def output_template(dtype: mx.Dtype, sinks_dtype: mx.Dtype, heads: int, dim: int, scale: float) -> list[tuple[str, object]]:
+    return [("T", dtype), ("S", sinks_dtype), ("H", heads), ("HB", block_heads(heads)), ("D", dim), ("SCALE_BITS", scale_bits(scale))]
 
 
 def decode_attention_kernel(q: mx.array, groups: Sequence[RowGroup], sinks: mx.array, scale: float) -> mx.array:
@@ -439,22 +549,22 @@ def decode_attention_kernel(q: mx.array, groups: Sequence[RowGroup], sinks: mx.a
     groups = [(rows, valid) for rows, valid in groups if rows.shape[1] > 0]  # the first has rows (`is_supported`)
     count = len(groups)
     attended = sum(rows.shape[1] for rows, _ in groups)
-    tiles = -(-attended // TILE)
-    logits_kernel = compiled_kernel(logits_kernel_name(count), _LOGITS_INPUTS[count], ("logits", "stats"), _LOGITS_SOURCES[count],
+    tiles = -(-attended // TILE)  # the softmax statistics' 16-row tiles
+    logits_kernel = compiled_kernel(logits_kernel_name(count), _LOGITS_INPUTS[count], ("products", "stats"), _LOGITS_SOURCES[count],
                                     _HEADER)
-    logits, stats = logits_kernel(
+    products, stats = logits_kernel(
         inputs=[q] + [a for rows, valid in groups for a in (rows, valid.astype(mx.bool_))],
         template=logits_template(q.dtype, heads, dim, scale),
-        grid=(tiles * LOGIT_THREADS, tokens, 1),  # threads, as mx.fast.cuda_kernel counts them: a block per (16 rows, token)
-        threadgroup=(LOGIT_THREADS, 1, 1),
+        grid=(-(-attended // LOGIT_ROWS) * THREADS, tokens, 1),  # threads, as mx.fast.cuda_kernel counts them: a block per (32 rows, token)
+        threadgroup=(THREADS, 1, 1),
         output_shapes=[(tokens, heads, attended), (tokens, heads, tiles, 2)],
-        output_dtypes=[mx.float32, mx.float32],
+        output_dtypes=[q.dtype, mx.float32],
     )  # [T, H, R], [T, H, R / 16, 2]
     output_kernel = compiled_kernel(output_kernel_name(count), _OUTPUT_INPUTS[count], ("out",), _OUTPUT_SOURCES[count], _HEADER)
     (out,) = output_kernel(
-        inputs=[logits, stats] + [rows for rows, _ in groups] + [sinks],
-        template=output_template(q.dtype, sinks.dtype, heads, dim),
-        grid=(dim // COLUMNS * output_threads(heads), tokens, 1),  # a block per (COLUMNS columns, token)
+        inputs=[products, stats] + [rows for rows, _ in groups] + [sinks],
+        template=output_template(q.dtype, sinks.dtype, heads, dim, scale),
+        grid=(dim // COLUMNS * heads // block_heads(heads) * output_threads(heads), tokens, 1),  # a block per (columns, heads, token)
         threadgroup=(output_threads(heads), 1, 1),
         output_shapes=[q.shape],
         output_dtypes=[q.dtype],

@@ -96,6 +96,17 @@ def test_the_kernel_is_chosen_by_a_rows_own_sizes_and_the_switch(monkeypatch):
     assert not supported(q, [group(128)])
 
 
+def test_the_output_kernels_heads_a_block_depend_on_the_heads_only(monkeypatch):
+    """64 heads a block where they divide the heads (V4's 64: a block a token and 64 columns), else one tile's 16;
+    a probe's forced layout where it divides them; a layout the shared arrays do not hold is refused."""
+    assert [decode_attention_cuda.block_heads(h) for h in (16, 48, 64, 128)] == [16, 16, 64, 64]
+    assert decode_attention_cuda.output_threads(64) == 256  # (64 heads / 16) x (64 columns / 32) warps
+    monkeypatch.setattr(decode_attention_cuda, "_forced_block_heads", 32)
+    assert [decode_attention_cuda.block_heads(h) for h in (16, 64, 128)] == [16, 32, 32]
+    with pytest.raises(ValueError, match="heads a block"):
+        decode_attention_cuda.force_block_heads(128)
+
+
 @pytest.mark.parametrize("value, expected", [(None, "True"), ("0", "False"), ("1", "True")])
 def test_the_switch_reads_its_environment_variable(value, expected):
     from tests.support.env_switch import switch_in_fresh_process

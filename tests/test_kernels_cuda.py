@@ -221,17 +221,20 @@ def test_decode_attention_kernel_is_the_mixed_attention_to_the_rows_rounding(tok
     assert np.all(np.abs(got64 - want64) <= 2 * bound)
 
 
-@pytest.mark.parametrize("slices", [None, 1, 2])
-def test_decode_attention_kernel_gives_a_token_the_same_bits_at_every_batch_size(slices, monkeypatch):
+@pytest.mark.parametrize("block_heads", [None, 16, 32])
+def test_decode_attention_kernel_gives_a_token_the_same_bits_at_every_batch_size(block_heads, monkeypatch):
     """A token's output depends on its own rows only: each block reads one token's data, and its sums have one order
-    whatever the tokens a call — in the output kernel's default layout (a tile's rows over 4 warps at 64 heads) and in
-    the layouts a probe compares (1: session 20's one warp a tile, 2), each also within the float64 bound."""
+    whatever the tokens a call — and whatever the output kernel's heads a block (a probe compares those layouts:
+    each (16 heads, 32 columns) tile's sums run in the same order in all of them); the batch also within the
+    float64 bound."""
     from tessera.kernels import decode_attention_cuda
     from tessera.kernels.decode_attention_cuda import decode_attention_kernel
 
-    monkeypatch.setattr(decode_attention_cuda, "_forced_slices", slices)
     q, groups, sinks = _decode_attention_inputs(16, 64, 512, (128, 512), False, mx.bfloat16)
+    default = decode_attention_kernel(q, groups, sinks, 512**-0.5)
+    monkeypatch.setattr(decode_attention_cuda, "_forced_block_heads", block_heads)
     batch = decode_attention_kernel(q, groups, sinks, 512**-0.5)
+    assert mx.array_equal(batch, default).item()
     for a, b in ((0, 1), (7, 8), (15, 16), (3, 9), (2, 5)):
         part = decode_attention_kernel(q[a:b], [(r[a:b], v[a:b]) for r, v in groups], sinks, 512**-0.5)
         assert mx.array_equal(part, batch[a:b]).item(), (a, b)

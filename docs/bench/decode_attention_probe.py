@@ -4,9 +4,10 @@ the host's time to encode a call and the device's time to run it, at V4 Flash's 
 
 python docs/bench/decode_attention_probe.py OUT.jsonl [--batch 1 16] [--calls 20] [--rounds 2] [--arms kernel reference]
 
-Arms: `reference` (MLX), `kernel` (the kernels as `row_slices` lays them out) and `kernel:N` (the output kernel's rows
-split over N warps a tile, `decode_attention_cuda.force_row_slices`; `kernel:1` is session 20's layout). The
-arms run in the given order, then reversed, `--rounds` times (A B C C B A).
+Arms: `reference` (MLX), `kernel` (kernels/decode_attention_cuda.py as `block_heads` lays it out) and `kernel:N`
+(the output kernel's blocks N heads each, `force_block_heads`). The arms run in the given order, then reversed,
+`--rounds` times (A B C C B A). (Session 22's `kernel:N` compared row slices of the layout before the staged one:
+at 9d17936 in the history.)
 
 (Session 19's `--heads-per-block` arms timed the CUDA-core kernel's layouts; that kernel was replaced by the
 tensor-core kernels in session 20, and the option with it: it is at 7bb3b78 in the history.)
@@ -77,7 +78,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--spin-ms", type=float, default=20.0)
     p.add_argument("--rows", type=int, default=SELECTED, help="the second group's rows a token (HCA at 1M tokens: 8192)")
-    p.add_argument("--arms", nargs="+", default=["kernel", "reference"], help="reference, kernel or kernel:N (N row slices)")
+    p.add_argument("--arms", nargs="+", default=["kernel", "reference"], help="reference, kernel or kernel:N (N heads a block)")
     args = p.parse_args()
     for arm in args.arms:  # a misspelt arm stops the run before anything is measured
         use_arm(arm)
@@ -92,20 +93,21 @@ def main() -> None:
             use_arm(arm)
             for batch in args.batch:
                 emit("round", arm=arm, batch=batch, rows=WINDOW + args.rows, calls=args.calls,
-                     slices=decode_attention_cuda.row_slices(HEADS), kernel_ran=decode_attention_cuda.is_supported(*sets[batch][0][:2]),
+                     block_heads=decode_attention_cuda.block_heads(HEADS), kernel_ran=decode_attention_cuda.is_supported(*sets[batch][0][:2]),
                      **measure(sets[batch], cycles, spin_alone))
     finally:
         decode_attention_cuda.set_kernel_enabled(saved)
-        decode_attention_cuda.force_row_slices(None)
+        decode_attention_cuda.force_block_heads(None)
 
 
 def use_arm(arm: str) -> None:
-    """reference | kernel | kernel:N -> the switch and the output kernel's row slices."""
-    name, _, slices = arm.partition(":")
-    if name not in ("kernel", "reference") or (slices and (name != "kernel" or not slices.isdigit())):
-        raise SystemExit(f"--arms: {arm!r} is not reference, kernel or kernel:N")
+    """reference | kernel | kernel:N -> the switch and the output kernel's heads a block."""
+    name, _, heads = arm.partition(":")
+    if name not in ("kernel", "reference") or (heads and (name != "kernel" or heads not in ("16", "32", "64"))):
+        raise SystemExit(f"--arms: {arm!r} is not reference, kernel or kernel:16|32|64")
     decode_attention_cuda.set_kernel_enabled(name == "kernel")
-    decode_attention_cuda.force_row_slices(int(slices) if slices else None)
+    decode_attention_cuda.force_block_heads(int(heads) if heads else None)
+
 
 if __name__ == "__main__":
     main()

@@ -76,19 +76,26 @@ def wrapped(kernel: KernelText) -> str:
 
 
 def decode_attention_texts() -> list[KernelText]:
-    """kernels/decode_attention_cuda.py's two kernels, one and two groups each, bf16 and fp16, at V4 Flash's CSA
-    shapes (64 heads of 512)."""
+    """kernels/decode_attention_cuda.py's two kernels, one and two groups each: bf16 and fp16 at V4 Flash's CSA
+    shapes (64 heads of 512), and bf16 at the bounds the shared arrays are sized by (MAX_HEADS; 16 heads of 256)."""
     dac, f32, texts = decode_attention_cuda, mx.float32, []
-    for dtype in (mx.bfloat16, mx.float16):
+    for dtype, heads, dim in ((mx.bfloat16, 64, 512), (mx.float16, 64, 512), (mx.bfloat16, dac.MAX_HEADS, 512), (mx.bfloat16, 16, 256)):
         for groups, rows in ((1, (("rows_a", dtype), ("valid_a", mx.bool_))),
                              (2, (("rows_a", dtype), ("valid_a", mx.bool_), ("rows_b", dtype), ("valid_b", mx.bool_)))):
-            suffix = "" if dtype == mx.bfloat16 else "_float16"  # one line each in the report
-            texts.append(KernelText(dac.logits_kernel_name(groups) + suffix, (("q", dtype),) + rows, (("logits", f32), ("stats", f32)),
-                                    dac._LOGITS_SOURCES[groups], dac._HEADER, tuple(dac.logits_template(dtype, 64, 512, 512**-0.5))))
+            suffix = ("" if dtype == mx.bfloat16 else "_float16") + ("" if (heads, dim) == (64, 512) else f"_{heads}x{dim}")
+            texts.append(KernelText(dac.logits_kernel_name(groups) + suffix, (("q", dtype),) + rows, (("products", dtype), ("stats", f32)),
+                                    dac._LOGITS_SOURCES[groups], dac._HEADER, tuple(dac.logits_template(dtype, heads, dim, dim**-0.5))))
             row_inputs = tuple(r for r in rows if r[0].startswith("rows"))
-            texts.append(KernelText(dac.output_kernel_name(groups) + suffix, (("logits", f32), ("stats", f32)) + row_inputs + (("sinks", f32),),
+            texts.append(KernelText(dac.output_kernel_name(groups) + suffix, (("products", dtype), ("stats", f32)) + row_inputs + (("sinks", f32),),
                                     (("out", dtype),), dac._OUTPUT_SOURCES[groups], dac._HEADER,
-                                    tuple(dac.output_template(dtype, f32, 64, 512))))
+                                    tuple(dac.output_template(dtype, f32, heads, dim, dim**-0.5))))
+    dac.force_block_heads(32)  # the probe's other layout of the output kernel
+    try:
+        other = tuple(dac.output_template(mx.bfloat16, f32, 64, 512, 512**-0.5))
+    finally:
+        dac.force_block_heads(None)
+    texts.append(KernelText(dac.output_kernel_name(2) + "_32_heads_a_block", texts[3].inputs, texts[3].outputs, texts[3].source,
+                            dac._HEADER, other))
     return texts
 
 
