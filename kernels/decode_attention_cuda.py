@@ -15,15 +15,17 @@ row once per block — 16 times a token — which made 16 tokens ~10× slower on
 heads against each row it stages:
 - `logits` kernel: a block per (token, 32 rows), eight warps; the head dim in staged steps of 64: the block's
   16-byte loads of the next step's q [H, 64] and rows [32, 64] run while its warps multiply this step's from
-  shared memory (a warp a unit of 16 heads × 16 rows) -> the token's logits [H, R] in float32, rounded to the
-  rows' dtype, scaled, -inf where invalid; and each head's max and exp-sum over each 16-row tile;
-- `output` kernel: a block per (token, COLUMNS output columns), eight warps; first each head's max and
-  normalizer from the tiles' and its sink (a warp a head), then the rows in staged steps of 64 (32 past 64
-  heads): the next step's rows [64, COLUMNS] and logits [H, 64] load while the warps multiply this step's
-  probabilities (computed once a step, by the thread that stages them, rounded to the rows' dtype) by its rows
-  (a warp a tile of 16 heads × 32 columns).
+  shared memory (a warp a unit of 16 heads × 16 rows) -> the token's products [H, R] rounded to the rows' dtype
+  (-inf where invalid; the output kernel scales them as the logits are scaled here: the same float32 from half
+  the bytes); and each head's max and exp-sum of the logits over each 16-row tile;
+- `output` kernel: a block per (token, COLUMNS output columns, `block_heads` heads), a warp a tile of 16 heads ×
+  32 columns; first its heads' max and normalizer from the tiles' and the sinks (all of a warp's heads' tiles
+  loaded at once), then the rows in staged steps of 64: the next step's rows [64, COLUMNS] and products
+  [heads, 64] load while the warps multiply this step's probabilities (computed once a step, by the thread that
+  stages them, rounded to the rows' dtype) by its rows.
 Sessions 20–22's layouts loaded each operand straight from global memory into the mma's registers, a few
-scalar loads at a time: latency-bound, 3–10× MLX's device time at 16 tokens (docs/BENCHMARKS.md, "Session 22").
+scalar loads at a time: latency-bound, 3–8× MLX's device time at 16 tokens; staged, ~1.3× (docs/BENCHMARKS.md,
+"Session 22", "Session 23").
 Every sum has one order whatever the batch — a block reads one token's data and its shape does not depend on
 the batch — so a token's output is the same bits at every batch size and position in it.
 
