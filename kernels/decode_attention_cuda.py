@@ -176,10 +176,7 @@ __device__ void tile_logits(const T* q, const T* rows_a, const bool* valid_a, in
   const int r0 = blockIdx.x * LOGIT_ROWS;
   const int count = count_a + count_b;
   const int tiles = (count + 15) / 16;
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int g = lane >> 2;
-  const int i = lane & 3;
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, i = threadIdx.x & 3;  // lane = 4 g + i (the fragments')
   const bool aligned = all_aligned(q, rows_a, rows_b);
   const T* q_t = q + (size_t)t * H * D;
   const int my_row = threadIdx.x / 8;  // the row and 8 columns of a step this thread stages
@@ -368,10 +365,7 @@ __device__ void tile_output(const T* products, const float* stats, const T* rows
   const int hb0 = (blockIdx.x / (D / OUT_COLUMNS)) * HB;  // the block's first head
   const int count = count_a + count_b;
   const int tiles = (count + 15) / 16;
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int g = lane >> 2;
-  const int i = lane & 3;
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, i = threadIdx.x & 3;  // lane = 4 g + i (the fragments')
   const int h0 = 16 * (warp % HEAD_TILES);  // the warp's tile, in the block's heads
   const int cw = 32 * (warp / HEAD_TILES);  // and in its columns
   const bool aligned = all_aligned(rows_a, rows_b, rows_a);
