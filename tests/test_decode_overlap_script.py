@@ -29,13 +29,14 @@ def test_overlap_script_times_every_arm_in_alternating_rounds(tmp_path):
 
 
 def test_the_kernel_arms_run_with_their_kernel_switched_and_restore_it_after():
-    """serving_overlap_sinkhorn_thread, serving_overlap_no_hc_mix and serving_overlap_no_decode_attention run the
-    serving arm with TESSERA_SINKHORN_WARP, TESSERA_HC_MIX_KERNEL or TESSERA_DECODE_ATTENTION_KERNEL off: a stand-in
-    model and cache report the switches the moment the arm first uses them."""
+    """serving_overlap_sinkhorn_thread, serving_overlap_no_hc_mix, serving_overlap_no_decode_attention and
+    serving_overlap_no_rms_norm run the serving arm with TESSERA_SINKHORN_WARP, TESSERA_HC_MIX_KERNEL,
+    TESSERA_DECODE_ATTENTION_KERNEL or TESSERA_RMS_NORM_KERNEL off: a stand-in model and cache report the switches
+    the moment the arm first uses them."""
     import importlib.util
     from pathlib import Path
 
-    from tessera.kernels import decode_attention_cuda, hc_mix, sinkhorn
+    from tessera.kernels import decode_attention_cuda, hc_mix, rms_norm_cuda, sinkhorn
 
     path = Path(__file__).resolve().parents[1] / "docs/bench/issue14_decode_overlap.py"
     spec = importlib.util.spec_from_file_location("issue14_decode_overlap", path)
@@ -50,7 +51,7 @@ def test_the_kernel_arms_run_with_their_kernel_switched_and_restore_it_after():
 
         def __getattr__(self, name):
             raise Seen({"sinkhorn_warp": sinkhorn.warp_enabled(), "hc_mix": hc_mix.kernel_enabled(),
-                        "decode_attention": decode_attention_cuda.kernel_enabled()})
+                        "decode_attention": decode_attention_cuda.kernel_enabled(), "rms_norm": rms_norm_cuda.kernel_enabled()})
 
     def switches_in(arm: str) -> dict:
         try:
@@ -59,9 +60,11 @@ def test_the_kernel_arms_run_with_their_kernel_switched_and_restore_it_after():
             return seen.args[0]
         raise AssertionError(f"{arm} never touched the model or cache")
 
-    on = {"sinkhorn_warp": True, "hc_mix": True, "decode_attention": True}
+    on = {"sinkhorn_warp": True, "hc_mix": True, "decode_attention": True, "rms_norm": True}
     assert switches_in("serving_overlap") == on
     assert switches_in("serving_overlap_sinkhorn_thread") == {**on, "sinkhorn_warp": False}
     assert switches_in("serving_overlap_no_hc_mix") == {**on, "hc_mix": False}
     assert switches_in("serving_overlap_no_decode_attention") == {**on, "decode_attention": False}
+    assert switches_in("serving_overlap_no_rms_norm") == {**on, "rms_norm": False}
     assert sinkhorn.warp_enabled() and hc_mix.kernel_enabled() and decode_attention_cuda.kernel_enabled()  # restored
+    assert rms_norm_cuda.kernel_enabled()

@@ -154,6 +154,59 @@ def test_hc_mix_kernel_gives_a_token_the_same_bits_at_every_batch_size():
     assert mx.array_equal(mix_logits_kernel(flat[:7], fn, scale, base, 1e-6), batch[:7]).item()
 
 
+def _rms_norm_inputs(shape: tuple[int, ...], dtype, weight_dtype, seed: int = 0):
+    rng = np.random.default_rng(seed + shape[-1])
+    x = mx.array(rng.standard_normal(shape, dtype=np.float32) * 3).astype(dtype)
+    weight = None if weight_dtype is None else mx.array(rng.uniform(0.5, 1.5, shape[-1:]).astype(np.float32)).astype(weight_dtype)
+    return x, weight
+
+
+@pytest.mark.parametrize("shape, dtype, weight_dtype", [
+    ((1, 4096), mx.bfloat16, mx.float32),     # attention's and the FFN's norm at one token
+    ((16, 4096), mx.bfloat16, mx.float32),
+    ((3, 1536), mx.bfloat16, mx.bfloat16),    # q_a's, a bf16 weight
+    ((16, 64, 512), mx.bfloat16, None),       # the heads' q, unweighted
+    ((1000, 512), mx.bfloat16, mx.float32),   # a prefill chunk's kv rows
+    ((5, 128), mx.float16, mx.float32),
+    ((7, 8), mx.bfloat16, None),              # one piece a row
+], ids=["hidden-1", "hidden-16", "q-lora-bf16-weight", "heads-unweighted", "many-rows", "float16", "narrow"])
+def test_rms_norm_kernel_is_the_reference_to_the_rows_rounding(shape, dtype, weight_dtype):
+    """Against a float64 evaluation: within one rounding to the rows' dtype (the float32 statistics add ~10⁻⁷);
+    against MLX's path (a cast, its norm, a cast back): at most one unit of the rows' dtype apart (its sums run in
+    another order), and equal nearly everywhere. A wrong weight, eps or width would move every row far past both."""
+    from tessera.kernels.rms_norm_cuda import is_supported, rms_norm_kernel, rms_norm_reference
+
+    x, weight = _rms_norm_inputs(shape, dtype, weight_dtype)
+    assert is_supported(x)
+    got = rms_norm_kernel(x, weight, 1e-6)
+    want = rms_norm_reference(x, weight, 1e-6)
+    x64 = np.array(x.astype(mx.float32), dtype=np.float64)
+    exact = x64 / np.sqrt((x64 * x64).mean(axis=-1, keepdims=True) + 1e-6)
+    if weight is not None:
+        exact = exact * np.array(weight.astype(mx.float32), dtype=np.float64)
+    unit = 2.0**-8 if dtype == mx.bfloat16 else 2.0**-11  # the rows' dtype's relative spacing, halved: one rounding
+    assert got.shape == x.shape and got.dtype == dtype
+    got64, want64 = (np.array(a.astype(mx.float32), dtype=np.float64) for a in (got, want))
+    assert np.all(np.abs(got64 - exact) <= unit * np.abs(exact) * 1.01 + 1e-30), float(np.max(np.abs(got64 - exact) / np.abs(exact)))
+    assert np.all(np.abs(got64 - want64) <= 2 * unit * np.abs(want64) + 1e-30)
+    assert np.mean(got64 == want64) >= 0.99
+
+
+def test_rms_norm_kernel_gives_a_row_the_same_bits_at_every_batch_size_and_any_offset():
+    """A row's norm depends on its own row only (a warp a row, its sums in one order); a view that starts off 16
+    bytes (the kernel's element loads) gives the same bits as the aligned buffer (its vector loads)."""
+    from tessera.kernels.rms_norm_cuda import rms_norm_kernel
+
+    x, weight = _rms_norm_inputs((16, 4096), mx.bfloat16, mx.float32)
+    batch = rms_norm_kernel(x, weight, 1e-6)
+    for r in (0, 5, 15):
+        assert mx.array_equal(rms_norm_kernel(x[r : r + 1], weight, 1e-6), batch[r : r + 1]).item(), r
+    assert mx.array_equal(rms_norm_kernel(x[:7], weight, 1e-6), batch[:7]).item()
+    flat = mx.concatenate([mx.zeros((1,), dtype=mx.bfloat16), x.reshape(-1)])
+    shifted = flat[1:].reshape(16, 4096)  # 2 bytes past the buffer's start
+    assert mx.array_equal(rms_norm_kernel(shifted, weight, 1e-6), batch).item()
+
+
 def _decode_attention_inputs(tokens: int, heads: int, dim: int, counts: tuple[int, ...], shared_last: bool, dtype):
     """q [T, H, d]; groups of (rows [T, R, d], valid [T, R]) with about a fifth of the rows invalid, each invalid
     row 6× larger than a valid one (attended, it would take most of its token's weight); sinks [H] from 2 to 7,

@@ -15,6 +15,8 @@ Arms, in the order A B … B A (--rounds times), each a mode of the same model-l
   the hyper-connections' mixing logits through MLX (TESSERA_HC_MIX_KERNEL=0, kernels/hc_mix.py); the other arms
   take its kernel (the default). compiled_no_decode_attention: compiled with the decode rows' mixed attention
   through MLX (TESSERA_DECODE_ATTENTION_KERNEL=0, kernels/decode_attention_cuda.py); the other arms take its kernel.
+  compiled_no_rms_norm: compiled with the RMS norms through MLX (casts around its norm, TESSERA_RMS_NORM_KERNEL=0,
+  kernels/rms_norm_cuda.py); the other arms take the one-launch kernel.
   (Session 13's `compiled_qmv` arm, a batch's projections through MLX's gemv in blocks of ≤ 7 rows, ran at
   commit db10e55; the switch it flipped was removed after the H200 measured it slower.)
 
@@ -58,7 +60,7 @@ from tessera.engine.model.compiled import set_step_compile_enabled, step_compile
 from tessera.engine.model.deepseek_v4 import Segment  # noqa: E402
 from tessera.engine.model.encode_thread import encode_thread  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled  # noqa: E402
-from tessera.kernels import decode_attention_cuda, hc_mix, mxfp8_qmv, sinkhorn  # noqa: E402
+from tessera.kernels import decode_attention_cuda, hc_mix, mxfp8_qmv, rms_norm_cuda, sinkhorn  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class Arm:
     sinkhorn_warp: bool = True
     hc_mix: bool = True
     decode_attention: bool = True
+    rms_norm: bool = True
 
 
 # switch -> (read it, set it)
@@ -81,7 +84,8 @@ SWITCHES = {"decode_async": (decode_async.decode_async_mode, decode_async.set_de
             "mxfp8_qmv": (mxfp8_qmv.kernel_enabled, mxfp8_qmv.set_kernel_enabled),
             "sinkhorn_warp": (sinkhorn.warp_enabled, sinkhorn.set_warp_enabled),
             "hc_mix": (hc_mix.kernel_enabled, hc_mix.set_kernel_enabled),
-            "decode_attention": (decode_attention_cuda.kernel_enabled, decode_attention_cuda.set_kernel_enabled)}
+            "decode_attention": (decode_attention_cuda.kernel_enabled, decode_attention_cuda.set_kernel_enabled),
+            "rms_norm": (rms_norm_cuda.kernel_enabled, rms_norm_cuda.set_kernel_enabled)}
 assert set(SWITCHES) == {f.name for f in fields(Arm)}
 
 ARMS = {"off": Arm(step_compile=False), "thread": Arm(decode_async="thread", step_compile=False),
@@ -90,7 +94,8 @@ ARMS = {"off": Arm(step_compile=False), "thread": Arm(decode_async="thread", ste
         "compiled_no_mxfp8_qmv": Arm(mxfp8_qmv=False),
         "compiled_sinkhorn_thread": Arm(sinkhorn_warp=False),
         "compiled_no_hc_mix": Arm(hc_mix=False),
-        "compiled_no_decode_attention": Arm(decode_attention=False)}
+        "compiled_no_decode_attention": Arm(decode_attention=False),
+        "compiled_no_rms_norm": Arm(rms_norm=False)}
 
 
 def step(model, caches, ids: list[int]) -> tuple[mx.array, float, float]:

@@ -30,7 +30,7 @@ from tests.support.source_tree import use_source_tree  # noqa: E402
 
 use_source_tree()  # `tessera.*` = this checkout, unless it already is
 
-from tessera.kernels import decode_attention_cuda, gather_qmv, hc_mix, indexer_cuda, moe_padded, mxfp8_qmv, row_gather, sinkhorn, topk_cuda  # noqa: E402
+from tessera.kernels import decode_attention_cuda, gather_qmv, hc_mix, indexer_cuda, moe_padded, mxfp8_qmv, rms_norm_cuda, row_gather, sinkhorn, topk_cuda  # noqa: E402
 
 PRELUDE = """
 #include <cuda_fp16.h>
@@ -99,6 +99,19 @@ def decode_attention_texts() -> list[KernelText]:
     return texts
 
 
+def rms_norm_texts() -> list[KernelText]:
+    """kernels/rms_norm_cuda.py's kernel: weighted with a float32 weight at V4 Flash's hidden width (MAX_WIDTH: the
+    most registers a lane holds) and a bf16 one at its head dim, unweighted at the head dim, fp16 rows."""
+    rn, bf16, f16, f32, texts = rms_norm_cuda, mx.bfloat16, mx.float16, mx.float32, []
+    for name, dtype, weight, width in (("hidden", bf16, f32, rn.MAX_WIDTH), ("head", bf16, bf16, 512), ("unweighted", bf16, None, 512),
+                                       ("float16", f16, f32, 1536)):
+        weighted = weight is not None
+        inputs = (("rows", dtype),) + ((("weight", weight),) if weighted else ())
+        texts.append(KernelText(f"{rn.kernel_name(weighted)}_{name}", inputs, (("out", dtype),), rn.kernel_source(weighted),
+                                rn._HEADER, tuple(rn.kernel_template(dtype, weight, width, 1e-6))))
+    return texts
+
+
 def checked_kernels() -> list[KernelText]:
     """Every kernel in kernels/, at V4 Flash's widths (batched kernels at 16 buffers)."""
     bf16, f32, i32, u32, u8 = mx.bfloat16, mx.float32, mx.int32, mx.uint32, mx.uint8
@@ -113,6 +126,7 @@ def checked_kernels() -> list[KernelText]:
         KernelText("tessera_hc_mix", (("flat", bf16), ("fn", f32), ("scale", f32), ("base", f32)), (("out", f32),),
                    hc_mix._SOURCE, hc_mix._HEADER, tuple(hc_mix.kernel_template(bf16, 1e-6))),
         *decode_attention_texts(),
+        *rms_norm_texts(),
         KernelText("tessera_take_rows", (("x", bf16), ("idx", i32)), (("out", bf16),), row_gather._SOURCE, "",
                    (("VECTORS_PER_ROW", 4096 * 2 // row_gather.VECTOR_BYTES),)),
         KernelText(gather_name, (("idx", i32), *((n, bf16) for n in gather_inputs[1:])), ((gather_outputs[0], bf16),),

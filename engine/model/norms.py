@@ -1,22 +1,34 @@
-"""RMS norms as V4 uses them: weighted (norm layers) and unweighted (per-head q norm, hyper-connections).
-Both compiled shapeless (kernels/shapeless.py): the dtype casts around the statistics fuse."""
+"""RMS norms as V4 uses them: weighted (norm layers) and unweighted (per-head q norm, hyper-connections), with
+statistics in float32. bf16 and fp16 rows on CUDA take one kernel (kernels/rms_norm_cuda.py: the casts around
+MLX's norm are two more launches a norm); elsewhere the reference, compiled shapeless (kernels/shapeless.py: the
+casts fuse with what is around them where they can)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from tessera.kernels import rms_norm_cuda
 from tessera.kernels.shapeless import shapeless
 
+_weighted_reference = shapeless(rms_norm_cuda.rms_norm_reference)
+
 
 @shapeless
+def _unweighted_reference(x: mx.array, eps: float) -> mx.array:
+    """`mx.fast.rms_norm` without a weight: one primitive on a GPU instead of a square, a sum, an element count and
+    the fused rest (the same bits as that per-op form on the CPU, tests/test_compiled.py)."""
+    return rms_norm_cuda.rms_norm_reference(x, None, eps)
+
+
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    """x: [..., D], weight: [D] -> [..., D]; statistics in float32."""
-    return mx.fast.rms_norm(x.astype(mx.float32), weight.astype(mx.float32), eps).astype(x.dtype)
+    """x: [..., D], weight: [D] -> [..., D] in x's dtype."""
+    if rms_norm_cuda.is_supported(x):
+        return rms_norm_cuda.rms_norm_kernel(x, weight, eps)
+    return _weighted_reference(x, weight, eps)
 
 
-@shapeless
 def unweighted_rms_norm(x: mx.array, eps: float) -> mx.array:
-    """x: [..., D] -> x · rsqrt(mean(x²) + eps), in float32. `mx.fast.rms_norm` without a weight: one
-    primitive on a GPU instead of a square, a sum, an element count and the fused rest (the same bits
-    as that per-op form on the CPU, tests/test_compiled.py)."""
-    return mx.fast.rms_norm(x.astype(mx.float32), None, eps).astype(x.dtype)
+    """x: [..., D] -> x · rsqrt(mean(x²) + eps) in x's dtype."""
+    if rms_norm_cuda.is_supported(x):
+        return rms_norm_cuda.rms_norm_kernel(x, None, eps)
+    return _unweighted_reference(x, eps)
