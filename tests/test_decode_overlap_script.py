@@ -30,9 +30,9 @@ def test_overlap_script_times_every_arm_in_alternating_rounds(tmp_path):
 
 def test_the_kernel_arms_run_with_their_kernel_switched_and_restore_it_after():
     """serving_overlap_sinkhorn_thread, serving_overlap_no_hc_mix, serving_overlap_no_decode_attention and
-    serving_overlap_no_rms_norm run the serving arm with TESSERA_SINKHORN_WARP, TESSERA_HC_MIX_KERNEL,
-    TESSERA_DECODE_ATTENTION_KERNEL or TESSERA_RMS_NORM_KERNEL off: a stand-in model and cache report the switches
-    the moment the arm first uses them."""
+    serving_overlap_rms_norm run the serving arm with TESSERA_SINKHORN_WARP, TESSERA_HC_MIX_KERNEL or
+    TESSERA_DECODE_ATTENTION_KERNEL off, or TESSERA_RMS_NORM_KERNEL on: a stand-in model and cache report the
+    switches the moment the arm first uses them."""
     import importlib.util
     from pathlib import Path
 
@@ -60,11 +60,11 @@ def test_the_kernel_arms_run_with_their_kernel_switched_and_restore_it_after():
             return seen.args[0]
         raise AssertionError(f"{arm} never touched the model or cache")
 
-    on = {"sinkhorn_warp": True, "hc_mix": True, "decode_attention": True, "rms_norm": True}
+    on = {"sinkhorn_warp": True, "hc_mix": True, "decode_attention": True, "rms_norm": False}
     assert switches_in("serving_overlap") == on
     assert switches_in("serving_overlap_sinkhorn_thread") == {**on, "sinkhorn_warp": False}
     assert switches_in("serving_overlap_no_hc_mix") == {**on, "hc_mix": False}
     assert switches_in("serving_overlap_no_decode_attention") == {**on, "decode_attention": False}
-    assert switches_in("serving_overlap_no_rms_norm") == {**on, "rms_norm": False}
+    assert switches_in("serving_overlap_rms_norm") == {**on, "rms_norm": True}
     assert sinkhorn.warp_enabled() and hc_mix.kernel_enabled() and decode_attention_cuda.kernel_enabled()  # restored
-    assert rms_norm_cuda.kernel_enabled()
+    assert not rms_norm_cuda.kernel_enabled()

@@ -170,12 +170,14 @@ def _rms_norm_inputs(shape: tuple[int, ...], dtype, weight_dtype, seed: int = 0)
     ((5, 128), mx.float16, mx.float32),
     ((7, 8), mx.bfloat16, None),              # one piece a row
 ], ids=["hidden-1", "hidden-16", "q-lora-bf16-weight", "heads-unweighted", "many-rows", "float16", "narrow"])
-def test_rms_norm_kernel_is_the_reference_to_the_rows_rounding(shape, dtype, weight_dtype):
+def test_rms_norm_kernel_is_the_reference_to_the_rows_rounding(shape, dtype, weight_dtype, monkeypatch):
     """Against a float64 evaluation: within one rounding to the rows' dtype (the float32 statistics add ~10⁻⁷);
     against MLX's path (a cast, its norm, a cast back): at most one unit of the rows' dtype apart (its sums run in
     another order), and equal nearly everywhere. A wrong weight, eps or width would move every row far past both."""
+    from tessera.kernels import rms_norm_cuda
     from tessera.kernels.rms_norm_cuda import is_supported, rms_norm_kernel, rms_norm_reference
 
+    monkeypatch.setattr(rms_norm_cuda, "_switch", rms_norm_cuda.Switch(rms_norm_cuda.ENV_VAR, default=True))  # off by default
     x, weight = _rms_norm_inputs(shape, dtype, weight_dtype)
     assert is_supported(x)
     got = rms_norm_kernel(x, weight, 1e-6)

@@ -42,6 +42,7 @@ def test_every_norm_of_a_step_goes_to_the_kernel_where_it_runs(tmp_path, monkeyp
     model = load_model(make_model(tmp_path / "m", "tiny", seed=4, with_tokenizer=False), dtype="bfloat16")
     reference = _logits(model)
     calls: list[str] = []
+    monkeypatch.setattr(rms_norm_cuda, "_switch", rms_norm_cuda.Switch(rms_norm_cuda.ENV_VAR, default=True))
     monkeypatch.setattr(rms_norm_cuda, "on_cuda", lambda: True)
     monkeypatch.setattr(rms_norm_cuda, "compile_enabled", lambda: True)
     monkeypatch.setattr(rms_norm_cuda, "rms_norm_kernel", _stand_in(calls))
@@ -55,6 +56,7 @@ def test_every_norm_of_a_step_goes_to_the_kernel_where_it_runs(tmp_path, monkeyp
 
 
 def test_the_kernel_takes_bf16_and_fp16_rows_of_a_width_it_holds(monkeypatch):
+    monkeypatch.setattr(rms_norm_cuda, "_switch", rms_norm_cuda.Switch(rms_norm_cuda.ENV_VAR, default=True))
     monkeypatch.setattr(rms_norm_cuda, "on_cuda", lambda: True)
     monkeypatch.setattr(rms_norm_cuda, "compile_enabled", lambda: True)
     supported = rms_norm_cuda.is_supported
@@ -81,7 +83,7 @@ def test_a_compiled_step_is_traced_anew_when_the_switch_flips():
     assert compiled._trace_switches() == before
 
 
-@pytest.mark.parametrize("value, expected", [(None, "True"), ("0", "False"), ("1", "True")])
+@pytest.mark.parametrize("value, expected", [(None, "False"), ("0", "False"), ("1", "True")])
 def test_the_switch_reads_its_environment_variable(value, expected):
     from tests.support.env_switch import switch_in_fresh_process
 

@@ -33,8 +33,8 @@ A B C D D C B A (--rounds times; --arms picks a subset). Every arm takes greedy 
 - serving_overlap_no_decode_attention: serving_overlap with the decode rows' mixed attention through MLX (cuBLAS
   products, masks, softmax, casts) instead of its one kernel (TESSERA_DECODE_ATTENTION_KERNEL=0,
   kernels/decode_attention_cuda.py).
-- serving_overlap_no_rms_norm: serving_overlap with the RMS norms through MLX (a cast, its norm, a cast back)
-  instead of one kernel a norm (TESSERA_RMS_NORM_KERNEL=0, kernels/rms_norm_cuda.py).
+- serving_overlap_rms_norm: serving_overlap with bf16 RMS norms in one kernel each instead of MLX's cast, norm and
+  cast back (TESSERA_RMS_NORM_KERNEL=1, kernels/rms_norm_cuda.py; off by default until measured on a GPU).
   Session 14's raw file also holds serving_overlap_qmv_bits and serving_overlap_qmv_prefetch, gather_qmv
   layouts since removed; session 18's serving_overlap_no_host_array_cache, a cache removed after it measured
   nothing (docs/ARCHITECTURE.md "Host-made arrays").
@@ -172,8 +172,8 @@ ARMS["serving_overlap_no_hc_mix"] = with_setting(hc_mix.kernel_enabled, hc_mix.s
 ARMS["serving_overlap_no_decode_attention"] = with_setting(
     decode_attention_cuda.kernel_enabled, decode_attention_cuda.set_kernel_enabled, False,
     ARMS["serving_overlap"])  # TESSERA_DECODE_ATTENTION_KERNEL=0
-ARMS["serving_overlap_no_rms_norm"] = with_setting(rms_norm_cuda.kernel_enabled, rms_norm_cuda.set_kernel_enabled, False,
-                                                   ARMS["serving_overlap"])  # TESSERA_RMS_NORM_KERNEL=0
+ARMS["serving_overlap_rms_norm"] = with_setting(rms_norm_cuda.kernel_enabled, rms_norm_cuda.set_kernel_enabled, True,
+                                                ARMS["serving_overlap"])  # TESSERA_RMS_NORM_KERNEL=1
 
 
 def main() -> None:

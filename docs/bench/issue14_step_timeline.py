@@ -15,8 +15,8 @@ Arms, in the order A B … B A (--rounds times), each a mode of the same model-l
   the hyper-connections' mixing logits through MLX (TESSERA_HC_MIX_KERNEL=0, kernels/hc_mix.py); the other arms
   take its kernel (the default). compiled_no_decode_attention: compiled with the decode rows' mixed attention
   through MLX (TESSERA_DECODE_ATTENTION_KERNEL=0, kernels/decode_attention_cuda.py); the other arms take its kernel.
-  compiled_no_rms_norm: compiled with the RMS norms through MLX (casts around its norm, TESSERA_RMS_NORM_KERNEL=0,
-  kernels/rms_norm_cuda.py); the other arms take the one-launch kernel.
+  compiled_rms_norm: compiled with bf16 RMS norms in one kernel each (TESSERA_RMS_NORM_KERNEL=1,
+  kernels/rms_norm_cuda.py); the other arms take MLX's path (a cast, its norm, a cast back: the default).
   (Session 13's `compiled_qmv` arm, a batch's projections through MLX's gemv in blocks of ≤ 7 rows, ran at
   commit db10e55; the switch it flipped was removed after the H200 measured it slower.)
 
@@ -74,7 +74,7 @@ class Arm:
     sinkhorn_warp: bool = True
     hc_mix: bool = True
     decode_attention: bool = True
-    rms_norm: bool = True
+    rms_norm: bool = False
 
 
 # switch -> (read it, set it)
@@ -95,7 +95,7 @@ ARMS = {"off": Arm(step_compile=False), "thread": Arm(decode_async="thread", ste
         "compiled_sinkhorn_thread": Arm(sinkhorn_warp=False),
         "compiled_no_hc_mix": Arm(hc_mix=False),
         "compiled_no_decode_attention": Arm(decode_attention=False),
-        "compiled_no_rms_norm": Arm(rms_norm=False)}
+        "compiled_rms_norm": Arm(rms_norm=True)}
 
 
 def step(model, caches, ids: list[int]) -> tuple[mx.array, float, float]:
