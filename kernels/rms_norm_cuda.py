@@ -49,10 +49,16 @@ def kernel_enabled() -> bool:
     return _switch.enabled()
 
 
-def rms_norm_reference(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
-    """x: [..., D], weight: [D] or None -> [..., D] in x's dtype; statistics in float32."""
-    w32 = None if weight is None else weight.astype(mx.float32)
-    return mx.fast.rms_norm(x.astype(mx.float32), w32, eps).astype(x.dtype)
+def rms_norm_reference(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """x: [..., D], weight: [D] -> [..., D] in x's dtype; statistics in float32."""
+    return mx.fast.rms_norm(x.astype(mx.float32), weight.astype(mx.float32), eps).astype(x.dtype)
+
+
+def unweighted_rms_norm_reference(x: mx.array, eps: float) -> mx.array:
+    """x: [..., D] -> x · rsqrt(mean(x²) + eps) in x's dtype. `mx.fast.rms_norm` without a weight: one primitive on a
+    GPU instead of a square, a sum, an element count and the fused rest (the same bits as that per-op form on the
+    CPU, tests/test_compiled.py)."""
+    return mx.fast.rms_norm(x.astype(mx.float32), None, eps).astype(x.dtype)
 
 
 def is_supported(x: mx.array) -> bool:
