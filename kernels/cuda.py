@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from functools import cache
 
 import mlx.core as mx
@@ -25,6 +26,12 @@ def on_cuda() -> bool:
 def compiled_kernel(name: str, inputs: tuple[str, ...], outputs: tuple[str, ...], source: str, header: str):
     """`mx.fast.cuda_kernel` for this source, built on first use (compilation happens at first call)."""
     return mx.fast.cuda_kernel(name=name, input_names=list(inputs), output_names=list(outputs), source=source, header=header)
+
+
+def float_bits(value: float) -> int:
+    """`value` as its float32 bit pattern, for a kernel's template (which takes integers only): the kernel reads it
+    back with `__int_as_float` and computes with exactly the float32 its reference uses."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
 def input_slots(num: int) -> int:

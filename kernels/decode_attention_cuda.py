@@ -51,12 +51,11 @@ where `is_supported`: CUDA, compilation on — kernels/shapeless.py —, the sha
 
 from __future__ import annotations
 
-import struct
 from typing import Sequence
 
 import mlx.core as mx
 
-from tessera.kernels.cuda import compiled_kernel, on_cuda
+from tessera.kernels.cuda import compiled_kernel, float_bits, on_cuda
 from tessera.kernels.shapeless import compile_enabled
 from tessera.kernels.switch import Switch
 
@@ -501,14 +500,8 @@ def output_kernel_name(groups: int) -> str:
     return f"tessera_decode_attention_output_{groups}"
 
 
-def scale_bits(scale: float) -> int:
-    """`scale` as its float32 bit pattern (a template takes integers only), so the kernels multiply by exactly the
-    float32 the reference multiplies by."""
-    return struct.unpack("<i", struct.pack("<f", scale))[0]
-
-
 def logits_template(dtype: mx.Dtype, heads: int, dim: int, scale: float) -> list[tuple[str, object]]:
-    return [("T", dtype), ("H", heads), ("D", dim), ("SCALE_BITS", scale_bits(scale))]
+    return [("T", dtype), ("H", heads), ("D", dim), ("SCALE_BITS", float_bits(scale))]
 
 
 _forced_block_heads: int | None = None
@@ -535,7 +528,7 @@ def output_threads(heads: int) -> int:
 
 
 def output_template(dtype: mx.Dtype, sinks_dtype: mx.Dtype, heads: int, dim: int, scale: float) -> list[tuple[str, object]]:
-    return [("T", dtype), ("S", sinks_dtype), ("H", heads), ("HB", block_heads(heads)), ("D", dim), ("SCALE_BITS", scale_bits(scale))]
+    return [("T", dtype), ("S", sinks_dtype), ("H", heads), ("HB", block_heads(heads)), ("D", dim), ("SCALE_BITS", float_bits(scale))]
 
 
 def decode_attention_kernel(q: mx.array, groups: Sequence[RowGroup], sinks: mx.array, scale: float) -> mx.array:

@@ -28,11 +28,9 @@ supported: CUDA, compilation on — kernels/shapeless.py —, up to MAX_ROWS tok
 
 from __future__ import annotations
 
-import struct
-
 import mlx.core as mx
 
-from tessera.kernels.cuda import compiled_kernel, on_cuda
+from tessera.kernels.cuda import compiled_kernel, float_bits, on_cuda
 from tessera.kernels.shapeless import compile_enabled
 from tessera.kernels.switch import Switch
 
@@ -127,8 +125,7 @@ _SOURCE = r"""
 def kernel_template(dtype: mx.Dtype, norm_eps: float) -> list[tuple[str, object]]:
     """The kernel's compile-time constants; `norm_eps` travels as its float32 bit pattern (a template takes
     integers only), so the kernel adds exactly the float32 the reference adds."""
-    (eps_bits,) = struct.unpack("<i", struct.pack("<f", norm_eps))
-    return [("T", dtype), ("THREADS", THREADS), ("EPS_BITS", eps_bits)]
+    return [("T", dtype), ("THREADS", THREADS), ("EPS_BITS", float_bits(norm_eps))]
 
 
 def mix_logits_kernel(flat: mx.array, fn32: mx.array, scale: mx.array, base32: mx.array, norm_eps: float) -> mx.array:

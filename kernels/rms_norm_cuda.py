@@ -24,11 +24,9 @@ compiled_rms_norm and serving_overlap_rms_norm) wait for a lease (docs/BENCHMARK
 
 from __future__ import annotations
 
-import struct
-
 import mlx.core as mx
 
-from tessera.kernels.cuda import compiled_kernel, on_cuda
+from tessera.kernels.cuda import compiled_kernel, float_bits, on_cuda
 from tessera.kernels.shapeless import compile_enabled
 from tessera.kernels.switch import Switch
 
@@ -161,9 +159,8 @@ def kernel_source(weighted: bool) -> str:
 def kernel_template(dtype: mx.Dtype, weight_dtype: mx.Dtype | None, width: int, eps: float) -> list[tuple[str, object]]:
     """`eps` travels as its float32 bit pattern (a template takes integers only): the kernel adds exactly the
     float32 the reference adds."""
-    (eps_bits,) = struct.unpack("<i", struct.pack("<f", eps))
     weight = [] if weight_dtype is None else [("W", weight_dtype)]
-    return [("T", dtype), *weight, ("D", width), ("EPS_BITS", eps_bits)]
+    return [("T", dtype), *weight, ("D", width), ("EPS_BITS", float_bits(eps))]
 
 
 def rms_norm_kernel(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:

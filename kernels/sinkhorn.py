@@ -26,11 +26,9 @@ the thread per token (1, the default, the warp layout).
 
 from __future__ import annotations
 
-import struct
-
 import mlx.core as mx
 
-from tessera.kernels.cuda import compiled_kernel, on_cuda
+from tessera.kernels.cuda import compiled_kernel, float_bits, on_cuda
 from tessera.kernels.switch import Switch
 
 ENV_VAR = "TESSERA_SINKHORN_KERNEL"
@@ -159,8 +157,7 @@ THREADS = 128
 def kernel_template(hc: int, iters: int, eps: float) -> list[tuple[str, int]]:
     """The kernel's compile-time constants. `eps` travels as its float32 bit pattern (a template takes
     integers only), so the kernel adds exactly the float32 the reference adds; no per-call input arrays."""
-    (eps_bits,) = struct.unpack("<i", struct.pack("<f", eps))
-    return [("HC", hc), ("ITERS", iters), ("EPS_BITS", eps_bits)]
+    return [("HC", hc), ("ITERS", iters), ("EPS_BITS", float_bits(eps))]
 
 
 def tokens_per_warp(hc: int) -> int:

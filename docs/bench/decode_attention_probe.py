@@ -103,10 +103,13 @@ def main() -> None:
 def use_arm(arm: str) -> None:
     """reference | kernel | kernel:N -> the switch and the output kernel's heads a block."""
     name, _, heads = arm.partition(":")
-    if name not in ("kernel", "reference") or (heads and (name != "kernel" or heads not in ("16", "32", "64"))):
-        raise SystemExit(f"--arms: {arm!r} is not reference, kernel or kernel:16|32|64")
+    if name not in ("kernel", "reference") or (heads and (name != "kernel" or not heads.isdigit())):
+        raise SystemExit(f"--arms: {arm!r} is not reference, kernel or kernel:N")
     decode_attention_cuda.set_kernel_enabled(name == "kernel")
-    decode_attention_cuda.force_block_heads(int(heads) if heads else None)
+    try:
+        decode_attention_cuda.force_block_heads(int(heads) if heads else None)
+    except ValueError as refused:  # a layout the kernel's shared arrays do not hold
+        raise SystemExit(f"--arms: {arm!r}: {refused}") from None
 
 
 if __name__ == "__main__":

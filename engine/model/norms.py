@@ -1,7 +1,6 @@
-"""RMS norms as V4 uses them: weighted (norm layers) and unweighted (per-head q norm, hyper-connections), with
-statistics in float32. bf16 and fp16 rows on CUDA take one kernel where TESSERA_RMS_NORM_KERNEL=1
-(kernels/rms_norm_cuda.py: the casts around MLX's norm are two more launches a norm); elsewhere the reference, compiled shapeless (kernels/shapeless.py: the
-casts fuse with what is around them where they can)."""
+"""RMS norms as V4 uses them: weighted (norm layers) and unweighted (per-head q norm), statistics in float32.
+bf16 and fp16 rows on CUDA take one kernel where TESSERA_RMS_NORM_KERNEL=1 (kernels/rms_norm_cuda.py: the casts
+around MLX's norm are two more launches a norm); elsewhere the reference, compiled shapeless (kernels/shapeless.py)."""
 
 from __future__ import annotations
 
