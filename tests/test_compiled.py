@@ -17,6 +17,7 @@ from tessera.engine.model import hyper
 from tessera.kernels import shapeless as compiled
 from tests.support.env_switch import switch_in_fresh_process
 from tests.support.graph_nodes import primitive_kinds
+from tests.support.rope_tables import padded_rope_tables
 
 HC, WIDTH, ITERS, EPS = 4, 48, 20, 1e-6
 
@@ -176,10 +177,26 @@ def test_rope_gives_the_reference_bits_for_every_shape(dtype, enabled):
     for step, shape in enumerate([(1, 8, 48), (5, 8, 48), (3, 48), (9, 2, 48), (1, 48)]):
         x = mx.random.normal(shape, key=mx.random.key(step)).astype(dtype)
         cos, sin = (mx.random.normal((shape[0], 16), key=mx.random.key(100 + step + k)) for k in range(2))
-        got = apply_rope(x, cos, sin)
+        tables = padded_rope_tables(cos, sin, shape[-1])
+        got = apply_rope(x, tables)
         assert got.shape == x.shape and got.dtype == dtype
         assert mx.array_equal(got, _reference_rope(x, cos, sin)).item(), shape
-        assert mx.array_equal(apply_rope(got, cos, -sin)[..., :16], x[..., :16]).item()  # the nope channels pass through
+        assert mx.array_equal(apply_rope(got, tables.inverse())[..., :16], x[..., :16]).item()  # the nope channels pass through
+        rope_only = x[..., 16:]  # every channel rotates (the indexer's keys)
+        assert mx.array_equal(apply_rope(rope_only, padded_rope_tables(cos, sin, 32)), _reference_rope(rope_only, cos, sin)).item()
+
+
+def test_rope_passes_the_unrotated_channels_through_bit_for_bit():
+    """-0, infinities and NaN in the channels that do not rotate come out as they went in (a product with
+    cos 1 / sin 0 would not keep them)."""
+    from tessera.engine.model.rope import apply_rope
+
+    x = mx.array([[-0.0, mx.inf, -mx.inf, mx.nan, 1.0, 2.0, 3.0, 4.0]], dtype=mx.bfloat16)
+    cos, sin = mx.array([[0.5, 0.25]]), mx.array([[0.75, -0.5]])
+    got = apply_rope(x, padded_rope_tables(cos, sin, 8))
+    want_bits = np.array(x[..., :4].view(mx.uint16))
+    assert np.array_equal(np.array(got[..., :4].view(mx.uint16)), want_bits)
+    assert mx.array_equal(got, _reference_rope(x, cos, sin), equal_nan=True).item()
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
@@ -249,20 +266,21 @@ def test_decode_pieces_stay_within_their_node_budgets(tmp_path):
     attention over window + selected rows, a layer's hyper-connection mixing and its expand keep
     the counts they were cut to (were 16, 24, 16 and 7 nodes)."""
     from tessera.engine.model.config import RopeSpec
-    from tessera.engine.model.rope import apply_rope, cos_sin
+    from tessera.engine.model.rope import apply_rope, rope_tables
     from tessera.kernels.sparse_attention import mixed_attention_reference
 
     compiled.set_compile_enabled(True)
     key = lambda i: mx.random.key(i)  # noqa: E731
-    cos, sin = cos_sin(RopeSpec(theta=10000.0, dim=16), mx.array([7]))
     q = mx.random.normal((1, 4, 48), key=key(1))
     rows = [mx.random.normal((1, n, 48), key=key(2 + n)) for n in (8, 16)]
     valid = [mx.ones((1, n), dtype=mx.bool_) for n in (8, 16)]
     sinks = mx.random.normal((4,), key=key(3))
     streams = mx.random.normal((1, HC, WIDTH), key=key(4))
     w = _weights(mx.float32, 5)
-    mx.eval(cos, sin, q, rows, valid, sinks, streams, w.fn_t32, w.base32, w.scale_per_mix)
-    assert _node_count([apply_rope(q, cos, sin)], tmp_path / "rope.dot") <= 6
+    mx.eval(q, rows, valid, sinks, streams, w.fn_t32, w.base32, w.scale_per_mix)
+    tables = rope_tables(RopeSpec(theta=10000.0, dim=16), mx.array([7]), 48)
+    mx.eval(tables.cos, tables.sin)
+    assert _node_count([apply_rope(q, tables)], tmp_path / "rope.dot") <= 4
     assert _node_count([mixed_attention_reference(q, list(zip(rows, valid)), sinks, 0.1)], tmp_path / "attn.dot") <= 15
     post, comb, collapsed = hyper.hyper_weights(streams, w, ITERS, EPS, EPS)
     assert _node_count([post, collapsed], tmp_path / "hyper.dot") <= 14  # the Sinkhorn's nodes left out

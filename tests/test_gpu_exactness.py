@@ -24,6 +24,7 @@ from tessera.kernels.indexer import mask_invisible, select_topk_reference
 from tessera.kernels.sparse_attention import mixed_attention_reference
 from tests.equivalence.row_invariant_blas import row_invariant_blas
 # CHUNK = 320: 2.5 attention blocks; CTX ends inside a compression block
+from tests.support.rope_tables import padded_rope_tables
 from tests.support.tiling_model import CHUNK, CTX, model, model_dir  # noqa: F401 (fixtures)
 
 
@@ -90,31 +91,32 @@ def _projection_inputs(model, rows: int):
     q_residual = mx.array(rng.standard_normal((rows, cfg.q_lora_rank), dtype=np.float32))
     cos = mx.array(rng.standard_normal((rows, cfg.qk_rope_head_dim // 2), dtype=np.float32))
     sin = mx.array(rng.standard_normal((rows, cfg.qk_rope_head_dim // 2), dtype=np.float32))
-    return q_residual, cos, sin, model.layers[layer].attn, cfg, layer
+    tables = padded_rope_tables(cos, sin, cfg.head_dim), padded_rope_tables(cos, sin, cfg.index_head_dim)
+    return q_residual, tables, model.layers[layer].attn, cfg, layer
 
 
 @pytest.mark.parametrize("r0,r1", [(0, 1), (0, 256), (255, 257), (100, 613), (256, 512), (511, 700), (699, 700)])
 def test_query_blocks_return_the_rows_asked_for(model, r0, r1):
-    q_residual, cos, sin, w, cfg, layer = _projection_inputs(model, 700)
+    q_residual, (tables, index_tables), w, cfg, layer = _projection_inputs(model, 700)
     whole_q, whole_index_q = [], []
     for j in range(0, 700, PROJECTION_ROWS):  # every block by itself: the rows' true values
-        blocks = attention._QueryBlocks(q_residual, cos, sin, w, cfg, layer)
+        blocks = attention._QueryBlocks(q_residual, tables, index_tables, w, cfg, layer)
         q, index_q = blocks.rows(j, min(j + PROJECTION_ROWS, 700))
         whole_q.append(q), whole_index_q.append(index_q)
-    q, index_q = attention._QueryBlocks(q_residual, cos, sin, w, cfg, layer).rows(r0, r1)
+    q, index_q = attention._QueryBlocks(q_residual, tables, index_tables, w, cfg, layer).rows(r0, r1)
     assert mx.array_equal(q, mx.concatenate(whole_q)[r0:r1]).item()
     assert mx.array_equal(index_q, mx.concatenate(whole_index_q)[r0:r1]).item()
 
 
 @pytest.mark.parametrize("pieces", [[700], [1, 699], [255, 2, 443], [701 - 1], [128] * 5 + [60], [7] * 100])
 def test_output_blocks_project_the_same_rows_whatever_the_pieces(model, pieces):
-    q_residual, cos, sin, w, cfg, _ = _projection_inputs(model, 700)
+    q_residual, (tables, _), w, cfg, _ = _projection_inputs(model, 700)
     rng = np.random.default_rng(1)
     out = mx.array(rng.standard_normal((700, cfg.num_attention_heads, cfg.head_dim), dtype=np.float32))
-    reference = attention._OutputBlocks(cos, sin, w, cfg)
+    reference = attention._OutputBlocks(tables, w, cfg)
     reference.add(out)
     expected = reference.result()
-    blocks, start = attention._OutputBlocks(cos, sin, w, cfg), 0
+    blocks, start = attention._OutputBlocks(tables, w, cfg), 0
     for n in pieces:
         blocks.add(out[start : start + n])
         start += n

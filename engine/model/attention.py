@@ -31,7 +31,7 @@ from tessera.engine.model.config import CSA, HCA, WINDOW, ModelConfig
 from tessera.engine.model.decode_attention import DecodeRows, decode_attention
 from tessera.engine.model.norms import rms_norm, unweighted_rms_norm
 from tessera.engine.model.quantized import dense_min_rows, for_rows, grouped_linear, linear
-from tessera.engine.model.rope import StepRope, apply_rope
+from tessera.engine.model.rope import RopeTables, StepRope, apply_rope
 from tessera.engine.model.trace import ForwardTrace
 from tessera.kernels.indexer import indexer_scores, select_topk
 from tessera.kernels.sparse_attention import mixed_attention, shared_rows
@@ -99,13 +99,15 @@ def attention(
     timer: ForwardTrace,
 ) -> mx.array:
     """x: [T, D] (normed block input), rope: the step's RoPE tables (its positions [T]) -> [T, D]."""
-    cos, sin, neg_sin = rope.tables(cfg.rope_for(layer))
+    spec = cfg.rope_for(layer)
+    tables = rope.tables(spec, cfg.head_dim)
+    index_tables = rope.tables(spec, cfg.index_head_dim) if cfg.has_indexer(layer) else None  # the compress table
     w = _for_batch(w, x.shape[0], x.dtype)
     decode_step = all(seg.length == 1 for seg in segments)
     use_stacked = decode_step and w.stacked_inputs is not None and stacked_inputs_enabled()
-    chunk = _project_chunk(x, cos, sin, w, cfg, layer, w.stacked_inputs.project(x) if use_stacked else None)
-    queries = _QueryBlocks(chunk.q_residual, cos, sin, w, cfg, layer)
-    output = _OutputBlocks(cos, neg_sin, w, cfg)
+    chunk = _project_chunk(x, tables, w, cfg, layer, w.stacked_inputs.project(x) if use_stacked else None)
+    queries = _QueryBlocks(chunk.q_residual, tables, index_tables, w, cfg, layer)
+    output = _OutputBlocks(rope.tables(spec, cfg.head_dim, inverse=True), w, cfg)
     decodes = [seg for seg in segments if seg.length == 1] if BATCH_DECODE_ROWS else []
     decoded = None
     if decodes:
@@ -156,7 +158,7 @@ def _for_batch(w: AttentionWeights, rows: int, dtype: mx.Dtype) -> AttentionWeig
 
 
 def _project_chunk(
-    x: mx.array, cos: mx.array, sin: mx.array, w: AttentionWeights, cfg: ModelConfig, layer: int,
+    x: mx.array, tables: RopeTables, w: AttentionWeights, cfg: ModelConfig, layer: int,
     projected: dict[str, mx.array] | None = None,
 ) -> _ChunkProjections:
     """`projected`: the input projections already computed (StackedInputs.project), else one matmul each here."""
@@ -166,7 +168,7 @@ def _project_chunk(
         return projected[name] if projected is not None else linear(x, weight)
 
     q_residual = rms_norm(project("wq_a", w.wq_a), w.q_norm, eps)  # [T, q_lora]
-    kv = apply_rope(rms_norm(project("wkv", w.wkv), w.kv_norm, eps), cos, sin)  # [T, hd]
+    kv = apply_rope(rms_norm(project("wkv", w.wkv), w.kv_norm, eps), tables)  # [T, hd]
     index_w = None
     if cfg.has_indexer(layer):
         index_w = project("index_weights_proj", w.index_weights_proj) * (cfg.index_n_heads**-0.5)  # [T, IH]
@@ -183,10 +185,12 @@ class _QueryBlocks:
     time; the last block is kept because consecutive tiles may share it."""
 
     def __init__(
-        self, q_residual: mx.array, cos: mx.array, sin: mx.array, w: AttentionWeights, cfg: ModelConfig, layer: int
+        self, q_residual: mx.array, tables: RopeTables, index_tables: RopeTables | None, w: AttentionWeights,
+        cfg: ModelConfig, layer: int,
     ) -> None:
-        self._q_residual, self._cos, self._sin = q_residual, cos, sin
-        self._w, self._cfg, self._indexed = w, cfg, cfg.has_indexer(layer)
+        """index_tables: the index queries' (None without an indexer)."""
+        self._q_residual, self._tables, self._index_tables = q_residual, tables, index_tables
+        self._w, self._cfg, self._indexed = w, cfg, index_tables is not None
         self._last: tuple[int, mx.array, mx.array | None] | None = None
 
     def rows(self, r0: int, r1: int) -> tuple[mx.array, mx.array | None]:
@@ -203,13 +207,13 @@ class _QueryBlocks:
             return self._last[1], self._last[2]
         cfg, w, eps = self._cfg, self._w, self._cfg.rms_norm_eps
         r0, r1 = j * PROJECTION_ROWS, min((j + 1) * PROJECTION_ROWS, self._q_residual.shape[0])
-        q_residual, cos, sin = (_rows(a, r0, r1) for a in (self._q_residual, self._cos, self._sin))
+        q_residual = _rows(self._q_residual, r0, r1)
         q = linear(q_residual, w.wq_b).reshape(r1 - r0, cfg.num_attention_heads, cfg.head_dim)
-        q = apply_rope(unweighted_rms_norm(q, eps), cos, sin)  # [B, H, hd]
+        q = apply_rope(unweighted_rms_norm(q, eps), self._tables.rows(r0, r1))  # [B, H, hd]
         index_q = None
         if self._indexed:
             index_q = linear(q_residual, w.index_wq_b).reshape(r1 - r0, cfg.index_n_heads, cfg.index_head_dim)
-            index_q = apply_rope(index_q, cos, sin)  # CSA layers use the compress table for q and keys alike
+            index_q = apply_rope(index_q, self._index_tables.rows(r0, r1))  # CSA: the compress table, as the keys
         self._last = (j, q, index_q)
         return q, index_q
 
@@ -219,8 +223,9 @@ class _OutputBlocks:
     PROJECTION_ROWS block to the model width, so at most a block plus a tile of [rows, H, hd]
     outputs wait at a time."""
 
-    def __init__(self, cos: mx.array, neg_sin: mx.array, w: AttentionWeights, cfg: ModelConfig) -> None:
-        self._cos, self._neg_sin, self._w, self._cfg = cos, neg_sin, w, cfg
+    def __init__(self, inverse: RopeTables, w: AttentionWeights, cfg: ModelConfig) -> None:
+        """inverse: the step's rotation back (K = V carried RoPE into the output)."""
+        self._inverse, self._w, self._cfg = inverse, w, cfg
         self._pending: list[mx.array] = []  # [r, H, hd] pieces, in batch order
         self._pending_rows = 0
         self._projected: list[mx.array] = []  # [B, D] blocks
@@ -257,7 +262,7 @@ class _OutputBlocks:
         r0 = len(self._projected) * PROJECTION_ROWS
         r1 = r0 + out.shape[0]
         # K = V carried RoPE into the output's rope slice: rotate back by the query position.
-        out = apply_rope(out, _rows(self._cos, r0, r1), _rows(self._neg_sin, r0, r1))
+        out = apply_rope(out, self._inverse.rows(r0, r1))
         block = _grouped_output(out, self._w, self._cfg)  # [B, D]
         self._projected.append(block)
         return block

@@ -19,7 +19,7 @@ from tessera.engine.model.cache import CompressorFrontier, FrontierSlots, Stacke
 from tessera.engine.model.config import RopeSpec
 from tessera.engine.model.norms import rms_norm
 from tessera.engine.model.quantized import Weight, linear
-from tessera.engine.model.rope import apply_rope, cos_sin
+from tessera.engine.model.rope import apply_rope, rope_tables
 from tessera.kernels.shapeless import shapeless
 
 
@@ -70,8 +70,7 @@ def _pooled_rows(kv: mx.array, gate: mx.array, weights: CompressorWeights, posit
     gate-softmax-weighted sum of the slots, normed, rotated at `positions` [n]. One owner for prefill
     (`compress`) and decode (`compress_decode`), so the two give the same bits."""
     rows = rms_norm(_pool(kv, gate), weights.norm, eps)  # [n, head_dim]
-    cos, sin = cos_sin(rope, positions)
-    return apply_rope(rows, cos, sin)
+    return apply_rope(rows, rope_tables(rope, positions, rows.shape[-1]))
 
 
 @shapeless

@@ -8,6 +8,7 @@ compressors and the indexer; YaRN in the released models). Frequencies follow tr
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 
 import mlx.core as mx
@@ -46,70 +47,117 @@ def inv_freq(spec: RopeSpec) -> mx.array:
     return mx.array(_inv_freq_np(spec))
 
 
-def cos_sin(spec: RopeSpec, positions: mx.array) -> tuple[mx.array, mx.array]:
-    """positions: [L] int -> cos, sin: [L, 1, dim // 2, 1] float32, one angle per interleaved pair,
-    already shaped for `apply_rope`'s [L, heads, half, 2] pairs (no reshape per call there)."""
-    return _cos_sin(positions.astype(mx.float32).reshape(-1, 1, 1, 1), _inv_freq_table(spec), spec.attention_factor)
+@dataclass(frozen=True)
+class RopeTables:
+    """A step's rotation for heads of 2·`pairs` channels whose trailing 2·`rotated` channels rotate in
+    interleaved pairs: cos, sin [L, 1, pairs, 1] float32, a row per position. The leading pairs' entries
+    are placeholders (angle 0): `apply_rope` passes those channels through as they are.
+
+    Tables as wide as the head let the rotation write the whole head in one fused kernel: a table of the
+    rotated channels alone meant slicing them off and concatenating them back, a copy kernel for each
+    part (docs/BENCHMARKS.md, "Session 24")."""
+
+    cos: mx.array
+    sin: mx.array
+    rotated: int
+
+    @property
+    def pairs(self) -> int:
+        return self.cos.shape[-2]
+
+    def rows(self, r0: int, r1: int) -> RopeTables:
+        """The tables of positions [r0, r1) (self where that is every row: no slice node)."""
+        if r0 == 0 and r1 == self.cos.shape[0]:
+            return self
+        return RopeTables(self.cos[r0:r1], self.sin[r0:r1], self.rotated)
+
+    def inverse(self) -> RopeTables:
+        """The rotation back (-sin)."""
+        return RopeTables(self.cos, -self.sin, self.rotated)
 
 
-@lru_cache(maxsize=16)
-def _inv_freq_table(spec: RopeSpec) -> mx.array:
-    """[1, 1, dim // 2, 1] float32, built once per table (not one constant per call in every step's graph)."""
-    table = mx.array(_inv_freq_np(spec)).reshape(1, 1, -1, 1)
+def cos_sin(spec: RopeSpec, positions: mx.array, width: int | None = None) -> tuple[mx.array, mx.array]:
+    """positions: [L] int -> cos, sin: [L, 1, pairs, 1] float32, one angle per interleaved pair, already
+    shaped for `apply_rope`'s [L, heads, pairs, 2] pairs (no reshape per call there). pairs = width // 2
+    (default: the rotated channels' spec.dim // 2); the leading pairs beyond the rotated ones get angle 0.
+    A rotated pair's entries are the same bits at every width (elementwise, the same inverse frequency)."""
+    pairs = (width or spec.dim) // 2
+    return _cos_sin(positions.astype(mx.float32).reshape(-1, 1, 1, 1), _inv_freq_table(spec, pairs), spec.attention_factor)
+
+
+def rope_tables(spec: RopeSpec, positions: mx.array, width: int) -> RopeTables:
+    """The tables of heads `width` channels wide at `positions` [L] (`cos_sin`)."""
+    return RopeTables(*cos_sin(spec, positions, width), rotated=spec.dim // 2)
+
+
+@lru_cache(maxsize=32)
+def _inv_freq_table(spec: RopeSpec, pairs: int) -> mx.array:
+    """[1, 1, pairs, 1] float32: zeros, then the spec's dim // 2 inverse frequencies; built once per table
+    and width (not one constant per call in every step's graph)."""
+    inv = _inv_freq_np(spec)
+    if pairs < inv.shape[0]:
+        raise ValueError(f"a head of {2 * pairs} channels cannot hold {spec.dim} rotated ones")
+    table = mx.array(np.concatenate([np.zeros(pairs - inv.shape[0], dtype=np.float32), inv])).reshape(1, 1, -1, 1)
     mx.eval(table)
     return table
 
 
 @shapeless
 def _cos_sin(positions: mx.array, inv_freq: mx.array, attention_factor: float) -> tuple[mx.array, mx.array]:
-    """positions: [L, 1, 1, 1] float32, inv_freq: [1, 1, half, 1] -> cos, sin: [L, 1, half, 1], fused."""
+    """positions: [L, 1, 1, 1] float32, inv_freq: [1, 1, pairs, 1] -> cos, sin: [L, 1, pairs, 1], fused."""
     freqs = positions * inv_freq
     return mx.cos(freqs) * attention_factor, mx.sin(freqs) * attention_factor
 
 
 class StepRope:
-    """The RoPE tables of one step's positions, computed once per table and shared by every layer that
-    uses it (a model has two tables; without this each layer would build its own, a few nodes each)."""
+    """The RoPE tables of one step's positions, computed once per table, width and direction and shared by
+    every layer that uses them (a model has two tables; without this each layer would build its own)."""
 
     def __init__(self, positions: mx.array) -> None:
         self.positions = positions  # [T] int
-        self._tables: dict[RopeSpec, tuple[mx.array, mx.array, mx.array]] = {}
+        self._tables: dict[tuple[RopeSpec, int, bool], RopeTables] = {}
 
-    def tables(self, spec: RopeSpec) -> tuple[mx.array, mx.array, mx.array]:
-        """-> cos, sin, -sin: [T, 1, dim // 2, 1] float32 (`cos_sin`; -sin undoes the rotation, apply_rope)."""
-        got = self._tables.get(spec)
+    def tables(self, spec: RopeSpec, width: int, inverse: bool = False) -> RopeTables:
+        """-> the step's tables for heads `width` channels wide (`rope_tables`); inverse: rotating back."""
+        key = (spec, width, inverse)
+        got = self._tables.get(key)
         if got is None:
-            cos, sin = cos_sin(spec, self.positions)
-            got = self._tables[spec] = (cos, sin, -sin)
+            got = self.tables(spec, width).inverse() if inverse else rope_tables(spec, self.positions, width)
+            self._tables[key] = got
         return got
 
 
-def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """Rotate the trailing 2·half channels of x in interleaved pairs.
+def apply_rope(x: mx.array, tables: RopeTables) -> mx.array:
+    """Rotate the trailing 2·rotated channels of x in interleaved pairs; the others pass through.
 
-    x: [L, ..., D] with the position on axis 0; cos/sin: [L, 1, half, 1] as `cos_sin` gives them
-    (or [L, half], at the cost of a reshape). Pass -sin to undo.
+    x: [L, ..., 2·pairs] with the position on axis 0. `tables.inverse()` undoes the rotation.
 
     Written for few graph nodes (a decode step runs this ~4 times per layer, docs/BENCHMARKS.md
     "Issue 14, session 6"): each pair (even, odd) and its swapped copy (odd, even) — one reversed
     view of the pairs — meet cos and ±sin in one fused product, instead of slicing the even and odd
-    channels apart and stacking them back. The same products and sums as the slice-and-stack form.
+    channels apart and stacking them back; the pass-through channels are selected in the same kernel.
+    The same products and sums as the slice-and-stack form.
     """
-    half = cos.shape[-2] if cos.ndim == 4 else cos.shape[-1]
-    rope_dim = 2 * half
-    shape = (cos.shape[0],) + (1,) * (x.ndim - 2) + (half, 1)  # against pairs [L, .., half, 2]
+    pairs = tables.pairs
+    if x.shape[-1] != 2 * pairs:
+        raise ValueError(f"RoPE tables for {2 * pairs} channels, a head of {x.shape[-1]}")
+    shape = (tables.cos.shape[0],) + (1,) * (x.ndim - 2) + (pairs, 1)  # against pairs [L, .., pairs, 2]
+    cos, sin = tables.cos, tables.sin
     if cos.shape != shape:
         cos, sin = cos.reshape(shape), sin.reshape(shape)
-    if x.shape[-1] == rope_dim:  # every channel rotates (the indexer's queries and keys)
-        return _rotated(x.reshape(*x.shape[:-1], half, 2), cos, sin).reshape(x.shape)
-    nope, rope = mx.split(x, [x.shape[-1] - rope_dim], axis=-1)
-    rotated = _rotated(rope.reshape(*rope.shape[:-1], half, 2), cos, sin).reshape(rope.shape)
-    return mx.concatenate([nope, rotated], axis=-1)
+    paired = x.reshape(*x.shape[:-1], pairs, 2)  # `paired[..., ::-1]` is (odd, even) per pair
+    if tables.rotated == pairs:  # every channel rotates (the indexer's keys)
+        return _rotated_pairs(paired, paired[..., ::-1], cos, sin).reshape(x.shape)
+    rotates = _rotated_mask(pairs, tables.rotated)
+    return _rotated_tail(paired, paired[..., ::-1], cos, sin, rotates).reshape(x.shape)
 
 
-def _rotated(pairs: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """pairs [..., half, 2] -> the rotated pairs; `pairs[..., ::-1]` is (odd, even) per pair."""
-    return _rotated_pairs(pairs, pairs[..., ::-1], cos, sin)
+@lru_cache(maxsize=32)
+def _rotated_mask(pairs: int, rotated: int) -> mx.array:
+    """[pairs, 1] bool: True for the trailing `rotated` pairs. A leaf made once per shape."""
+    mask = mx.array(np.arange(pairs) >= pairs - rotated).reshape(pairs, 1)
+    mx.eval(mask)
+    return mask
 
 
 _SWAPPED_SIGN = mx.array([-1.0, 1.0], dtype=mx.float32)  # even' = e·cos + o·(−sin), odd' = o·cos + e·sin
@@ -121,3 +169,9 @@ def _rotated_pairs(pairs: mx.array, swapped: mx.array, cos: mx.array, sin: mx.ar
     in float32, back in x's dtype."""
     dtype = pairs.dtype
     return (pairs.astype(mx.float32) * cos + swapped.astype(mx.float32) * (sin * _SWAPPED_SIGN)).astype(dtype)
+
+
+@shapeless
+def _rotated_tail(pairs: mx.array, swapped: mx.array, cos: mx.array, sin: mx.array, rotates: mx.array) -> mx.array:
+    """`_rotated_pairs` where `rotates` [pairs, 1], the pairs themselves elsewhere (their bits, -0 included)."""
+    return mx.where(rotates, _rotated_pairs.plain(pairs, swapped, cos, sin), pairs)
