@@ -421,9 +421,9 @@ def _moe_weights(w: dict[str, mx.array], cfg: ModelConfig, i: int) -> MoEWeights
     p = f"layers.{i}.ffn."
     is_hash = cfg.mlp_layer_types[i] == HASH_MOE
     return MoEWeights(
-        router=w[p + "gate.weight"],
-        correction_bias=None if is_hash else w[p + "gate.bias"],
-        tid2eid=w[p + "gate.tid2eid"] if is_hash else None,
+        router=_cast_once(w, p + "gate.weight", mx.float32),  # moe._router_scores multiplies in float32
+        correction_bias=None if is_hash else _cast_once(w, p + "gate.bias", mx.float32),
+        tid2eid=_cast_once(w, p + "gate.tid2eid", mx.int32) if is_hash else None,  # moe.route's expert ids
         w1=w[p + "experts.w1"],
         w2=w[p + "experts.w2"],
         w3=w[p + "experts.w3"],
@@ -431,3 +431,15 @@ def _moe_weights(w: dict[str, mx.array], cfg: ModelConfig, i: int) -> MoEWeights
         shared_w2=w[p + "shared_experts.w2.weight"],
         shared_w3=w[p + "shared_experts.w3.weight"],
     )
+
+
+def _cast_once(w: dict[str, mx.array], name: str, dtype: mx.Dtype) -> mx.array:
+    """w[name] in `dtype`, cast here once and kept in `w` in place of the checkpoint's array, instead of a cast
+    node (and, for the bf16 router, a [E, D] float32 copy) in every step's graph. Exact: every value survives
+    (bf16 -> float32; expert ids < 2^31)."""
+    a = w[name]
+    if a.dtype != dtype:
+        a = a.astype(dtype)
+        mx.eval(a)
+        w[name] = a
+    return a

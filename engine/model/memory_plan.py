@@ -21,7 +21,7 @@ from tessera.engine.model.dtypes import DTYPES
 from tessera.engine.model.moe import PADDED_MAX_ROWS_PER_PAIR
 from tessera.engine.model.official_format import storage
 from tessera.engine.model.quantized import dense_min_rows
-from tessera.engine.model.weights import expected_shapes, layer_of
+from tessera.engine.model.weights import expected_shapes, held_itemsize, layer_of
 
 GiB = 2**30
 
@@ -281,7 +281,8 @@ def simulated_capacity(ctx: int, chunk: int, ratio: int) -> int:
 def weights_bytes(cfg: ModelConfig, b: int) -> int:
     total = 0
     for name, shape in expected_shapes(cfg).items():
-        total += prod(shape) * (8 if name.endswith("tid2eid") else b)
+        held = held_itemsize(name)
+        total += prod(shape) * (b if held is None else held)
     return total
 
 

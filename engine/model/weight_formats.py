@@ -7,8 +7,9 @@
   affine groups of 64 carry a bf16 scale and bias each, mxfp4 groups of 32 one E8M0 byte;
 - `bfloat16` / `float32` / `float16`: every tensor plain in that dtype (a dequantizing loader).
 
-Tensors that stay float (embedding, head, norms, compressor, router …) count at the compute dtype's
-size; `tid2eid` at 8 bytes.
+Tensors that stay float (embedding, head, norms, compressor …) count at the compute dtype's size; the router
+and its bias at 4 bytes (float32), `tid2eid` at 4 (int32): the dtypes the loader holds them in
+(weights.held_itemsize).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from math import prod
 from tessera.engine.model.config import ModelConfig
 from tessera.engine.model.dtypes import DTYPES
 from tessera.engine.model.official_format import storage
-from tessera.engine.model.weights import expected_shapes
+from tessera.engine.model.weights import expected_shapes, held_itemsize
 
 # format -> bytes per value of (dense fp8-class projections, routed experts)
 _QUANTIZED: dict[str, tuple[float, float]] = {
@@ -38,7 +39,7 @@ def format_weights_bytes(cfg: ModelConfig, weights_format: str, compute_bytes: i
     dense, experts = _QUANTIZED.get(weights_format, (plain, plain))
     total = 0.0
     for name, shape in expected_shapes(cfg).items():
-        kind = storage(name)
-        per_value = {"fp8": dense, "fp4": experts, "int": 8}.get(kind, plain)
+        held = held_itemsize(name)
+        per_value = held if held is not None else {"fp8": dense, "fp4": experts}.get(storage(name), plain)
         total += prod(shape) * per_value
     return int(total)

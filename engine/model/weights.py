@@ -105,6 +105,17 @@ def _moe_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     return s
 
 
+# Tensors held in one dtype whatever the checkpoint's or the compute dtype (deepseek_v4._moe_weights casts them
+# once at load): the router and its bias in float32 (the routing scores are float32), the hash layers' token ->
+# expert table in int32. Bytes per value, by name suffix.
+_HELD_ITEMSIZE = {"ffn.gate.weight": 4, "ffn.gate.bias": 4, "ffn.gate.tid2eid": 4}
+
+
+def held_itemsize(name: str) -> int | None:
+    """Bytes per value the loaded model holds `name` in, where fixed (None: the compute dtype's or the format's)."""
+    return next((size for suffix, size in _HELD_ITEMSIZE.items() if name.endswith(suffix)), None)
+
+
 _EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
 
 
