@@ -104,6 +104,26 @@ def test_bfloat16_checkpoint_loads_and_computes_in_float32(tmp_path):
     assert np.isfinite(tessera_logits(model, random_tokens(2048, 20, 0), 20, 20, None)).all()
 
 
+def test_norms_and_router_are_held_in_float32_with_the_compute_dtypes_values(tiny_dir):
+    """Loaded for bf16 compute, the norm weights, the router and its bias are float32 (what the norms and routing
+    scores compute in; no cast in every step's graph) holding exactly the bf16 values the other weights were rounded
+    to, so the logits are those of casting them each step; the hash layers' expert table is int32."""
+    as_bf16 = load_model(tiny_dir, dtype="bfloat16", progress=False)
+    as_loaded = load_model(tiny_dir, progress=False)  # the checkpoint's float32
+    cfg, names = as_bf16.cfg, ["norm.weight"]
+    for i in range(cfg.num_hidden_layers):
+        names += [f"layers.{i}.{n}" for n in ("attn_norm.weight", "ffn_norm.weight", "attn.q_norm.weight", "attn.norm.weight",
+                                             "ffn.gate.weight")]
+        names += [f"layers.{i}.ffn.gate.bias"] if f"layers.{i}.ffn.gate.bias" in as_bf16.weights else []
+    for name in names:
+        held, original = as_bf16.weights[name], as_loaded.weights[name]
+        assert held.dtype == mx.float32, name
+        assert mx.array_equal(held, original.astype(mx.bfloat16).astype(mx.float32)).item(), name
+    tables = [w for n, w in as_bf16.weights.items() if n.endswith("gate.tid2eid")]
+    assert tables and all(t.dtype == mx.int32 for t in tables)
+    assert as_bf16.dtype == mx.bfloat16 and as_bf16.new_cache().layers[0].window.dtype == mx.bfloat16  # the compute dtype, not the norms'
+
+
 def test_official_config_spelling_equals_transformers_spelling():
     official = {
         "model_type": "deepseek_v4", "num_hidden_layers": 5, "compress_ratios": [0, 0, 4, 128, 4],

@@ -124,15 +124,18 @@ def test_attention_plan_counts_the_blocks_a_tile_touches_and_their_padding():
 # ---- weights formats and the fit verdict (issue 13) --------------------------------------------
 
 
-def test_official_weights_count_quantized_bytes_like_the_loader(tmp_path):
-    """The plan's official-format bytes equal what the loader actually holds for that checkpoint."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_official_weights_count_quantized_bytes_like_the_loader(tmp_path, dtype):
+    """The plan's official-format bytes equal what the loader actually holds for that checkpoint, at either compute
+    dtype (norm weights and the router held in float32 whatever it is)."""
+    from tessera.engine.model.dtypes import DTYPES
     from tessera.engine.model.quantized import QuantizedWeight
     from tessera.engine.model.weight_formats import format_weights_bytes
 
-    model = load_model(make_model(tmp_path / "m", "tiny", seed=0, with_tokenizer=False, fmt="official"), dtype="float32")
+    model = load_model(make_model(tmp_path / "m", "tiny", seed=0, with_tokenizer=False, fmt="official"), dtype=dtype)
     held = sum(w.nbytes for w in model.weights.values())
     assert any(isinstance(w, QuantizedWeight) for w in model.weights.values())
-    assert format_weights_bytes(model.cfg, "official", 4) == held
+    assert format_weights_bytes(model.cfg, "official", DTYPES[dtype].size) == held
 
 
 def test_v4_flash_formats_order_and_size():

@@ -77,8 +77,11 @@ class DeepseekV4:
         self.cfg = cfg
         self.weights = weights  # canonical (official) names, see engine/model/weights.py
         self.layer_ids = range(cfg.num_hidden_layers) if layer_ids is None else layer_ids
+        # The compute dtype, read before _layer_weights holds the norm weights in float32 (`_cast_once`)
+        self.dtype = weights["embed.weight" if "embed.weight" in weights else f"layers.{self.layer_ids[0]}.attn_norm.weight"].dtype
         self.layers = {i: _layer_weights(weights, cfg, i) for i in self.layer_ids}
-        self.dtype = weights["embed.weight"].dtype if "embed.weight" in weights else self.layers[self.layer_ids[0]].attn_norm.dtype
+        if "norm.weight" in weights:  # the head's norm (its last rank only, in a pipeline)
+            _cast_once(weights, "norm.weight", mx.float32)
         self._compiled_layers = {i: _compile_layer(cfg, self.layers[i]) for i in self.layer_ids}
         self._decoded = False  # a decode step ran here: the lazily evaluated weights are made (`_encode_thread_for`)
 
@@ -370,8 +373,8 @@ def _segment_rows(segments: Sequence[Segment]) -> list[tuple[int, int, int, Sequ
 def _layer_weights(w: dict[str, mx.array], cfg: ModelConfig, i: int) -> LayerWeights:
     p = f"layers.{i}."
     return LayerWeights(
-        attn_norm=w[p + "attn_norm.weight"],
-        ffn_norm=w[p + "ffn_norm.weight"],
+        attn_norm=_cast_once(w, p + "attn_norm.weight", mx.float32),  # norms.rms_norm weighs in float32
+        ffn_norm=_cast_once(w, p + "ffn_norm.weight", mx.float32),
         attn_hc=HyperWeights(w[p + "hc_attn_fn"], w[p + "hc_attn_base"], w[p + "hc_attn_scale"]),
         ffn_hc=HyperWeights(w[p + "hc_ffn_fn"], w[p + "hc_ffn_base"], w[p + "hc_ffn_scale"]),
         attn=_attention_weights(w, cfg, i),
@@ -380,7 +383,8 @@ def _layer_weights(w: dict[str, mx.array], cfg: ModelConfig, i: int) -> LayerWei
 
 
 def _compressor(w: dict[str, mx.array], prefix: str) -> CompressorWeights:
-    return CompressorWeights(w[prefix + "wkv.weight"], w[prefix + "wgate.weight"], w[prefix + "ape"], w[prefix + "norm.weight"])
+    return CompressorWeights(w[prefix + "wkv.weight"], w[prefix + "wgate.weight"], w[prefix + "ape"],
+                             _cast_once(w, prefix + "norm.weight", mx.float32))
 
 
 def _attention_weights(w: dict[str, mx.array], cfg: ModelConfig, i: int) -> AttentionWeights:
@@ -395,10 +399,10 @@ def _attention_weights(w: dict[str, mx.array], cfg: ModelConfig, i: int) -> Atte
         extra["index_weights_proj"] = w[p + "indexer.weights_proj.weight"]
     attn, views = with_stacked_inputs(AttentionWeights(
         wq_a=w[p + "wq_a.weight"],
-        q_norm=w[p + "q_norm.weight"],
+        q_norm=_cast_once(w, p + "q_norm.weight", mx.float32),
         wq_b=w[p + "wq_b.weight"],
         wkv=w[p + "wkv.weight"],
-        kv_norm=w[p + "norm.weight"],
+        kv_norm=_cast_once(w, p + "norm.weight", mx.float32),
         wo_a=w[p + "wo_a.weight"],
         wo_b=w[p + "wo_b.weight"],
         sinks=w[p + "attn_sink"],
@@ -434,9 +438,9 @@ def _moe_weights(w: dict[str, mx.array], cfg: ModelConfig, i: int) -> MoEWeights
 
 
 def _cast_once(w: dict[str, mx.array], name: str, dtype: mx.Dtype) -> mx.array:
-    """w[name] in `dtype`, cast here once and kept in `w` in place of the checkpoint's array, instead of a cast
-    node (and, for the bf16 router, a [E, D] float32 copy) in every step's graph. Exact: every value survives
-    (bf16 -> float32; expert ids < 2^31)."""
+    """w[name] in `dtype`, cast here once and kept in `w` in place of the loaded array, instead of a cast node in
+    every step's graph (for the bf16 router a [E, D] float32 copy a layer a step; a cast kernel a norm). Exact:
+    every value survives (bf16 / fp16 -> float32; expert ids < 2^31). weights.held_itemsize lists them."""
     a = w[name]
     if a.dtype != dtype:
         a = a.astype(dtype)

@@ -7,8 +7,8 @@
   affine groups of 64 carry a bf16 scale and bias each, mxfp4 groups of 32 one E8M0 byte;
 - `bfloat16` / `float32` / `float16`: every tensor plain in that dtype (a dequantizing loader).
 
-Tensors that stay float (embedding, head, norms, compressor …) count at the compute dtype's size; the router
-and its bias at 4 bytes (float32), `tid2eid` at 4 (int32): the dtypes the loader holds them in
+Tensors that stay float (embedding, head, compressor …) count at the compute dtype's size; the norms' weights,
+the router and its bias at 4 bytes (float32), `tid2eid` at 4 (int32): the dtypes the model holds them in
 (weights.held_itemsize).
 """
 

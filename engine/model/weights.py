@@ -105,10 +105,10 @@ def _moe_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     return s
 
 
-# Tensors held in one dtype whatever the checkpoint's or the compute dtype (deepseek_v4._moe_weights casts them
-# once at load): the router and its bias in float32 (the routing scores are float32), the hash layers' token ->
-# expert table in int32. Bytes per value, by name suffix.
-_HELD_ITEMSIZE = {"ffn.gate.weight": 4, "ffn.gate.bias": 4, "ffn.gate.tid2eid": 4}
+# Tensors held in one dtype whatever the checkpoint's or the compute dtype (deepseek_v4._cast_once, at load): the
+# norms' weights, the router and its bias in float32 (what the norms weigh and the routing scores multiply in),
+# the hash layers' token -> expert table in int32. Bytes per value, by name suffix.
+_HELD_ITEMSIZE = {"norm.weight": 4, "ffn.gate.weight": 4, "ffn.gate.bias": 4, "ffn.gate.tid2eid": 4}
 
 
 def held_itemsize(name: str) -> int | None:
