@@ -29,6 +29,7 @@ from tessera.engine.model.moe import MoEWeights, moe, syncs_host
 from tessera.engine.model.norms import rms_norm
 from tessera.engine.model.rope import StepRope
 from tessera.engine.model.trace import ForwardTrace
+from tessera.engine.model.weights import held_dtype
 
 
 @dataclass(frozen=True)
@@ -77,11 +78,10 @@ class DeepseekV4:
         self.cfg = cfg
         self.weights = weights  # canonical (official) names, see engine/model/weights.py
         self.layer_ids = range(cfg.num_hidden_layers) if layer_ids is None else layer_ids
-        # The compute dtype, read before _layer_weights holds the norm weights in float32 (`_cast_once`)
+        # The compute dtype, read before the norm weights are held in float32 (`_hold_fixed_dtypes`)
         self.dtype = weights["embed.weight" if "embed.weight" in weights else f"layers.{self.layer_ids[0]}.attn_norm.weight"].dtype
+        _hold_fixed_dtypes(weights)
         self.layers = {i: _layer_weights(weights, cfg, i) for i in self.layer_ids}
-        if "norm.weight" in weights:  # the head's norm (its last rank only, in a pipeline)
-            _cast_once(weights, "norm.weight", mx.float32)
         self._compiled_layers = {i: _compile_layer(cfg, self.layers[i]) for i in self.layer_ids}
         self._decoded = False  # a decode step ran here: the lazily evaluated weights are made (`_encode_thread_for`)
 
@@ -373,8 +373,8 @@ def _segment_rows(segments: Sequence[Segment]) -> list[tuple[int, int, int, Sequ
 def _layer_weights(w: dict[str, mx.array], cfg: ModelConfig, i: int) -> LayerWeights:
     p = f"layers.{i}."
     return LayerWeights(
-        attn_norm=_cast_once(w, p + "attn_norm.weight", mx.float32),  # norms.rms_norm weighs in float32
-        ffn_norm=_cast_once(w, p + "ffn_norm.weight", mx.float32),
+        attn_norm=w[p + "attn_norm.weight"],
+        ffn_norm=w[p + "ffn_norm.weight"],
         attn_hc=HyperWeights(w[p + "hc_attn_fn"], w[p + "hc_attn_base"], w[p + "hc_attn_scale"]),
         ffn_hc=HyperWeights(w[p + "hc_ffn_fn"], w[p + "hc_ffn_base"], w[p + "hc_ffn_scale"]),
         attn=_attention_weights(w, cfg, i),
@@ -383,8 +383,7 @@ def _layer_weights(w: dict[str, mx.array], cfg: ModelConfig, i: int) -> LayerWei
 
 
 def _compressor(w: dict[str, mx.array], prefix: str) -> CompressorWeights:
-    return CompressorWeights(w[prefix + "wkv.weight"], w[prefix + "wgate.weight"], w[prefix + "ape"],
-                             _cast_once(w, prefix + "norm.weight", mx.float32))
+    return CompressorWeights(w[prefix + "wkv.weight"], w[prefix + "wgate.weight"], w[prefix + "ape"], w[prefix + "norm.weight"])
 
 
 def _attention_weights(w: dict[str, mx.array], cfg: ModelConfig, i: int) -> AttentionWeights:
@@ -399,10 +398,10 @@ def _attention_weights(w: dict[str, mx.array], cfg: ModelConfig, i: int) -> Atte
         extra["index_weights_proj"] = w[p + "indexer.weights_proj.weight"]
     attn, views = with_stacked_inputs(AttentionWeights(
         wq_a=w[p + "wq_a.weight"],
-        q_norm=_cast_once(w, p + "q_norm.weight", mx.float32),
+        q_norm=w[p + "q_norm.weight"],
         wq_b=w[p + "wq_b.weight"],
         wkv=w[p + "wkv.weight"],
-        kv_norm=_cast_once(w, p + "norm.weight", mx.float32),
+        kv_norm=w[p + "norm.weight"],
         wo_a=w[p + "wo_a.weight"],
         wo_b=w[p + "wo_b.weight"],
         sinks=w[p + "attn_sink"],
@@ -425,9 +424,9 @@ def _moe_weights(w: dict[str, mx.array], cfg: ModelConfig, i: int) -> MoEWeights
     p = f"layers.{i}.ffn."
     is_hash = cfg.mlp_layer_types[i] == HASH_MOE
     return MoEWeights(
-        router=_cast_once(w, p + "gate.weight", mx.float32),  # moe._router_scores multiplies in float32
-        correction_bias=None if is_hash else _cast_once(w, p + "gate.bias", mx.float32),
-        tid2eid=_cast_once(w, p + "gate.tid2eid", mx.int32) if is_hash else None,  # moe.route's expert ids
+        router=w[p + "gate.weight"],
+        correction_bias=None if is_hash else w[p + "gate.bias"],
+        tid2eid=w[p + "gate.tid2eid"] if is_hash else None,
         w1=w[p + "experts.w1"],
         w2=w[p + "experts.w2"],
         w3=w[p + "experts.w3"],
@@ -437,13 +436,13 @@ def _moe_weights(w: dict[str, mx.array], cfg: ModelConfig, i: int) -> MoEWeights
     )
 
 
-def _cast_once(w: dict[str, mx.array], name: str, dtype: mx.Dtype) -> mx.array:
-    """w[name] in `dtype`, cast here once and kept in `w` in place of the loaded array, instead of a cast node in
-    every step's graph (for the bf16 router a [E, D] float32 copy a layer a step; a cast kernel a norm). Exact:
-    every value survives (bf16 / fp16 -> float32; expert ids < 2^31). weights.held_itemsize lists them."""
-    a = w[name]
-    if a.dtype != dtype:
-        a = a.astype(dtype)
-        mx.eval(a)
-        w[name] = a
-    return a
+def _hold_fixed_dtypes(w: dict[str, mx.array]) -> None:
+    """Casts, once and in place in `w`, every tensor the model holds in a fixed dtype (weights.held_dtype: norm
+    weights and the router in float32, tid2eid in int32), instead of a cast node in every step's graph (for the
+    bf16 router a [E, D] float32 copy a layer a step; a cast kernel a norm). Exact: every value survives
+    (bf16 / fp16 -> float32; expert ids < 2^31)."""
+    for name, a in w.items():
+        dtype = held_dtype(name)
+        if dtype is not None and a.dtype != dtype:
+            w[name] = a.astype(dtype)
+            mx.eval(w[name])

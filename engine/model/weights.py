@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+import mlx.core as mx
+
 from tessera.engine.model.config import CSA, HASH_MOE, ModelConfig
 
 # transformers' `save_pretrained` leaves these in its own spelling (its renames are anchored at the
@@ -105,15 +107,22 @@ def _moe_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     return s
 
 
-# Tensors held in one dtype whatever the checkpoint's or the compute dtype (deepseek_v4._cast_once, at load): the
-# norms' weights, the router and its bias in float32 (what the norms weigh and the routing scores multiply in),
-# the hash layers' token -> expert table in int32. Bytes per value, by name suffix.
-_HELD_ITEMSIZE = {"norm.weight": 4, "ffn.gate.weight": 4, "ffn.gate.bias": 4, "ffn.gate.tid2eid": 4}
+# Tensors held in one dtype whatever the checkpoint's or the compute dtype (deepseek_v4._hold_fixed_dtypes, at load):
+# the norms' weights, the router and its bias in float32 (what the norms weigh and the routing scores multiply in),
+# the hash layers' token -> expert table in int32. By name suffix.
+_HELD_DTYPES = {"norm.weight": mx.float32, "ffn.gate.weight": mx.float32, "ffn.gate.bias": mx.float32,
+                "ffn.gate.tid2eid": mx.int32}
+
+
+def held_dtype(name: str) -> mx.Dtype | None:
+    """The dtype the loaded model holds `name` in, where fixed (None: the compute dtype or the format's)."""
+    return next((dtype for suffix, dtype in _HELD_DTYPES.items() if name.endswith(suffix)), None)
 
 
 def held_itemsize(name: str) -> int | None:
-    """Bytes per value the loaded model holds `name` in, where fixed (None: the compute dtype's or the format's)."""
-    return next((size for suffix, size in _HELD_ITEMSIZE.items() if name.endswith(suffix)), None)
+    """Bytes per value of `held_dtype(name)` (None where it is not fixed)."""
+    dtype = held_dtype(name)
+    return None if dtype is None else dtype.size
 
 
 _EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
