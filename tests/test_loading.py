@@ -107,7 +107,7 @@ def test_bfloat16_checkpoint_loads_and_computes_in_float32(tmp_path):
 def test_norms_and_router_are_held_in_float32_with_the_compute_dtypes_values(tiny_dir):
     """Loaded for bf16 compute, the norm weights, the router and its bias are float32 (what the norms and routing
     scores compute in; no cast in every step's graph) holding exactly the bf16 values the other weights were rounded
-    to, so the logits are those of casting them each step; the hash layers' expert table is int32."""
+    to, so the logits are those of casting them each step; the hash layers' expert table is uint32 (the top-k's dtype)."""
     as_bf16 = load_model(tiny_dir, dtype="bfloat16", progress=False)
     as_loaded = load_model(tiny_dir, progress=False)  # the checkpoint's float32
     cfg, names = as_bf16.cfg, ["norm.weight"]
@@ -120,7 +120,7 @@ def test_norms_and_router_are_held_in_float32_with_the_compute_dtypes_values(tin
         assert held.dtype == mx.float32, name
         assert mx.array_equal(held, original.astype(mx.bfloat16).astype(mx.float32)).item(), name
     tables = [w for n, w in as_bf16.weights.items() if n.endswith("gate.tid2eid")]
-    assert tables and all(t.dtype == mx.int32 for t in tables)
+    assert tables and all(t.dtype == mx.uint32 for t in tables)
     assert as_bf16.dtype == mx.bfloat16 and as_bf16.new_cache().layers[0].window.dtype == mx.bfloat16  # the compute dtype, not the norms'
 
 

@@ -26,11 +26,12 @@ import mlx.core as mx
 
 from tessera.engine.model.attention_inputs import AttentionWeights, SegmentSlice
 from tessera.engine.model.cache import owned
+from tessera.engine.model.compiled import StepCompiled
 from tessera.engine.model.compressor import compress
 from tessera.engine.model.config import CSA, HCA, WINDOW, ModelConfig
 from tessera.engine.model.decode_attention import DecodeRows, decode_attention
 from tessera.engine.model.norms import rms_norm, unweighted_rms_norm
-from tessera.engine.model.quantized import dense_min_rows, for_rows, grouped_linear, linear
+from tessera.engine.model.quantized import dense_min_rows, for_rows, grouped_linear, linear, prime_grouped_linear
 from tessera.engine.model.rope import RopeTables, StepRope, apply_rope
 from tessera.engine.model.trace import ForwardTrace
 from tessera.kernels.indexer import indexer_scores, select_topk
@@ -97,11 +98,21 @@ def attention(
     layer: int,
     tile: int,
     timer: ForwardTrace,
+    compiled: DecodeProjections | None = None,
 ) -> mx.array:
-    """x: [T, D] (normed block input), rope: the step's RoPE tables (its positions [T]) -> [T, D]."""
+    """x: [T, D] (normed block input), rope: the step's RoPE tables (its positions [T]) -> [T, D].
+    compiled: this layer's decode projections compiled (`DecodeProjections`), for a step whose every segment
+    is one token; the other steps build them here."""
     spec = cfg.rope_for(layer)
     tables = rope.tables(spec, cfg.head_dim)
     index_tables = rope.tables(spec, cfg.index_head_dim) if cfg.has_indexer(layer) else None  # the compress table
+    if compiled is not None and BATCH_DECODE_ROWS:
+        if any(seg.length != 1 or seg.offset != i for i, seg in enumerate(segments)):
+            raise ValueError("compiled decode projections take a decode step: one token a segment, in batch order")
+        kv, index_w, compressor_in, index_compressor_in, q, index_q = compiled.inputs(x, tables, index_tables)
+        rows = DecodeRows(segments, x, kv, q, index_q, index_w, compressor_in, index_compressor_in)
+        decoded = timer.stage("attention", decode_attention(rows, w, cfg, layer, timer))  # [B, H, hd]
+        return compiled.output(decoded, rope.tables(spec, cfg.head_dim, inverse=True))
     w = _for_batch(w, x.shape[0], x.dtype)
     decode_step = all(seg.length == 1 for seg in segments)
     use_stacked = decode_step and w.stacked_inputs is not None and stacked_inputs_enabled()
@@ -124,6 +135,72 @@ def attention(
     if pending:  # a run of decode rows goes out as one piece (all of them in a decode step: no slice)
         output.add(_rows(decoded, done, done + pending))
     return output.result()
+
+
+class DecodeProjections:
+    """A layer's projections around a decode step's attention, compiled with fixed shapes (compiled.StepCompiled):
+    before it, the input projections, their norms and the rotations of q, K = V and the index queries
+    (`_decode_inputs`); after it, the rotation back and the output projection (`_decode_output`). A decode step's
+    shapes there are its batch size alone, so each traces once per size and replays from C++ after that: no
+    Python builds them in every step (an H100's batch-1 step at 16k: build 1.3 -> 1.0 ms; the kernels the same but
+    for two: docs/BENCHMARKS.md, "Sessions 25 and 26 on H100s"). The same functions as the plain path, so compiled and plain give the same bits (tests/equivalence/test_step_compiled.py).
+    The cache-dependent rest (compressors, indexer, top-k, mixed attention) stays in Python."""
+
+    def __init__(self, w: AttentionWeights, cfg: ModelConfig, layer: int) -> None:
+        self._w, self._cfg, self._layer = w, cfg, layer
+        self._rotated = cfg.rope_for(layer).dim // 2
+        # One trace set per stacked-inputs setting: it decides which projections exist (the compressors' inputs).
+        self._inputs = {stacked: StepCompiled(lambda *a, stacked=stacked: self._flat_inputs(stacked, *a)) for stacked in (True, False)}
+        self._present: dict[bool, tuple[bool, ...]] = {}  # per setting: which of `_decode_inputs`' outputs exist
+        self._output = StepCompiled(self._flat_output, prime=lambda: prime_grouped_linear(w.wo_a, cfg.o_groups))
+
+    @property
+    def traces(self) -> tuple[int, int]:
+        """How often the inputs' and the output's functions were traced (StepCompiled.traces)."""
+        return sum(c.traces for c in self._inputs.values()), self._output.traces
+
+    def inputs(self, x: mx.array, tables: RopeTables, index_tables: RopeTables | None):
+        """x [B, D] -> (kv, index_w, compressor_in, index_compressor_in, q, index_q) as `_decode_inputs`."""
+        stacked = self._w.stacked_inputs is not None and stacked_inputs_enabled()
+        index = () if index_tables is None else (index_tables.cos, index_tables.sin)
+        flat = iter(self._inputs[stacked](x, tables.cos, tables.sin, *index))
+        kv, index_w, c_kv, c_gate, i_kv, i_gate, q, index_q = (next(flat) if here else None for here in self._present[stacked])
+        return kv, index_w, _pair(c_kv, c_gate), _pair(i_kv, i_gate), q, index_q
+
+    def output(self, decoded: mx.array, inverse: RopeTables) -> mx.array:
+        """decoded [B, H, hd] -> [B, D] as `_decode_output`."""
+        return self._output(decoded, inverse.cos, inverse.sin)
+
+    def _flat_inputs(self, stacked: bool, x: mx.array, cos: mx.array, sin: mx.array, *index: mx.array) -> tuple[mx.array, ...]:
+        index_tables = RopeTables(*index, self._rotated) if index else None
+        kv, index_w, compressor_in, index_compressor_in, q, index_q = _decode_inputs(
+            x, RopeTables(cos, sin, self._rotated), index_tables, self._w, self._cfg, self._layer, stacked)
+        outputs = (kv, index_w, *(compressor_in or (None, None)), *(index_compressor_in or (None, None)), q, index_q)
+        self._present[stacked] = tuple(a is not None for a in outputs)  # traced only: the same for every batch size
+        return tuple(a for a in outputs if a is not None)
+
+    def _flat_output(self, decoded: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+        return _decode_output(decoded, RopeTables(cos, sin, self._rotated), self._w, self._cfg)
+
+
+def _pair(a: mx.array | None, b: mx.array | None) -> tuple[mx.array, mx.array] | None:
+    return None if a is None else (a, b)
+
+
+def _decode_inputs(x: mx.array, tables: RopeTables, index_tables: RopeTables | None, w: AttentionWeights, cfg: ModelConfig,
+                   layer: int, stacked: bool):
+    """A decode step's rows x [B, D] -> kv [B, hd], index_w [B, IH], the compressors' inputs (kv, gate pairs, with
+    stacked inputs), q [B, H, hd], index_q [B, IH, ID] (None where the layer has no such part): what `attention`
+    builds for them, in one function."""
+    w = _for_batch(w, x.shape[0], x.dtype)
+    chunk = _project_chunk(x, tables, w, cfg, layer, w.stacked_inputs.project(x) if stacked else None)
+    q, index_q = _QueryBlocks(chunk.q_residual, tables, index_tables, w, cfg, layer).rows(0, x.shape[0])
+    return chunk.kv, chunk.index_w, chunk.compressor_in, chunk.index_compressor_in, q, index_q
+
+
+def _decode_output(decoded: mx.array, inverse: RopeTables, w: AttentionWeights, cfg: ModelConfig) -> mx.array:
+    """decoded [B, H, hd] -> [B, D]: rotated back, projected (`_OutputBlocks` of one block)."""
+    return _grouped_output(apply_rope(decoded, inverse), _for_batch(w, decoded.shape[0], decoded.dtype), cfg)
 
 
 def _decode_rows(x: mx.array, chunk: _ChunkProjections, queries: _QueryBlocks, decodes: list[SegmentSlice]) -> DecodeRows:

@@ -2,7 +2,8 @@
 small pure functions are compiled shapeless by kernels/shapeless.py, behind TESSERA_COMPILE).
 
 The shape-stable parts of a decode step (engine/model/deepseek_v4.py: a layer's attention prologue,
-its FFN half with the expand after attention, the head) are also compiled *with fixed shapes*
+attention's projections before and after its cache-dependent middle (attention.DecodeProjections), its FFN
+half with the expand after attention, the head) are also compiled *with fixed shapes*
 (`StepCompiled`): keyed by their inputs' shapes, so a decode batch of B rows traces each part once
 per B and replays it from C++ afterwards — reshapes, slices, sorts, gathers and quantized matmuls
 included, which shapeless tracing cannot carry. That removes the Python graph building of those

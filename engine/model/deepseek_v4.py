@@ -16,7 +16,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from tessera.engine.model.attention import AttentionWeights, SegmentSlice, attention
+from tessera.engine.model.attention import AttentionWeights, DecodeProjections, SegmentSlice, attention
 from tessera.engine.model.attention_inputs import with_stacked_inputs
 from tessera.engine.model.cache import SequenceCache
 from tessera.engine.model.compiled import StepCompiled, step_compile_enabled
@@ -53,6 +53,7 @@ class _CompiledLayer:
     """A layer's shape-stable decode parts, compiled with fixed shapes (compiled.StepCompiled)."""
 
     attention_in: StepCompiled  # streams -> (post, comb, normed attention input)
+    attention: DecodeProjections  # the projections around the cache-dependent attention
     ffn_half: StepCompiled  # (attn_out, streams, post, comb, token_ids) -> streams after the layer
 
 
@@ -82,7 +83,7 @@ class DeepseekV4:
         self.dtype = weights["embed.weight" if "embed.weight" in weights else f"layers.{self.layer_ids[0]}.attn_norm.weight"].dtype
         _hold_fixed_dtypes(weights)
         self.layers = {i: _layer_weights(weights, cfg, i) for i in self.layer_ids}
-        self._compiled_layers = {i: _compile_layer(cfg, self.layers[i]) for i in self.layer_ids}
+        self._compiled_layers = {i: _compile_layer(cfg, self.layers[i], i) for i in self.layer_ids}
         self._decoded = False  # a decode step ran here: the lazily evaluated weights are made (`_encode_thread_for`)
 
     def new_cache(self) -> SequenceCache:
@@ -222,11 +223,12 @@ class DeepseekV4:
 
     def _compiled_layer(self, streams, token_ids, rope: StepRope, slices, i: int, tile: int, timer: ForwardTrace):
         """`_layer` of a decode step (one row per segment), its parts around attention compiled
-        (`_compile_layer`); attention itself (per-sequence caches) is built in Python as before."""
+        (`_compile_layer`): the hyper-connections and norm before attention, attention's projections
+        (`DecodeProjections`), the FFN half after it; the cache-dependent attention between is built in Python."""
         layer, parts = self.layers[i], self._compiled_layers[i]
         post, comb, x = parts.attention_in(streams)
         timer.stage("other", x)
-        attn_out = attention(x, rope, slices, layer.attn, self.cfg, i, tile, timer)
+        attn_out = attention(x, rope, slices, layer.attn, self.cfg, i, tile, timer, compiled=parts.attention)
         if syncs_host(streams.shape[0], layer.ffn, self.cfg.num_experts_per_tok):  # a padded MoE: plain
             return _ffn_half(self.cfg, layer, attn_out, streams, post, comb, token_ids, timer)
         return timer.stage("moe", parts.ffn_half(attn_out, streams, post, comb, token_ids))
@@ -281,13 +283,14 @@ def _ffn_half(cfg: ModelConfig, layer: LayerWeights, attn_out, streams, post, co
     return expand(ffn_out, streams, post, comb)
 
 
-def _compile_layer(cfg: ModelConfig, layer: LayerWeights) -> _CompiledLayer:
-    """The layer's two pure parts as fixed-shape compiled functions closing over its weights (constants
+def _compile_layer(cfg: ModelConfig, layer: LayerWeights, index: int) -> _CompiledLayer:
+    """The layer's pure parts as fixed-shape compiled functions closing over its weights (constants
     of the trace) and the config, not the model (no reference cycle keeps a dropped model's weights);
-    their stage marks are inert inside (nothing may evaluate there)."""
+    their stage marks are inert inside (nothing may evaluate there). index: the layer's number."""
     inert = ForwardTrace(stage_sync=False)
     return _CompiledLayer(
         attention_in=StepCompiled(lambda streams: _attention_in(cfg, layer, streams), prime=layer.prime),
+        attention=DecodeProjections(layer.attn, cfg, index),
         ffn_half=StepCompiled(lambda attn_out, streams, post, comb, token_ids: _ffn_half(
             cfg, layer, attn_out, streams, post, comb, token_ids, inert), prime=layer.prime),
     )
@@ -438,9 +441,9 @@ def _moe_weights(w: dict[str, mx.array], cfg: ModelConfig, i: int) -> MoEWeights
 
 def _hold_fixed_dtypes(w: dict[str, mx.array]) -> None:
     """Casts, once and in place in `w`, every tensor the model holds in a fixed dtype (weights.held_dtype: norm
-    weights and the router in float32, tid2eid in int32), instead of a cast node in every step's graph (for the
+    weights and the router in float32, tid2eid in uint32), instead of a cast node in every step's graph (for the
     bf16 router a [E, D] float32 copy a layer a step; a cast kernel a norm). Exact: every value survives
-    (bf16 / fp16 -> float32; expert ids < 2^31)."""
+    (bf16 / fp16 -> float32; expert ids are small non-negative integers)."""
     for name, a in w.items():
         dtype = held_dtype(name)
         if dtype is not None and a.dtype != dtype:

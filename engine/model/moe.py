@@ -423,12 +423,13 @@ def reference_routed_experts(x: mx.array, experts: mx.array, weights: mx.array, 
 
 
 def route(x: mx.array, token_ids: mx.array, w: MoEWeights, top_k: int, scaling: float) -> tuple[mx.array, mx.array]:
-    """x: [T, D] -> (experts [T, k] int, weights [T, k]) from sqrt(softplus(logits))."""
+    """x: [T, D] -> (experts [T, k] uint32, weights [T, k]) from sqrt(softplus(logits)). uint32: what the top-k gives
+    and the expert kernels take, so no cast kernel sits between them in a decode step (the hash table is held so)."""
     scores = _router_scores(x, w.router)  # [T, E]
     if w.tid2eid is not None:
-        experts = w.tid2eid[token_ids].astype(mx.int32)
+        experts = w.tid2eid[token_ids]  # held in uint32 (weights.held_dtype)
     else:
-        experts = mx.argpartition(_negated_biased(scores, w.correction_bias), kth=top_k - 1, axis=-1)[:, :top_k].astype(mx.int32)
+        experts = mx.argpartition(_negated_biased(scores, w.correction_bias), kth=top_k - 1, axis=-1)[:, :top_k]
     return experts, _normalized(mx.take_along_axis(scores, experts, axis=-1), scaling)
 
 

@@ -144,6 +144,14 @@ def linear(x: mx.array, w: Weight) -> mx.array:
     return x @ w.T
 
 
+def prime_grouped_linear(w: Weight, groups: int) -> None:
+    """Makes what `grouped_linear(x, w, groups)` caches on its first call (a quantized weight's grouped views, the
+    group ids: evaluated as they are made), so that a compiled trace calling it finds them made."""
+    if isinstance(w, QuantizedWeight):
+        w.grouped(groups)
+        _group_ids(groups)
+
+
 def grouped_linear(x: mx.array, w: Weight, groups: int) -> mx.array:
     """x: [G, B, in] -> [G, B, out / G]: group g through rows [g·out/G, (g+1)·out/G) of w: [out, in]."""
     w = for_rows(w, x.shape[1], x.dtype)

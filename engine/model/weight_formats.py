@@ -8,7 +8,7 @@
 - `bfloat16` / `float32` / `float16`: every tensor plain in that dtype (a dequantizing loader).
 
 Tensors that stay float (embedding, head, compressor …) count at the compute dtype's size; the norms' weights,
-the router and its bias at 4 bytes (float32), `tid2eid` at 4 (int32): the dtypes the model holds them in
+the router and its bias at 4 bytes (float32), `tid2eid` at 4 (uint32): the dtypes the model holds them in
 (weights.held_itemsize).
 """
 

@@ -109,9 +109,10 @@ def _moe_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
 
 # Tensors held in one dtype whatever the checkpoint's or the compute dtype (deepseek_v4._hold_fixed_dtypes, at load):
 # the norms' weights, the router and its bias in float32 (what the norms weigh and the routing scores multiply in),
-# the hash layers' token -> expert table in int32. By name suffix.
+# the hash layers' token -> expert table in uint32 (the expert ids' dtype: the top-k's, the expert kernels'). By name
+# suffix.
 _HELD_DTYPES = {"norm.weight": mx.float32, "ffn.gate.weight": mx.float32, "ffn.gate.bias": mx.float32,
-                "ffn.gate.tid2eid": mx.int32}
+                "ffn.gate.tid2eid": mx.uint32}
 
 
 def held_dtype(name: str) -> mx.Dtype | None:

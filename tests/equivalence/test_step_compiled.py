@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tessera.engine.model import compiled, moe
+from tessera.engine.model import attention, compiled, moe
 from tessera.kernels import shapeless
 from tessera.engine.model.config import CSA, HCA, WINDOW
 from tessera.engine.model.deepseek_v4 import Segment
@@ -70,8 +70,8 @@ def _run(model, enabled: bool, timer_factory=lambda: None):
     return logits, [_bits(a) for c in caches + [newcomer] for a in c.arrays()]
 
 
-def _traces(model) -> list[tuple[int, int]]:
-    return [(p.attention_in.traces, p.ffn_half.traces) for p in model._compiled_layers.values()]
+def _traces(model) -> list[tuple[int, ...]]:
+    return [(p.attention_in.traces, *p.attention.traces, p.ffn_half.traces) for p in model._compiled_layers.values()]
 
 
 def _assert_same(a, b):
@@ -87,7 +87,8 @@ def test_compiled_decode_steps_give_the_plain_bits_and_trace_once_per_batch_size
     before_layers, before_head = _traces(model), model._compiled_head.traces
     on = _run(model, True)
     sizes = len({len(b) for b in BATCHES})  # 3: batches of 4, 2 and 1 rows
-    assert [(a - a0, f - f0) for (a, f), (a0, f0) in zip(_traces(model), before_layers)] == [(sizes, sizes)] * len(before_layers)
+    # Each part of each layer: the attention prologue, attention's input projections and output, the FFN half
+    assert [tuple(n - n0 for n, n0 in zip(t, t0)) for t, t0 in zip(_traces(model), before_layers)] == [(sizes,) * 4] * len(before_layers)
     # The head: every decode batch size, plus the prefills' one row (one segment each).
     assert model._compiled_head.traces - before_head == len({len(b) for b in BATCHES} | {1})
     off_before = _traces(model), model._compiled_head.traces
@@ -100,6 +101,24 @@ def test_compiled_decode_steps_give_the_plain_bits_and_trace_once_per_batch_size
     assert _traces(model) == again
 
 
+def test_the_stacked_inputs_switch_reaches_its_own_trace_of_the_attention_projections(model):
+    """Stacked input projections decide which projections a layer's compiled attention inputs hand on (the
+    compressors' kv and gate): flipping the switch in a running process must trace the inputs afresh, and
+    both settings give the plain step's bits."""
+    saved = attention.stacked_inputs_enabled()
+    try:
+        attention.set_stacked_inputs_enabled(True)
+        _run(model, True)
+        off = _run(model, False)
+        attention.set_stacked_inputs_enabled(False)
+        before = [p.attention.traces[0] for p in model._compiled_layers.values()]
+        _assert_same(_run(model, True), off)
+        sizes = len({len(b) for b in BATCHES})
+        assert [p.attention.traces[0] - n for p, n in zip(model._compiled_layers.values(), before)] == [sizes] * len(before)
+    finally:
+        attention.set_stacked_inputs_enabled(saved)
+
+
 def test_a_padded_moe_step_and_a_stage_synced_trace_run_the_parts_plain(model, monkeypatch):
     """A MoE that reads its counts back (padded layout) cannot be traced: the layer's FFN half runs plain
     while its attention prologue stays compiled; a stage-synced trace evaluates inside every part."""
@@ -108,7 +127,7 @@ def test_a_padded_moe_step_and_a_stage_synced_trace_run_the_parts_plain(model, m
     off = _run(model, False)
     before = _traces(model)
     on = _run(model, True)
-    assert [f for _, f in _traces(model)] == [f0 for _, f0 in before]  # no FFN half traced (it would fail: a sync)
+    assert [t[-1] for t in _traces(model)] == [t0[-1] for t0 in before]  # no FFN half traced (it would fail: a sync)
     _assert_same(on, off)
     monkeypatch.setattr(moe, "PADDED_MIN_PAIRS_PER_EXPERT", 12)
     before = _traces(model)
@@ -126,7 +145,7 @@ def test_flipping_the_shapeless_switch_traces_afresh(model):
     before = _traces(model)
     shapeless.set_compile_enabled(not shapeless.compile_enabled())
     step()
-    assert all(a == a0 + 1 and f == f0 + 1 for (a, f), (a0, f0) in zip(_traces(model), before))
+    assert all(n == n0 + 1 for t, t0 in zip(_traces(model), before) for n, n0 in zip(t, t0))
 
 
 def test_moving_the_dense_threshold_traces_afresh(model):
@@ -144,7 +163,7 @@ def test_moving_the_dense_threshold_traces_afresh(model):
         step()
     finally:
         quantized.set_dense_min_rows(saved)
-    assert all(f == f0 + 1 for (_, f), (_, f0) in zip(_traces(model), before))
+    assert all(t[-1] == t0[-1] + 1 for t, t0 in zip(_traces(model), before))
 
 
 @pytest.mark.parametrize("value,expected", [("0", "False"), ("1", "True"), (None, "False")])
