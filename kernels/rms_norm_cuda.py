@@ -17,9 +17,10 @@ Where it runs: bf16 and fp16 rows (the casts it removes; float32 rows take MLX's
 any count, a width a multiple of 8 up to MAX_WIDTH, on CUDA with compilation on. A row's bits do not depend on
 how many rows a call has, so a prefill chunk and a decode batch norm a row alike.
 
-Switch: TESSERA_RMS_NORM_KERNEL=1 uses the kernel where `is_supported`; 0, the default, keeps the reference. Off
-until it has run on a GPU: written in session 23, its CUDA tests and step measurements (the probes' arms
-compiled_rms_norm and serving_overlap_rms_norm) wait for a lease (docs/BENCHMARKS.md, "Session 23").
+Switch: TESSERA_RMS_NORM_KERNEL=1 uses the kernel where `is_supported`; 0, the default, keeps the reference. Off:
+on an H100 its CUDA tests pass and it removes 41 of a flash-width batch-1 step's 337 launches, but no step got
+faster with it (64k decode, the serving step at 1 and 16 tokens: docs/BENCHMARKS.md, "Sessions 25 and 26 on
+H100s"). The probes' arms compiled_rms_norm and serving_overlap_rms_norm measure it.
 """
 
 from __future__ import annotations
