@@ -102,20 +102,18 @@ def attention(
 ) -> mx.array:
     """x: [T, D] (normed block input), rope: the step's RoPE tables (its positions [T]) -> [T, D].
     compiled: this layer's decode projections compiled (`DecodeProjections`), for a step whose every segment
-    is one token; the other steps build them here."""
+    is one token, in batch order (the model's step layout); the other steps build them here."""
     spec = cfg.rope_for(layer)
     tables = rope.tables(spec, cfg.head_dim)
     index_tables = rope.tables(spec, cfg.index_head_dim) if cfg.has_indexer(layer) else None  # the compress table
     if compiled is not None and BATCH_DECODE_ROWS:
-        if any(seg.length != 1 or seg.offset != i for i, seg in enumerate(segments)):
-            raise ValueError("compiled decode projections take a decode step: one token a segment, in batch order")
         kv, index_w, compressor_in, index_compressor_in, q, index_q = compiled.inputs(x, tables, index_tables)
         rows = DecodeRows(segments, x, kv, q, index_q, index_w, compressor_in, index_compressor_in)
         decoded = timer.stage("attention", decode_attention(rows, w, cfg, layer, timer))  # [B, H, hd]
         return compiled.output(decoded, rope.tables(spec, cfg.head_dim, inverse=True))
     w = _for_batch(w, x.shape[0], x.dtype)
     decode_step = all(seg.length == 1 for seg in segments)
-    use_stacked = decode_step and w.stacked_inputs is not None and stacked_inputs_enabled()
+    use_stacked = decode_step and _takes_stacked_inputs(w)
     chunk = _project_chunk(x, tables, w, cfg, layer, w.stacked_inputs.project(x) if use_stacked else None)
     queries = _QueryBlocks(chunk.q_residual, tables, index_tables, w, cfg, layer)
     output = _OutputBlocks(rope.tables(spec, cfg.head_dim, inverse=True), w, cfg)
@@ -150,8 +148,7 @@ class DecodeProjections:
         self._w, self._cfg, self._layer = w, cfg, layer
         self._rotated = cfg.rope_for(layer).dim // 2
         # One trace set per stacked-inputs setting: it decides which projections exist (the compressors' inputs).
-        self._inputs = {stacked: StepCompiled(lambda *a, stacked=stacked: self._flat_inputs(stacked, *a)) for stacked in (True, False)}
-        self._present: dict[bool, tuple[bool, ...]] = {}  # per setting: which of `_decode_inputs`' outputs exist
+        self._inputs = {stacked: StepCompiled(lambda *a, stacked=stacked: self._named_inputs(stacked, *a)) for stacked in (True, False)}
         self._output = StepCompiled(self._flat_output, prime=lambda: prime_grouped_linear(w.wo_a, cfg.o_groups))
 
     @property
@@ -161,30 +158,38 @@ class DecodeProjections:
 
     def inputs(self, x: mx.array, tables: RopeTables, index_tables: RopeTables | None):
         """x [B, D] -> (kv, index_w, compressor_in, index_compressor_in, q, index_q) as `_decode_inputs`."""
-        stacked = self._w.stacked_inputs is not None and stacked_inputs_enabled()
         index = () if index_tables is None else (index_tables.cos, index_tables.sin)
-        flat = iter(self._inputs[stacked](x, tables.cos, tables.sin, *index))
-        kv, index_w, c_kv, c_gate, i_kv, i_gate, q, index_q = (next(flat) if here else None for here in self._present[stacked])
-        return kv, index_w, _pair(c_kv, c_gate), _pair(i_kv, i_gate), q, index_q
+        out = self._inputs[_takes_stacked_inputs(self._w)](x, tables.cos, tables.sin, *index)
+        return (out["kv"], out.get("index_w"), _pair(out, "compressor"), _pair(out, "index_compressor"), out["q"],
+                out.get("index_q"))
 
     def output(self, decoded: mx.array, inverse: RopeTables) -> mx.array:
         """decoded [B, H, hd] -> [B, D] as `_decode_output`."""
         return self._output(decoded, inverse.cos, inverse.sin)
 
-    def _flat_inputs(self, stacked: bool, x: mx.array, cos: mx.array, sin: mx.array, *index: mx.array) -> tuple[mx.array, ...]:
+    def _named_inputs(self, stacked: bool, x: mx.array, cos: mx.array, sin: mx.array, *index: mx.array) -> dict[str, mx.array]:
+        """`_decode_inputs` as a compiled function returns them: by name, the parts the layer lacks left out."""
         index_tables = RopeTables(*index, self._rotated) if index else None
         kv, index_w, compressor_in, index_compressor_in, q, index_q = _decode_inputs(
             x, RopeTables(cos, sin, self._rotated), index_tables, self._w, self._cfg, self._layer, stacked)
-        outputs = (kv, index_w, *(compressor_in or (None, None)), *(index_compressor_in or (None, None)), q, index_q)
-        self._present[stacked] = tuple(a is not None for a in outputs)  # traced only: the same for every batch size
-        return tuple(a for a in outputs if a is not None)
+        named = {"kv": kv, "index_w": index_w, "q": q, "index_q": index_q}
+        for prefix, pair in (("compressor", compressor_in), ("index_compressor", index_compressor_in)):
+            if pair is not None:
+                named[f"{prefix}_kv"], named[f"{prefix}_gate"] = pair
+        return {name: a for name, a in named.items() if a is not None}
 
     def _flat_output(self, decoded: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
         return _decode_output(decoded, RopeTables(cos, sin, self._rotated), self._w, self._cfg)
 
 
-def _pair(a: mx.array | None, b: mx.array | None) -> tuple[mx.array, mx.array] | None:
-    return None if a is None else (a, b)
+def _pair(named: dict[str, mx.array], prefix: str) -> tuple[mx.array, mx.array] | None:
+    """A compressor's (kv, gate) input pair from `DecodeProjections._named_inputs`' outputs, if the layer has it."""
+    return (named[f"{prefix}_kv"], named[f"{prefix}_gate"]) if f"{prefix}_kv" in named else None
+
+
+def _takes_stacked_inputs(w: AttentionWeights) -> bool:
+    """Whether a decode step projects the layer's inputs through its stacked weight (attention_inputs.py)."""
+    return w.stacked_inputs is not None and stacked_inputs_enabled()
 
 
 def _decode_inputs(x: mx.array, tables: RopeTables, index_tables: RopeTables | None, w: AttentionWeights, cfg: ModelConfig,
@@ -199,8 +204,8 @@ def _decode_inputs(x: mx.array, tables: RopeTables, index_tables: RopeTables | N
 
 
 def _decode_output(decoded: mx.array, inverse: RopeTables, w: AttentionWeights, cfg: ModelConfig) -> mx.array:
-    """decoded [B, H, hd] -> [B, D]: rotated back, projected (`_OutputBlocks` of one block)."""
-    return _grouped_output(apply_rope(decoded, inverse), _for_batch(w, decoded.shape[0], decoded.dtype), cfg)
+    """decoded [B, H, hd] -> [B, D]: `_OutputBlocks` of one block."""
+    return _rotated_back_output(decoded, inverse, _for_batch(w, decoded.shape[0], decoded.dtype), cfg)
 
 
 def _decode_rows(x: mx.array, chunk: _ChunkProjections, queries: _QueryBlocks, decodes: list[SegmentSlice]) -> DecodeRows:
@@ -338,9 +343,7 @@ class _OutputBlocks:
     def _project(self, out: mx.array) -> mx.array:
         r0 = len(self._projected) * PROJECTION_ROWS
         r1 = r0 + out.shape[0]
-        # K = V carried RoPE into the output's rope slice: rotate back by the query position.
-        out = apply_rope(out, self._inverse.rows(r0, r1))
-        block = _grouped_output(out, self._w, self._cfg)  # [B, D]
+        block = _rotated_back_output(out, self._inverse.rows(r0, r1), self._w, self._cfg)  # [B, D]
         self._projected.append(block)
         return block
 
@@ -354,8 +357,10 @@ def _rows(a: mx.array, r0: int, r1: int) -> mx.array:
     return a if r0 == 0 and r1 == a.shape[0] else a[r0:r1]
 
 
-def _grouped_output(out: mx.array, w: AttentionWeights, cfg: ModelConfig) -> mx.array:
-    """[B, H, hd] -> [B, D]: per-group low-rank projection, then one mixing projection."""
+def _rotated_back_output(out: mx.array, inverse: RopeTables, w: AttentionWeights, cfg: ModelConfig) -> mx.array:
+    """[B, H, hd] -> [B, D]. K = V carried RoPE into the output's rope slice: rotated back by the query positions
+    (`inverse`); then a per-group low-rank projection and one mixing projection."""
+    out = apply_rope(out, inverse)
     num_tokens, groups = out.shape[0], cfg.o_groups
     grouped = out.reshape(num_tokens, groups, -1).transpose(1, 0, 2)  # [G, B, H·hd / G]
     mid = grouped_linear(grouped, w.wo_a, groups).transpose(1, 0, 2).reshape(num_tokens, -1)  # [B, G·o_lora]
