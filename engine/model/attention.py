@@ -140,8 +140,8 @@ class DecodeProjections:
     before it, the input projections, their norms and the rotations of q, K = V and the index queries
     (`_decode_inputs`); after it, the rotation back and the output projection (`_decode_output`). A decode step's
     shapes there are its batch size alone, so each traces once per size and replays from C++ after that: no
-    Python builds them in every step (an H100's batch-1 step at 16k: build 1.3 -> 1.0 ms; the kernels the same but
-    for two: docs/BENCHMARKS.md, "Sessions 25 and 26 on H100s"). The same functions as the plain path, so compiled and plain give the same bits (tests/equivalence/test_step_compiled.py).
+    Python builds them in every step (an H100's batch-1 step at 16k: build 1.3 -> 1.0 ms, measured on this class's
+    first form: docs/BENCHMARKS.md, "Sessions 25 and 26 on H100s"). The same functions as the plain path, so compiled and plain give the same bits (tests/equivalence/test_step_compiled.py).
     The cache-dependent rest (compressors, indexer, top-k, mixed attention) stays in Python."""
 
     def __init__(self, w: AttentionWeights, cfg: ModelConfig, layer: int) -> None:
