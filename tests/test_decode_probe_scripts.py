@@ -3,12 +3,18 @@ run by path on the CPU at tiny sizes, as the H200 runs them, and report what the
 issue14_step_timeline.py every arm and batch size in alternating rounds with the host's split (the device's own
 time needs a GPU: None here); compiled_step_bits.py the compiled and plain steps' difference (0.0 on the CPU) and
 the warm-up per batch size; decode_encode_split.py each stage's encoding per batch size in A B B A rounds;
-overlap_append_memory.py (session 17) the peak memory of serial and overlapped steps in alternating rounds."""
+overlap_append_memory.py (session 17) the peak memory of serial and overlapped steps in alternating rounds;
+mlx_thread_overlap.py (session 27) each graph builder timed alone and while a second thread encodes."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 from tests.equivalence.row_invariant_blas import row_invariant_blas
-from tests.support.bench_script import run_bench_script, tiny_model
+from tests.support.bench_script import ROOT, run_bench_script, tiny_model
 
 
 def test_step_timeline_reports_the_host_split_of_every_arm_in_alternating_rounds(tmp_path):
@@ -101,3 +107,20 @@ def test_append_donation_probe_times_the_append_with_and_without_a_reader_in_fli
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 2 and all(r["mib"] == 8 for r in rows)
     assert all(r["reader_and_append_ms"] > 0 and r["append_alone_ms"] > 0 and r["reader_ms"] > 0 for r in rows)
+
+
+def test_thread_overlap_probe_times_every_builder_alone_and_during_an_encode(tmp_path):
+    """docs/bench/mlx_thread_overlap.py (no model): a line per builder, in its order, with the build and the
+    encode timed alone and together, and their overlap computed from those times."""
+    out = tmp_path / "overlap.jsonl"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, str(ROOT / "docs/bench/mlx_thread_overlap.py"), str(out), "--nodes", "32",
+                           "--reps", "2"], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["builder"] for r in rows] == ["python", "views", "ops", "scalars", "compiled", "ops_other_stream"]
+    for r in rows:
+        times = [r[k] for k in ("build_alone_ms", "encode_alone_ms", "build_during_ms", "encode_during_ms", "both_ms")]
+        assert all(t > 0 for t in times), r
+        # the line's times are rounded medians; the overlap is of the unrounded ones
+        assert abs(r["overlap"] - (r["build_alone_ms"] + r["encode_alone_ms"]) / r["both_ms"]) < 0.01, r
