@@ -4,6 +4,8 @@ alternating order its docstring promises."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.support.bench_script import run_bench_script, tiny_model
 
 
@@ -15,9 +17,13 @@ def test_overlap_script_times_every_arm_in_alternating_rounds(tmp_path):
     rounds = [(r["arm"], r["batch"]) for r in rows if r["what"] == "decode"]
     assert rounds == [(arm, b) for b in (1, 3) for arm in ("serial", "serving_overlap", "serving_overlap", "serial")]
     assert all(len(r["step_ms"]) >= 2 and r["step_ms_median"] > 0 for r in rows if r["what"] == "decode")
+    for r in (r for r in rows if r["what"] == "decode"):  # the first interval holds the first step's build: left out
+        assert r["step_ms_mean"] == pytest.approx(sum(r["step_ms"][1:]) / (len(r["step_ms"]) - 1))
+        assert r["sustained_tokens_per_s"] == pytest.approx(r["batch"] / r["step_ms_mean"] * 1000)
     summary = rows[-1]
     assert summary["what"] == "summary"
-    assert {"serial_b1_step_ms", "serving_overlap_b3_step_ms", "serial_ratio_b3_over_b1"} <= set(summary)
+    assert {"serial_b1_step_ms", "serving_overlap_b3_step_ms", "serial_ratio_b3_over_b1",
+            "serial_sustained_ratio_b3_over_b1"} <= set(summary)
     profiles = [r for r in rows if r["what"] == "profile"]
     assert [(r["arm"], r["batch"]) for r in profiles] == [(arm, b) for b in (1, 3) for arm in ("serial", "serving_overlap")]
     for r in profiles:  # the model's step is where the host's time goes, and the numbers are per step

@@ -39,7 +39,9 @@ A B C D D C B A (--rounds times; --arms picks a subset). Every arm takes greedy 
   layouts since removed; session 18's serving_overlap_no_host_array_cache, a cache removed after it measured
   nothing (docs/ARCHITECTURE.md "Host-made arrays").
 
-A step's time is the interval between two tokens reaching the host. One JSON line per round to OUT.
+A step's time is the interval between two tokens reaching the host. One JSON line per round to OUT: the median
+step and its tokens/s, and the mean step and its (sustained) tokens/s: every fourth step closes CSA windows and is
+slower (docs/BENCHMARKS.md, "Session 27"); the summary gives the batched ratio from both.
 --profile-steps N: afterwards, each arm at each batch size under cProfile, one "profile" line each: where
 the host's time of a step goes, per function (ms a step, the arm's setup taken out: `host_profile`). MLX's
 nanobind calls are not Python functions to cProfile: their time is their caller's own, so MLX's encoding
@@ -186,15 +188,18 @@ def main() -> None:
     caches = [_filled(model, args.ctx, b, options) for b in range(args.batch)]
     emit("filled", seconds=round(time.perf_counter() - t0, 2), ctx=args.ctx, batch=args.batch)
     medians: dict[tuple[str, int], list[float]] = {}
+    means: dict[tuple[str, int], list[float]] = {}
     for batch in (1, args.batch):
         for arm in args.arms:  # warm every arm at this batch size
             ARMS[arm](model, caches[:batch], 3)
         for arm in (args.arms + args.arms[::-1]) * args.rounds:
             steps, _ = ARMS[arm](model, caches[:batch], args.steps)
             median = statistics.median(steps[1:])  # the first interval includes the first step's build
+            mean = statistics.fmean(steps[1:])  # every fourth step closes CSA windows and is slower
             medians.setdefault((arm, batch), []).append(median)
-            emit("decode", arm=arm, ctx=args.ctx, batch=batch, step_ms_median=median,
-                 tokens_per_s=batch / median * 1000, step_ms=steps)
+            means.setdefault((arm, batch), []).append(mean)
+            emit("decode", arm=arm, ctx=args.ctx, batch=batch, step_ms_median=median, step_ms_mean=mean,
+                 tokens_per_s=batch / median * 1000, sustained_tokens_per_s=batch / mean * 1000, step_ms=steps)
     for batch in (1, args.batch) if args.profile_steps else ():
         for arm in args.arms:
             emit("profile", arm=arm, ctx=args.ctx, batch=batch, steps=args.profile_steps,
@@ -203,6 +208,8 @@ def main() -> None:
     for arm in args.arms:
         one, many = summary[f"{arm}_b1_step_ms"], summary[f"{arm}_b{args.batch}_step_ms"]
         summary[f"{arm}_ratio_b{args.batch}_over_b1"] = (args.batch / many) / (1 / one)
+        one, many = (statistics.median(means[(arm, b)]) for b in (1, args.batch))  # the same from the mean steps
+        summary[f"{arm}_sustained_ratio_b{args.batch}_over_b1"] = (args.batch / many) / (1 / one)
     emit("summary", ctx=args.ctx, batch=args.batch, as_loaded=args.as_loaded, **summary,
          seconds=round(time.perf_counter() - t0, 2))
 
