@@ -8,13 +8,8 @@ mlx_thread_overlap.py (session 27) each graph builder timed alone and while a se
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 from tests.equivalence.row_invariant_blas import row_invariant_blas
-from tests.support.bench_script import ROOT, run_bench_script, tiny_model
+from tests.support.bench_script import run_bench_script, run_probe_script, tiny_model
 
 
 def test_step_timeline_reports_the_host_split_of_every_arm_in_alternating_rounds(tmp_path):
@@ -94,17 +89,7 @@ def test_overlap_append_memory_reports_both_arms_peaks_in_alternating_rounds(tmp
 
 
 def test_append_donation_probe_times_the_append_with_and_without_a_reader_in_flight(tmp_path):
-    import json
-    import subprocess
-    import sys
-
-    from tests.support.bench_script import ROOT
-
-    out = tmp_path / "append.jsonl"
-    done = subprocess.run([sys.executable, str(ROOT / "docs/bench/append_donation_probe.py"), str(out), "--mib", "8",
-                           "--rounds", "2"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = run_probe_script("append_donation_probe.py", tmp_path / "append.jsonl", "--mib", "8", "--rounds", "2")
     assert len(rows) == 2 and all(r["mib"] == 8 for r in rows)
     assert all(r["reader_and_append_ms"] > 0 and r["append_alone_ms"] > 0 and r["reader_ms"] > 0 for r in rows)
 
@@ -112,12 +97,7 @@ def test_append_donation_probe_times_the_append_with_and_without_a_reader_in_fli
 def test_thread_overlap_probe_times_every_builder_alone_and_during_an_encode(tmp_path):
     """docs/bench/mlx_thread_overlap.py (no model): a line per builder, in its order, with the build and the
     encode timed alone and together, and their overlap computed from those times."""
-    out = tmp_path / "overlap.jsonl"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, str(ROOT / "docs/bench/mlx_thread_overlap.py"), str(out), "--nodes", "32",
-                           "--reps", "2"], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
-    assert done.returncode == 0, done.stderr
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = run_probe_script("mlx_thread_overlap.py", tmp_path / "overlap.jsonl", "--nodes", "32", "--reps", "2")
     assert [r["builder"] for r in rows] == ["python", "views", "ops", "scalars", "compiled", "ops_other_stream"]
     for r in rows:
         times = [r[k] for k in ("build_alone_ms", "encode_alone_ms", "build_during_ms", "encode_during_ms", "both_ms")]

@@ -205,11 +205,10 @@ def main() -> None:
             emit("profile", arm=arm, ctx=args.ctx, batch=batch, steps=args.profile_steps,
                  **host_profile(ARMS[arm], model, caches[:batch], args.profile_steps, top=args.profile_top))
     summary = {f"{arm}_b{batch}_step_ms": statistics.median(v) for (arm, batch), v in medians.items()}
-    for arm in args.arms:
-        one, many = summary[f"{arm}_b1_step_ms"], summary[f"{arm}_b{args.batch}_step_ms"]
-        summary[f"{arm}_ratio_b{args.batch}_over_b1"] = (args.batch / many) / (1 / one)
-        one, many = (statistics.median(means[(arm, b)]) for b in (1, args.batch))  # the same from the mean steps
-        summary[f"{arm}_sustained_ratio_b{args.batch}_over_b1"] = (args.batch / many) / (1 / one)
+    for arm in args.arms:  # the batch's tokens/s over one sequence's, from the rounds' median and mean steps
+        for name, per_round in (("ratio", medians), ("sustained_ratio", means)):
+            one, many = (statistics.median(per_round[(arm, b)]) for b in (1, args.batch))
+            summary[f"{arm}_{name}_b{args.batch}_over_b1"] = args.batch * one / many
     emit("summary", ctx=args.ctx, batch=args.batch, as_loaded=args.as_loaded, **summary,
          seconds=round(time.perf_counter() - t0, 2))
 

@@ -11,7 +11,7 @@ with graphs that resemble a decode layer's (chains of small elementwise ops on o
 - builders, each timed alone and then while the thread encodes (the thread starts first, and each build
   runs inside its encode):
   - python: a pure-Python loop (no MLX call): slows down only if the GIL is not free while MLX encodes;
-  - views: reshapes and transposes (graph nodes, no kernel, no allocation);
+  - views: reshapes (graph nodes, no kernel, no allocation);
   - ops: elementwise adds of two arrays (graph nodes that will be kernels);
   - scalars: adds of a Python float (each makes a one-element array: an allocation when built);
   - compiled: calls of a small `mx.compile`d function (a replay of its trace per call, as the step's compiled parts);
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import threading
 import time
 
@@ -135,11 +136,9 @@ def main() -> None:
     p.add_argument("--nodes", type=int, default=400)
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args()
-    import sys
-
     sys.setswitchinterval(50e-6)  # as engine/model/encode_thread.py sets it
     device = mx.default_device()
-    encode_stream = mx.new_thread_unsafe_stream(device) if hasattr(mx, "new_thread_unsafe_stream") else mx.new_stream(device)
+    encode_stream = mx.new_thread_unsafe_stream(device)  # the encode thread's kind of stream
     other = mx.new_stream(device)
     cases = [(name, fn, encode_stream) for name, fn in BUILDERS.items()] + [("ops_other_stream", build_ops, other)]
     with open(args.out, "a") as f:

@@ -24,8 +24,15 @@ def tiny_model(directory: Path) -> Path:
 def run_bench_script(script: str, model_dir: Path, out: Path, *options: str) -> list[dict]:
     """docs/bench/`script` MODEL OUT OPTIONS by path, without PYTHONPATH (a script finds its checkout itself);
     it must succeed. -> OUT's JSON lines."""
+    return run_probe_script(script, out, *options, model_dir=model_dir)
+
+
+def run_probe_script(script: str, out: Path, *options: str, model_dir: Path | None = None) -> list[dict]:
+    """docs/bench/`script` [MODEL] OUT OPTIONS by path, from OUT's folder, without PYTHONPATH; a probe that
+    needs no model takes OUT first. It must succeed. -> OUT's JSON lines."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, str(ROOT / "docs/bench" / script), str(model_dir), str(out), *options],
+    args = ([] if model_dir is None else [str(model_dir)]) + [str(out), *options]
+    done = subprocess.run([sys.executable, str(ROOT / "docs/bench" / script), *args],
                           capture_output=True, text=True, timeout=600, cwd=out.parent, env=env)
     assert done.returncode == 0, done.stderr
     return [json.loads(line) for line in out.read_text().splitlines()]
