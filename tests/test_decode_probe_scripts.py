@@ -4,12 +4,14 @@ issue14_step_timeline.py every arm and batch size in alternating rounds with the
 time needs a GPU: None here); compiled_step_bits.py the compiled and plain steps' difference (0.0 on the CPU) and
 the warm-up per batch size; decode_encode_split.py each stage's encoding per batch size in A B B A rounds;
 overlap_append_memory.py (session 17) the peak memory of serial and overlapped steps in alternating rounds;
-mlx_thread_overlap.py (session 27) each graph builder timed alone and while a second thread encodes."""
+mlx_thread_overlap.py (session 27) each graph builder timed alone and while a second thread encodes;
+issue14_primitive_count.py (session 28) what a step that closes CSA windows adds to the graph."""
 
 from __future__ import annotations
 
 from tests.equivalence.row_invariant_blas import row_invariant_blas
-from tests.support.bench_script import run_bench_script, run_probe_script, tiny_model
+from tessera.engine.model.config import CSA
+from tests.support.bench_script import TINY_OVERRIDES, run_bench_script, run_printing_script, run_probe_script, tiny_model
 
 
 def test_step_timeline_reports_the_host_split_of_every_arm_in_alternating_rounds(tmp_path):
@@ -104,3 +106,18 @@ def test_thread_overlap_probe_times_every_builder_alone_and_during_an_encode(tmp
         assert all(t > 0 for t in times), r
         # the line's times are rounded medians; the overlap is of the unrounded ones
         assert abs(r["overlap"] - (r["build_alone_ms"] + r["encode_alone_ms"]) / r["both_ms"]) < 0.01, r
+
+
+def test_primitive_count_shows_what_a_window_closing_step_adds(tmp_path):
+    """Four consecutive steps at CSA ratio 4: one closes each CSA layer's two compressors' windows, and its
+    extra nodes include one slice update a closing compressor a sequence (the appends that grow with B)."""
+    model = tiny_model(tmp_path / "model")
+    rows = run_printing_script("issue14_primitive_count.py", model, "--batch", "1", "3", "--ctx", "100", "--steps", "2",
+                               "--count-steps", "4")
+    assert [r["batch"] for r in rows] == [1, 3]
+    for r in rows:
+        totals = r["step_totals"]
+        assert len(totals) == 4 and totals[0] == r["total"]
+        assert sorted(totals)[:3] == [min(totals)] * 3 and max(totals) > min(totals)  # one step of four closes
+        closing_compressors = 2 * TINY_OVERRIDES["layer_types"].count(CSA)
+        assert r["closing_extra"]["SliceUpdate"] == closing_compressors * r["batch"]

@@ -1,6 +1,7 @@
 """Primitives (graph nodes) of one decode step, per forward stage, and the step's Python build time.
 
-python docs/bench/issue14_primitive_count.py MODEL_DIR [--batch 1 8] [--ctx 2048] [--steps 40] [--step-compile 0|1] [--dtype bfloat16]   # one JSON line per batch
+python docs/bench/issue14_primitive_count.py MODEL_DIR [--batch 1 8] [--ctx 2048] [--steps 40] [--step-compile 0|1] [--dtype bfloat16]
+    [--count-steps 4]   # one JSON line per batch
 
 --step-compile sets engine/model/compiled.py's fixed-shape step compilation for this run (absent: as
 TESSERA_COMPILE_STEP says; the JSON line's `step_compile` records it). With it on, a layer's attention
@@ -13,6 +14,11 @@ Broadcast) included: MLX's CUDA backend pays a roughly constant host cost per pr
 (docs/BENCHMARKS.md, "Issue 14, session 6: primitives per decode step"). `sinkhorn_like` is the
 part of the count that is the 20-iteration Sinkhorn reference's Sum and fused add/divide nodes
 (one CUDA kernel on a GPU, kernels/sinkhorn.py); `total_sinkhorn_as_one` counts each Sinkhorn as one.
+
+--count-steps N counts N consecutive steps (default 1): the JSON line's per-step fields are the first's, and
+`step_totals` lists all N. A step whose token closes CSA windows (every fourth) builds more than the others;
+with N ≥ 4 `closing_extra` is, by kind, the largest step's count minus the smallest's (what closing adds).
+Counted steps are real steps: each moves the caches on by one token.
 
 Timing (no trace, nothing counted): `build_ms` is the wall time of `model.forward` for one decode
 step (the Python that builds the graph), `eval_ms` the evaluation after it; medians over `--steps`
@@ -76,6 +82,7 @@ def count_step(model, caches, token_ids) -> dict:
     logits = model.forward([Segment(c, [t]) for c, t in zip(caches, token_ids)], timer=trace)
     trace.kinds["head"].update(primitives(logits))
     mx.eval(logits, [c.arrays() for c in caches])
+    next_ids = mx.argmax(mx.concatenate(logits), axis=-1).tolist()
     per_stage = {name: sum(c.values()) for name, c in trace.kinds.items()}
     by_kind = sum(trace.kinds.values(), collections.Counter())
     sinkhorn_like = sum(by_kind[k] for k in SINKHORN_KINDS)
@@ -84,7 +91,19 @@ def count_step(model, caches, token_ids) -> dict:
     return {"total": total, "sinkhorn_like": sinkhorn_like,
             "total_sinkhorn_as_one": total - sinkhorn_like + num_sinkhorns if sinkhorn_like else total,
             "per_stage": per_stage, "by_kind": dict(by_kind.most_common()),
-            "per_stage_by_kind": {n: dict(c.most_common()) for n, c in trace.kinds.items()}}
+            "per_stage_by_kind": {n: dict(c.most_common()) for n, c in trace.kinds.items()}, "next_ids": next_ids}
+
+
+def closing_extra(counted: list[dict]) -> dict:
+    """Counted consecutive steps -> {"closing_extra": by kind, the largest step's count minus the smallest's}
+    (empty for fewer than 4 steps: none need close a window)."""
+    if len(counted) < 4:
+        return {}
+    most = max(counted, key=lambda c: c["total"])
+    least = min(counted, key=lambda c: c["total"])
+    extra = collections.Counter(most["by_kind"])
+    extra.subtract(least["by_kind"])
+    return {"closing_extra": {kind: n for kind, n in extra.most_common() if n}}
 
 
 def time_steps(model, caches, token_ids, steps: int) -> dict:
@@ -111,6 +130,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--label", default="")
     p.add_argument("--step-compile", type=int, choices=(0, 1), default=None)
+    p.add_argument("--count-steps", type=int, default=1, help="consecutive steps counted (≥ 4 shows a closing step)")
     p.add_argument("--dtype", default=None, help="load the weights in this dtype (bfloat16: the casts a GPU model runs)")
     args = p.parse_args()
     if args.step_compile is not None:
@@ -122,7 +142,11 @@ def main() -> None:
         for _ in range(2):  # the first steps build lazily cached weights (HyperWeights' cached forms)
             token_ids = step(model, caches, token_ids)
             mx.eval([c.arrays() for c in caches])
-        counts = count_step(model, caches, token_ids)
+        counted = []
+        for _ in range(args.count_steps):
+            counted.append(count_step(model, caches, token_ids))
+            token_ids = counted[-1].pop("next_ids")
+        counts = {**counted[0], "step_totals": [c["total"] for c in counted], **closing_extra(counted)}
         timing = time_steps(model, caches, token_ids, args.steps)
         print(json.dumps({"label": args.label, "model": str(args.model_dir), "device": str(mx.default_device()),
                           "batch": batch, "ctx": args.ctx, "step_compile": step_compile_enabled(), **timing, **counts}), flush=True)

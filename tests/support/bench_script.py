@@ -30,9 +30,22 @@ def run_bench_script(script: str, model_dir: Path, out: Path, *options: str) -> 
 def run_probe_script(script: str, out: Path, *options: str, model_dir: Path | None = None) -> list[dict]:
     """docs/bench/`script` [MODEL] OUT OPTIONS by path, from OUT's folder, without PYTHONPATH; a probe that
     needs no model takes OUT first. It must succeed. -> OUT's JSON lines."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     args = ([] if model_dir is None else [str(model_dir)]) + [str(out), *options]
-    done = subprocess.run([sys.executable, str(ROOT / "docs/bench" / script), *args],
-                          capture_output=True, text=True, timeout=600, cwd=out.parent, env=env)
-    assert done.returncode == 0, done.stderr
+    _run(script, args, out.parent)
     return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def run_printing_script(script: str, model_dir: Path, *options: str) -> list[dict]:
+    """docs/bench/`script` MODEL OPTIONS for a script that prints its JSON lines instead of writing a file."""
+    printed = _run(script, [str(model_dir), *options], model_dir.parent)
+    return [json.loads(line) for line in printed.splitlines() if line.startswith("{")]
+
+
+def _run(script: str, args: list[str], cwd: Path) -> str:
+    """The script by path, in its own process, from `cwd`, without PYTHONPATH (a script finds its checkout
+    itself); it must succeed. -> its stdout."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, str(ROOT / "docs/bench" / script), *args],
+                          capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
