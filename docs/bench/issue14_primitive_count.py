@@ -17,7 +17,10 @@ part of the count that is the 20-iteration Sinkhorn reference's Sum and fused ad
 
 --count-steps N counts N consecutive steps (default 1): the JSON line's per-step fields are the first's, and
 `step_totals` lists all N. A step whose token closes CSA windows (every fourth) builds more than the others;
-with N ≥ 4 `closing_extra` is, by kind, the largest step's count minus the smallest's (what closing adds).
+with N ≥ 4 `closing_extra` is, by kind, the last such step's count minus an ordinary step's (one whose total is
+the steps' median: most steps close nothing). That is what closing adds (
+with N ≥ 8 the last closing is not the first after the cache fill, which may also grow buffers that a fill
+left exactly full).
 Counted steps are real steps: each moves the caches on by one token.
 
 Timing (no trace, nothing counted): `build_ms` is the wall time of `model.forward` for one decode
@@ -95,14 +98,15 @@ def count_step(model, caches, token_ids) -> dict:
 
 
 def closing_extra(counted: list[dict]) -> dict:
-    """Counted consecutive steps -> {"closing_extra": by kind, the largest step's count minus the smallest's}
-    (empty for fewer than 4 steps: none need close a window)."""
+    """Counted consecutive steps -> {"closing_extra": by kind, the last step above the median count minus a step
+    at the median} (empty for fewer than 4 steps: none need close a window)."""
     if len(counted) < 4:
         return {}
-    most = max(counted, key=lambda c: c["total"])
-    least = min(counted, key=lambda c: c["total"])
-    extra = collections.Counter(most["by_kind"])
-    extra.subtract(least["by_kind"])
+    typical = statistics.median_low([c["total"] for c in counted])
+    ordinary = next(c for c in counted if c["total"] == typical)
+    closing = [c for c in counted if c["total"] > typical][-1]
+    extra = collections.Counter(closing["by_kind"])
+    extra.subtract(ordinary["by_kind"])
     return {"closing_extra": {kind: n for kind, n in extra.most_common() if n}}
 
 
