@@ -15,7 +15,11 @@ lease"). So:
   decides per step whether it applies (decode steps whose graph building reads nothing from the device)
   and drains the thread before it returns. On the H200 they did not overlap: with the thread running,
   building took about as long as building and encoding had taken together, and a step was no faster
-  (docs/BENCHMARKS.md, "Session 12 on the H200"). Kept for measuring, like inline.
+  (docs/BENCHMARKS.md, "Session 12 on the H200"). Session 28 (H100) found why: MLX's own work slows on
+  both threads at once (a build of MLX ops 1.4–1.8× longer during an encode, the encode up to 1.7× longer during
+  compiled replays), not the GIL. The thread took 1.3–1.5 ms off a step that waits for the device (6.4 ms), but the serving
+  step, whose device already runs under the next step's build, was 0.3–0.9 ms slower with it. Kept for
+  measuring, like inline.
 
 Only *when* arrays are evaluated changes, never what is computed: the same bits in every mode
 (tests/equivalence/test_decode_async.py).
