@@ -18,9 +18,8 @@ lease"). So:
   (docs/BENCHMARKS.md, "Session 12 on the H200"). Session 28 (H100) found why: MLX's own work slows on
   both threads at once (a build of MLX ops 1.4–1.8× longer during an encode, the encode up to 1.7× longer during
   compiled replays), not the GIL. The thread took 1.3–1.5 ms off a step whose build and encode ran one after
-  the other (6.4 ms), but the serving
-  step, whose device already runs under the next step's build, was 0.3–0.9 ms slower with it. Kept for
-  measuring, like inline.
+  the other (6.4 ms), but the serving step, whose device already runs under the next step's build, was
+  0.3–0.9 ms slower with it. Kept for measuring, like inline.
 
 Only *when* arrays are evaluated changes, never what is computed: the same bits in every mode
 (tests/equivalence/test_decode_async.py).
