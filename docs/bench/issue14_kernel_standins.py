@@ -58,7 +58,7 @@ def install_standins() -> None:
             and (xs[0].shape[1] * xs[0].dtype.size) % row_gather.VECTOR_BYTES == 0)
 
 
-def count_step(model, caches, token_ids) -> dict:
+def count_step(model, caches, token_ids) -> tuple[dict, list[int]]:
     trace = counting.CountingTrace()
     original = counting.CountingTrace
     _trace[:] = [trace]
@@ -93,11 +93,10 @@ def main() -> None:
             mx.eval([c.arrays() for c in caches])
         totals, stages = [], {}
         for _ in range(args.steps):
-            counts = count_step(model, caches, token_ids)
+            counts, token_ids = count_step(model, caches, token_ids)
             totals.append(counts["total"])
             for name, n in counts["per_stage"].items():
                 stages[name] = stages.get(name, 0) + n / args.steps
-            token_ids = [(t + 1) % model.cfg.vocab_size for t in token_ids]  # count_step ran the step
         print(json.dumps({"label": args.label, "batch": batch, "ctx": args.ctx, "totals": totals,
                           "mean": sum(totals) / len(totals), "per_stage_mean": stages}), flush=True)
 

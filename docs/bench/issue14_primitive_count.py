@@ -18,9 +18,8 @@ part of the count that is the 20-iteration Sinkhorn reference's Sum and fused ad
 --count-steps N counts N consecutive steps (default 1): the JSON line's per-step fields are the first's, and
 `step_totals` lists all N. A step whose token closes CSA windows (every fourth) builds more than the others;
 with N ≥ 4 `closing_extra` is, by kind, the last such step's count minus an ordinary step's (one whose total is
-the steps' median: most steps close nothing). That is what closing adds (
-with N ≥ 8 the last closing is not the first after the cache fill, which may also grow buffers that a fill
-left exactly full).
+the steps' median: most steps close nothing), which is what closing adds. With N ≥ 8 the last closing is not the
+first after the cache fill, which may also grow buffers that a fill left exactly full.
 Counted steps are real steps: each moves the caches on by one token.
 
 Timing (no trace, nothing counted): `build_ms` is the wall time of `model.forward` for one decode
@@ -80,7 +79,8 @@ def step(model, caches, token_ids, timer=None) -> list[int]:
     return mx.argmax(mx.concatenate(logits), axis=-1).tolist()
 
 
-def count_step(model, caches, token_ids) -> dict:
+def count_step(model, caches, token_ids) -> tuple[dict, list[int]]:
+    """One real decode step, counted -> (its counts, the greedy next token ids)."""
     trace = CountingTrace()
     logits = model.forward([Segment(c, [t]) for c, t in zip(caches, token_ids)], timer=trace)
     trace.kinds["head"].update(primitives(logits))
@@ -91,10 +91,11 @@ def count_step(model, caches, token_ids) -> dict:
     sinkhorn_like = sum(by_kind[k] for k in SINKHORN_KINDS)
     num_sinkhorns = 2 * len(model.layer_ids)
     total = sum(per_stage.values())
-    return {"total": total, "sinkhorn_like": sinkhorn_like,
-            "total_sinkhorn_as_one": total - sinkhorn_like + num_sinkhorns if sinkhorn_like else total,
-            "per_stage": per_stage, "by_kind": dict(by_kind.most_common()),
-            "per_stage_by_kind": {n: dict(c.most_common()) for n, c in trace.kinds.items()}, "next_ids": next_ids}
+    counts = {"total": total, "sinkhorn_like": sinkhorn_like,
+              "total_sinkhorn_as_one": total - sinkhorn_like + num_sinkhorns if sinkhorn_like else total,
+              "per_stage": per_stage, "by_kind": dict(by_kind.most_common()),
+              "per_stage_by_kind": {n: dict(c.most_common()) for n, c in trace.kinds.items()}}
+    return counts, next_ids
 
 
 def closing_extra(counted: list[dict]) -> dict:
@@ -148,8 +149,8 @@ def main() -> None:
             mx.eval([c.arrays() for c in caches])
         counted = []
         for _ in range(args.count_steps):
-            counted.append(count_step(model, caches, token_ids))
-            token_ids = counted[-1].pop("next_ids")
+            counts, token_ids = count_step(model, caches, token_ids)
+            counted.append(counts)
         counts = {**counted[0], "step_totals": [c["total"] for c in counted], **closing_extra(counted)}
         timing = time_steps(model, caches, token_ids, args.steps)
         print(json.dumps({"label": args.label, "model": str(args.model_dir), "device": str(mx.default_device()),
