@@ -39,6 +39,8 @@ shared memory `STAGE_X` needs) and an output width a multiple of ROWS_PER_BLOCK,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 
 from tessera.kernels.cuda import SHARED_MEMORY_LIMIT, compiled_kernel, on_cuda
@@ -46,11 +48,33 @@ from tessera.kernels.switch import Switch
 
 ENV_VAR = "TESSERA_GATHER_QMV_KERNEL"
 _switch = Switch(ENV_VAR, default=True)
+GROUPED_ENV_VAR = "TESSERA_GATHER_QMV_GROUPED"
+_grouped_switch = Switch(GROUPED_ENV_VAR, default=False)
+BYTE_TABLE_ENV_VAR = "TESSERA_GATHER_QMV_BYTE_TABLE"
+_byte_table_switch = Switch(BYTE_TABLE_ENV_VAR, default=False)
+PREFETCH_ENV_VAR = "TESSERA_GATHER_QMV_PREFETCH"
+_prefetch_switch = Switch(PREFETCH_ENV_VAR, default=False)
 
 ROWS_PER_BLOCK = 32  # output rows of one pair per block
 UNROLL = 8  # rows whose loads are in flight together
 STAGE_X = True  # x read coalesced into shared memory, then each thread's group into registers
 GROUP = 32  # mxfp4: 32 elements share an E8M0 scale; one group is one 16-byte vector of codes
+BYTE_TABLE_CHUNKS = 2  # ROWS_PER_BLOCK-row chunks a byte-table block runs: its table filled once for them all
+PREFETCH_ROWS = 16  # weight rows a block asks the L2 for before it stages x, with the prefetch switch on
+
+
+@dataclass(frozen=True)
+class PairsByExpert:
+    """A step's (token, expert) pairs sorted by expert, made once per MoE layer for its three projections
+    (`pairs_by_expert`)."""
+    order: mx.array  # [P] uint32: sorted position s holds pair order[s]
+    experts: mx.array  # [P] uint32, ascending: the expert of pair order[s]
+
+
+def pairs_by_expert(experts: mx.array, order: mx.array | None = None) -> PairsByExpert:
+    """experts: [P], pair p's expert; order: argsort(experts) where the caller has it -> the pairs sorted."""
+    order = (mx.argsort(experts) if order is None else order).astype(mx.uint32)
+    return PairsByExpert(order, experts[order].astype(mx.uint32))
 
 
 def kernel_enabled() -> bool:
@@ -70,6 +94,42 @@ def gather_qmv_reference(x: mx.array, values: mx.array, scales: mx.array, expert
     return out[:, 0, :]
 
 
+def grouped_enabled() -> bool:
+    return _grouped_switch.enabled()
+
+
+def set_grouped_enabled(enabled: bool) -> None:
+    _grouped_switch.set(enabled)
+
+
+def gather_qmv_grouped_reference(x: mx.array, values: mx.array, scales: mx.array, pairs: PairsByExpert,
+                                 rows_per_x: int = 1) -> mx.array:
+    """What `gather_qmv_grouped_kernel` computes, in plain MLX: x [P / rows_per_x, K] -> [P, N] in pair order,
+    pair p's row x[p // rows_per_x] through its expert."""
+    experts = pairs.experts[mx.argsort(pairs.order)]  # [P]: back in pair order
+    return gather_qmv_reference(mx.repeat(x, rows_per_x, axis=0), values, scales, experts)
+
+
+def byte_table_enabled() -> bool:
+    return _byte_table_switch.enabled()
+
+
+def set_byte_table_enabled(enabled: bool) -> None:
+    _byte_table_switch.set(enabled)
+
+
+def prefetch_enabled() -> bool:
+    return _prefetch_switch.enabled()
+
+
+def set_prefetch_enabled(enabled: bool) -> None:
+    _prefetch_switch.set(enabled)
+
+
+def _prefetch_rows(prefetch: int | None) -> int:
+    return (PREFETCH_ROWS if _prefetch_switch.enabled() else 0) if prefetch is None else prefetch
+
+
 def shared_memory_bytes(in_features: int, stage_x: bool = STAGE_X) -> int:
     """The block's static shared memory: the code table, the warps' partial sums and, with STAGE_X, x as
     float32 in rows of 33 (a padded row per group)."""
@@ -84,6 +144,18 @@ def fits(in_features: int, out_features: int) -> bool:
             and shared_memory_bytes(in_features) <= SHARED_MEMORY_LIMIT)
 
 
+def grouped_shared_memory_bytes(in_features: int) -> int:
+    """The grouped kernel's static shared memory: the code table, two pairs' warp partial sums and two pairs'
+    x rows as float32 in rows of 33."""
+    groups = in_features // GROUP
+    return 16 * 4 + 2 * (groups // 32) * ROWS_PER_BLOCK * 4 + 2 * groups * 33 * 4
+
+
+def grouped_fits(in_features: int, out_features: int) -> bool:
+    """As `fits`, with the grouped kernel's shared memory (K up to 5,120)."""
+    return fits(in_features, out_features) and grouped_shared_memory_bytes(in_features) <= SHARED_MEMORY_LIMIT
+
+
 def is_supported(dtype: mx.Dtype, in_features: int, values: mx.array) -> bool:
     """Rows of `dtype` and width `in_features` through mxfp4 experts `values` (the caller checks the mode, bits
     4, group 32 and no biases)."""
@@ -91,45 +163,67 @@ def is_supported(dtype: mx.Dtype, in_features: int, values: mx.array) -> bool:
             and dtype in (mx.bfloat16, mx.float16, mx.float32))
 
 
-_SOURCE = r"""
-  // x [P, K] T; w [E, N, K / 8] uint32; scales [E, N, K / 32] uint8; experts [P] uint32 -> out [P, N] T.
-  constexpr int GROUPS = K / 32;  // = threads per block: one 16-byte group of each row per thread
-  constexpr int WARPS = GROUPS / 32;
-  constexpr int BLOCKS_PER_PAIR = N / ROWS;
-  __shared__ float lut[16];
-  __shared__ float partial[WARPS][ROWS];
-  const int pair = blockIdx.x / BLOCKS_PER_PAIR;
-  const int row0 = (blockIdx.x % BLOCKS_PER_PAIR) * ROWS;
-  const int g = threadIdx.x;
-  const int lane = g & 31;
-  const int warp = g >> 5;
-  if (threadIdx.x < 16) {  // E2M1: sign, 2 exponent bits, 1 mantissa bit -> 0, 0.5, 1, 1.5, 2, 3, 4, 6
-    const int c = threadIdx.x;
-    const int e = (c >> 1) & 3;
-    const float mag = e == 0 ? 0.5f * (c & 1) : ldexpf(1.0f + 0.5f * (c & 1), e - 1);
-    lut[c] = (c & 8) ? -mag : mag;
-  }
-  __shared__ float xs[STAGE_X ? GROUPS * 33 : 1];  // group h's element i at h * 33 + i: reads hit 32 banks
-  const T* xrow = x + (size_t)pair * K;
-  if (STAGE_X) {  // coalesced: consecutive threads read consecutive elements
-    #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int i = g + j * GROUPS;
-      xs[(i >> 5) * 33 + (i & 31)] = static_cast<float>(xrow[i]);
-    }
-  }
-  __syncthreads();
-  float xv[32];
+_HEADER = r"""
+// Asks the L2 cache for the block's first ROWS_AHEAD weight rows (codes and scales) while the block stages x:
+// the loads that follow find them there. Thread g: its 16 bytes of each row; the first ROWS_AHEAD threads: a
+// row of scales each.
+template <int ROWS_AHEAD, int GROUPS>
+__device__ __forceinline__ void tessera_prefetch_rows(const uint4* codes, const uint8_t* scale_rows, int g) {
   #pragma unroll
-  for (int i = 0; i < 32; ++i) xv[i] = STAGE_X ? xs[g * 33 + i] : static_cast<float>(xrow[g * 32 + i]);
-  const size_t first = (size_t)experts[pair] * N + row0;  // the block's first weight row
-  const uint4* codes = reinterpret_cast<const uint4*>(w) + first * GROUPS + g;
-  const uint8_t* srow = scales + first * GROUPS + g;
+  for (int r = 0; r < ROWS_AHEAD; ++r) asm volatile("prefetch.global.L2 [%0];" :: "l"(codes + (size_t)r * GROUPS));
+  if (g < ROWS_AHEAD) asm volatile("prefetch.global.L2 [%0];" :: "l"(scale_rows + (size_t)g * GROUPS));
+}
+
+// E2M1 code c (sign, 2 exponent bits, 1 mantissa bit) -> 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives.
+__device__ __forceinline__ void tessera_e2m1_table(float* lut, int c) {
+  const int e = (c >> 1) & 3;
+  const float mag = e == 0 ? 0.5f * (c & 1) : ldexpf(1.0f + 0.5f * (c & 1), e - 1);
+  lut[c] = (c & 8) ? -mag : mag;
+}
+
+// Output row g of the block: its warps' partial sums added in warp order (a fixed order: a row's bits do not
+// depend on the rows beside it).
+template <int WARPS, int ROWS>
+__device__ __forceinline__ float tessera_row_total(const float (*partial)[ROWS], int g) {
+  float total = 0.0f;
+  #pragma unroll
+  for (int k = 0; k < WARPS; ++k) total += partial[k][g];
+  return total;
+}
+
+// E2M1 code c as bf16 bits (the value's top 16 float32 bits: exact, at most two significant bits).
+__device__ __forceinline__ uint32_t tessera_e2m1_bf16(int c) {
+  const int e = (c >> 1) & 3;
+  const float mag = e == 0 ? 0.5f * (c & 1) : ldexpf(1.0f + 0.5f * (c & 1), e - 1);
+  return __float_as_uint((c & 8) ? -mag : mag) >> 16;
+}
+
+// The byte table: for each code byte b (two E2M1 codes, the lower-numbered element in the low nibble, MLX's
+// layout), both values as bf16, the low nibble's in the low half; 32 copies side by side, lane l's entry b at
+// b * 32 + l, so a lane reads only its own bank: a warp's 32 lookups of any bytes are one shared-memory
+// wavefront, and it delivers two values where the 16-entry table delivers one. Filled by the block's GROUPS
+// threads, a 16-byte vector of copies at a time.
+template <int GROUPS>
+__device__ __forceinline__ void tessera_fill_byte_table(uint32_t* table, int g) {
+  for (int b = g; b < 256; b += GROUPS) {
+    const uint32_t bits = tessera_e2m1_bf16(b & 15) | (tessera_e2m1_bf16(b >> 4) << 16);
+    const uint4 copies = make_uint4(bits, bits, bits, bits);
+    #pragma unroll
+    for (int q = 0; q < 8; ++q) reinterpret_cast<uint4*>(table + b * 32)[q] = copies;
+  }
+}
+
+// As `tessera_expert_rows` for one pair, each code byte's two values from the byte table (`table`, this lane's
+// copies at lane * 4 bytes). The same sums, operation for operation: the values are the 16-entry table's exactly.
+template <int GROUPS, int ROWS, int UNROLL>
+__device__ __forceinline__ void tessera_byte_table_rows(const uint4* codes, const uint8_t* srow, const char* table,
+                                                        const float (&xv)[32], float (*part)[ROWS], int warp, int lane) {
+  const uint32_t lane4 = (uint32_t)lane << 2;
   for (int r0 = 0; r0 < ROWS; r0 += UNROLL) {
     uint4 q[UNROLL];
     int e[UNROLL];
     #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {  // every load of the batch in flight before the first sum
+    for (int u = 0; u < UNROLL; ++u) {
       q[u] = codes[(size_t)(r0 + u) * GROUPS];
       e[u] = srow[(size_t)(r0 + u) * GROUPS];
     }
@@ -140,37 +234,277 @@ _SOURCE = r"""
       #pragma unroll
       for (int j = 0; j < 4; ++j) {
         #pragma unroll
-        for (int b = 0; b < 8; ++b) sum = fmaf(lut[(words[j] >> (4 * b)) & 0xF], xv[8 * j + b], sum);
+        for (int k = 0; k < 4; ++k) {
+          // entry (byte) * 32 + lane, in bytes: (byte << 7) | (lane << 2), a shift and one three-input op
+          const uint32_t offset = (k == 0 ? words[j] << 7 : words[j] >> (8 * k - 7)) & 0x7F80u;
+          const uint32_t both = *reinterpret_cast<const uint32_t*>(table + (offset | lane4));
+          sum = fmaf(__uint_as_float(both << 16), xv[8 * j + 2 * k], sum);
+          sum = fmaf(__uint_as_float(both & 0xFFFF0000u), xv[8 * j + 2 * k + 1], sum);
+        }
       }
       float acc = sum * ldexpf(1.0f, e[u] - 127);
       #pragma unroll
       for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, offset);
-      if (lane == 0) partial[warp][r0 + u] = acc;
+      if (lane == 0) part[warp][r0 + u] = acc;
     }
   }
-  __syncthreads();
-  if (g < ROWS) {
-    float total = 0.0f;
+}
+
+// x as float32 into shared memory, group h's element i at h * 33 + i; consecutive threads read consecutive
+// elements (coalesced), and each thread's later read of its own group hits 32 banks.
+template <typename T, int GROUPS>
+__device__ __forceinline__ void tessera_stage_row(float* xs, const T* xrow, int g) {
+  #pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    const int i = g + j * GROUPS;
+    xs[(i >> 5) * 33 + (i & 31)] = static_cast<float>(xrow[i]);
+  }
+}
+
+// One expert's ROWS rows against one pair's x (registers, xv) and, with TWO, a second pair's (shared memory,
+// xb): each row's code group is loaded and decoded once. Every sum is the ungrouped kernel's, operation for
+// operation: per thread 32 fmaf in element order, scaled by the power of two, shuffled down, one partial per
+// warp (`part_a`, `part_b`), which the caller adds in warp order.
+template <bool TWO, int GROUPS, int ROWS, int UNROLL>
+__device__ __forceinline__ void tessera_expert_rows(const uint4* codes, const uint8_t* srow, const float* lut,
+                                                    const float (&xv)[32], const float* xb,
+                                                    float (*part_a)[ROWS], float (*part_b)[ROWS], int warp, int lane) {
+  for (int r0 = 0; r0 < ROWS; r0 += UNROLL) {
+    uint4 q[UNROLL];
+    int e[UNROLL];
     #pragma unroll
-    for (int k = 0; k < WARPS; ++k) total += partial[k][g];
-    out[(size_t)pair * N + row0 + g] = static_cast<T>(total);
+    for (int u = 0; u < UNROLL; ++u) {
+      q[u] = codes[(size_t)(r0 + u) * GROUPS];
+      e[u] = srow[(size_t)(r0 + u) * GROUPS];
+    }
+    #pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const uint32_t words[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
+      float sum = 0.0f;
+      float sum_b = 0.0f;
+      #pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        #pragma unroll
+        for (int b = 0; b < 8; ++b) {
+          const float v = lut[(words[j] >> (4 * b)) & 0xF];
+          sum = fmaf(v, xv[8 * j + b], sum);
+          if (TWO) sum_b = fmaf(v, xb[8 * j + b], sum_b);
+        }
+      }
+      const float scale = ldexpf(1.0f, e[u] - 127);
+      float acc = sum * scale;
+      #pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, offset);
+      if (lane == 0) part_a[warp][r0 + u] = acc;
+      if (TWO) {
+        float acc_b = sum_b * scale;
+        #pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) acc_b += __shfl_down_sync(0xffffffffu, acc_b, offset);
+        if (lane == 0) part_b[warp][r0 + u] = acc_b;
+      }
+    }
+  }
+}
+"""
+
+_SOURCE = r"""
+  // x [P, K] T; w [E, N, K / 8] uint32; scales [E, N, K / 32] uint8; experts [P] uint32 -> out [P, N] T.
+  constexpr int GROUPS = K / 32;  // = threads per block: one 16-byte group of each row per thread
+  constexpr int WARPS = GROUPS / 32;
+  constexpr int BLOCKS_PER_PAIR = N / ROWS;
+  __shared__ float lut[16];
+  __shared__ float partial[WARPS][ROWS];
+  __shared__ float xs[STAGE_X ? GROUPS * 33 : 1];
+  const int pair = blockIdx.x / BLOCKS_PER_PAIR;
+  const int row0 = (blockIdx.x % BLOCKS_PER_PAIR) * ROWS;
+  const int g = threadIdx.x;
+  if (threadIdx.x < 16) tessera_e2m1_table(lut, threadIdx.x);
+  const size_t first = (size_t)experts[pair] * N + row0;  // the block's first weight row
+  const uint4* codes = reinterpret_cast<const uint4*>(w) + first * GROUPS + g;
+  const uint8_t* srow = scales + first * GROUPS + g;
+  if (PREFETCH > 0) tessera_prefetch_rows<PREFETCH, GROUPS>(codes, scales + first * GROUPS, g);
+  const T* xrow = x + (size_t)pair * K;
+  if (STAGE_X) tessera_stage_row<T, GROUPS>(xs, xrow, g);
+  __syncthreads();
+  float xv[32];
+  #pragma unroll
+  for (int i = 0; i < 32; ++i) xv[i] = STAGE_X ? xs[g * 33 + i] : static_cast<float>(xrow[g * 32 + i]);
+  tessera_expert_rows<false, GROUPS, ROWS, UNROLL>(codes, srow, lut, xv, xs, partial, partial, g >> 5, g & 31);
+  __syncthreads();
+  if (g < ROWS) out[(size_t)pair * N + row0 + g] = static_cast<T>(tessera_row_total<WARPS, ROWS>(partial, g));
+"""
+
+
+_GROUPED_SOURCE = r"""
+  // x [*, K] T, pair p's row x[p / X_DIV]; w [E, N, K / 8] uint32; scales [E, N, K / 32] uint8;
+  // order [P] uint32: sorted position s holds pair order[s]; experts [P] uint32, ascending: pair order[s]'s
+  // expert -> out [P, N] T.
+  constexpr int GROUPS = K / 32;
+  constexpr int WARPS = GROUPS / 32;
+  constexpr int BLOCKS_PER_PAIR = N / ROWS;
+  const int pairs = gridDim.x / BLOCKS_PER_PAIR;
+  const int start = blockIdx.x / BLOCKS_PER_PAIR;  // the block's sorted position
+  const int row0 = (blockIdx.x % BLOCKS_PER_PAIR) * ROWS;
+  const uint32_t expert = experts[start];
+  if (start > 0 && experts[start - 1] == expert) return;  // the block of the expert's first pair runs them all
+  int end = start + 1;
+  while (end < pairs && experts[end] == expert) ++end;
+  __shared__ float lut[16];
+  __shared__ float partial[2][WARPS][ROWS];
+  __shared__ float xs[2][GROUPS * 33];
+  const int g = threadIdx.x;
+  if (threadIdx.x < 16) tessera_e2m1_table(lut, threadIdx.x);
+  const size_t first_row = (size_t)expert * N + row0;
+  const uint4* codes = reinterpret_cast<const uint4*>(w) + first_row * GROUPS + g;
+  const uint8_t* srow = scales + first_row * GROUPS + g;
+  if (PREFETCH > 0) tessera_prefetch_rows<PREFETCH, GROUPS>(codes, scales + first_row * GROUPS, g);
+  for (int s = start; s < end; s += 2) {  // the expert's pairs two at a time: its rows read once a pass
+    const bool two = s + 1 < end;
+    const uint32_t pair_a = order[s];
+    const uint32_t pair_b = two ? order[s + 1] : pair_a;
+    __syncthreads();  // the previous pass has read xs and partial
+    tessera_stage_row<T, GROUPS>(xs[0], x + (size_t)(pair_a / X_DIV) * K, g);
+    if (two) tessera_stage_row<T, GROUPS>(xs[1], x + (size_t)(pair_b / X_DIV) * K, g);
+    __syncthreads();
+    float xv[32];
+    #pragma unroll
+    for (int i = 0; i < 32; ++i) xv[i] = xs[0][g * 33 + i];
+    if (two) {
+      tessera_expert_rows<true, GROUPS, ROWS, UNROLL>(codes, srow, lut, xv, xs[1] + g * 33, partial[0], partial[1], g >> 5, g & 31);
+    } else {
+      tessera_expert_rows<false, GROUPS, ROWS, UNROLL>(codes, srow, lut, xv, xs[1] + g * 33, partial[0], partial[1], g >> 5, g & 31);
+    }
+    __syncthreads();
+    if (g < ROWS) {
+      out[(size_t)pair_a * N + row0 + g] = static_cast<T>(tessera_row_total<WARPS, ROWS>(partial[0], g));
+      if (two) out[(size_t)pair_b * N + row0 + g] = static_cast<T>(tessera_row_total<WARPS, ROWS>(partial[1], g));
+    }
   }
 """
 
 
-def gather_qmv_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array, stage_x: bool = STAGE_X) -> mx.array:
+_BYTE_TABLE_SOURCE = r"""
+  // x [P, K] T; w [E, N, K / 8] uint32; scales [E, N, K / 32] uint8; experts [P] uint32 -> out [P, N] T.
+  // A block per (pair, CHUNKS * ROWS output rows): the byte table filled and x staged once, then CHUNKS
+  // chunks of ROWS rows as the 16-entry kernel runs them.
+  constexpr int GROUPS = K / 32;
+  constexpr int WARPS = GROUPS / 32;
+  constexpr int BLOCKS_PER_PAIR = N / (ROWS * CHUNKS);
+  __shared__ uint32_t table[256 * 32];
+  __shared__ float partial[WARPS][ROWS];
+  __shared__ T xs[GROUPS * 33];  // as the 16-entry kernel's, in x's own type (exact; half the bytes for 16-bit x)
+  const int pair = blockIdx.x / BLOCKS_PER_PAIR;
+  const int row0 = (blockIdx.x % BLOCKS_PER_PAIR) * ROWS * CHUNKS;
+  const int g = threadIdx.x;
+  tessera_fill_byte_table<GROUPS>(table, g);
+  const size_t first = (size_t)experts[pair] * N + row0;  // the block's first weight row
+  const uint4* codes = reinterpret_cast<const uint4*>(w) + first * GROUPS + g;
+  const uint8_t* srow = scales + first * GROUPS + g;
+  const T* xrow = x + (size_t)pair * K;
+  #pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    const int i = g + j * GROUPS;
+    xs[(i >> 5) * 33 + (i & 31)] = xrow[i];
+  }
+  __syncthreads();
+  float xv[32];
+  #pragma unroll
+  for (int i = 0; i < 32; ++i) xv[i] = static_cast<float>(xs[g * 33 + i]);
+  for (int c = 0; c < CHUNKS; ++c) {
+    tessera_byte_table_rows<GROUPS, ROWS, UNROLL>(codes + (size_t)c * ROWS * GROUPS, srow + (size_t)c * ROWS * GROUPS,
+                                                  reinterpret_cast<const char*>(table), xv, partial, g >> 5, g & 31);
+    __syncthreads();
+    if (g < ROWS) out[(size_t)pair * N + row0 + c * ROWS + g] = static_cast<T>(tessera_row_total<WARPS, ROWS>(partial, g));
+    __syncthreads();  // the next chunk's partial sums wait for these reads
+  }
+"""
+
+
+def gather_qmv_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array, stage_x: bool = STAGE_X,
+                      prefetch: int | None = None) -> mx.array:
     """x: [P, K] bf16/fp16/fp32 on a CUDA device; values [E, N, K / 8] uint32, scales [E, N, K / 32] uint8
     (mxfp4); experts: [P] -> [P, N] in x's dtype (shapes as `fits` says)."""
     pairs, k = x.shape
     n = values.shape[1]
     threads = k // GROUP
-    kernel = compiled_kernel("tessera_gather_qmv_mxfp4", ("x", "w", "scales", "experts"), ("out",), _SOURCE, "")
+    kernel = compiled_kernel("tessera_gather_qmv_mxfp4", ("x", "w", "scales", "experts"), ("out",), _SOURCE, _HEADER)
     (out,) = kernel(
         inputs=[x, values, scales, experts.astype(mx.uint32)],
-        template=[("T", x.dtype), ("K", k), ("N", n), ("ROWS", ROWS_PER_BLOCK), ("UNROLL", UNROLL), ("STAGE_X", int(stage_x))],
+        template=[("T", x.dtype), ("K", k), ("N", n), ("ROWS", ROWS_PER_BLOCK), ("UNROLL", UNROLL), ("STAGE_X", int(stage_x)),
+                  ("PREFETCH", _prefetch_rows(prefetch))],
         grid=(pairs * (n // ROWS_PER_BLOCK) * threads, 1, 1),  # threads, as mx.fast.cuda_kernel counts them
         threadgroup=(threads, 1, 1),
         output_shapes=[(pairs, n)],
         output_dtypes=[x.dtype],
     )
     return out
+
+
+def gather_qmv_grouped_kernel(x: mx.array, values: mx.array, scales: mx.array, pairs: PairsByExpert,
+                              rows_per_x: int = 1, prefetch: int | None = None) -> mx.array:
+    """`gather_qmv_kernel` with each expert's rows read once for all its pairs, two pairs a pass: x [P / rows_per_x,
+    K] (pair p's row is x[p // rows_per_x]: a token's k pairs share its row, no repeat), the pairs sorted by
+    expert (`pairs_by_expert`) -> [P, N] in pair order, each row's bits the ungrouped kernel's. A block per
+    (sorted position, ROWS_PER_BLOCK output rows); the blocks of an expert's later pairs return at once.
+    Shapes as `grouped_fits` says."""
+    count = pairs.order.shape[0]
+    k = x.shape[1]
+    n = values.shape[1]
+    threads = k // GROUP
+    kernel = compiled_kernel("tessera_gather_qmv_mxfp4_grouped", ("x", "w", "scales", "order", "experts"), ("out",),
+                             _GROUPED_SOURCE, _HEADER)
+    (out,) = kernel(
+        inputs=[x, values, scales, pairs.order, pairs.experts],
+        template=[("T", x.dtype), ("K", k), ("N", n), ("ROWS", ROWS_PER_BLOCK), ("UNROLL", UNROLL),
+                  ("X_DIV", rows_per_x), ("PREFETCH", _prefetch_rows(prefetch))],
+        grid=(count * (n // ROWS_PER_BLOCK) * threads, 1, 1),  # threads, as mx.fast.cuda_kernel counts them
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(count, n)],
+        output_dtypes=[x.dtype],
+    )
+    return out
+
+
+def byte_table_shared_memory_bytes(in_features: int, itemsize: int) -> int:
+    """The byte-table kernel's static shared memory: the table (256 entries × 32 lanes × 4 bytes), the warps'
+    partial sums and x staged in its own type, rows of 33."""
+    groups = in_features // GROUP
+    return 256 * 32 * 4 + (groups // 32) * ROWS_PER_BLOCK * 4 + groups * 33 * itemsize
+
+
+def byte_table_fits(in_features: int, out_features: int, dtype: mx.Dtype, chunks: int = BYTE_TABLE_CHUNKS) -> bool:
+    """x staged in its own type next to the 32 KiB table within the static shared-memory limit (16-bit rows: K up
+    to 7,168; float32 rows: 2,048), and whole blocks of chunks × ROWS_PER_BLOCK rows."""
+    return (dtype in (mx.bfloat16, mx.float16, mx.float32) and fits(in_features, out_features)
+            and out_features % (chunks * ROWS_PER_BLOCK) == 0
+            and byte_table_shared_memory_bytes(in_features, dtype.size) <= SHARED_MEMORY_LIMIT)
+
+
+def gather_qmv_byte_table_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array,
+                                 chunks: int = BYTE_TABLE_CHUNKS) -> mx.array:
+    """`gather_qmv_kernel`'s product, each code byte's two values from a table in shared memory that lane l reads
+    in bank l only: half the shared-memory reads of the 16-entry table (the kernel's bound on the H200: L1
+    88 % busy, DRAM 40 %). x: [P, K] -> [P, N] (shapes as `byte_table_fits` says), each row's bits the 16-entry
+    kernel's."""
+    pairs, k = x.shape
+    n = values.shape[1]
+    threads = k // GROUP
+    kernel = compiled_kernel("tessera_gather_qmv_mxfp4_byte_table", ("x", "w", "scales", "experts"), ("out",),
+                             _BYTE_TABLE_SOURCE, _HEADER)
+    (out,) = kernel(
+        inputs=[x, values, scales, experts.astype(mx.uint32)],
+        template=[("T", x.dtype), ("K", k), ("N", n), ("ROWS", ROWS_PER_BLOCK), ("UNROLL", UNROLL), ("CHUNKS", chunks)],
+        grid=(pairs * (n // (ROWS_PER_BLOCK * chunks)) * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(pairs, n)],
+        output_dtypes=[x.dtype],
+    )
+    return out
+
+
+def gather_qmv(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array) -> mx.array:
+    """x: [P, K] -> [P, N], row p through expert experts[p] (shapes as `is_supported` says): the byte-table kernel
+    where its switch is on and it fits (`byte_table_fits`), else the 16-entry-table kernel. Both give the same bits."""
+    if _byte_table_switch.enabled() and byte_table_fits(x.shape[1], values.shape[1], x.dtype):
+        return gather_qmv_byte_table_kernel(x, values, scales, experts)
+    return gather_qmv_kernel(x, values, scales, experts)
