@@ -39,8 +39,6 @@ shared memory `STAGE_X` needs) and an output width a multiple of ROWS_PER_BLOCK,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mlx.core as mx
 
 from tessera.kernels.cuda import SHARED_MEMORY_LIMIT, compiled_kernel, on_cuda
@@ -48,33 +46,14 @@ from tessera.kernels.switch import Switch
 
 ENV_VAR = "TESSERA_GATHER_QMV_KERNEL"
 _switch = Switch(ENV_VAR, default=True)
-GROUPED_ENV_VAR = "TESSERA_GATHER_QMV_GROUPED"
-_grouped_switch = Switch(GROUPED_ENV_VAR, default=False)
 BYTE_TABLE_ENV_VAR = "TESSERA_GATHER_QMV_BYTE_TABLE"
 _byte_table_switch = Switch(BYTE_TABLE_ENV_VAR, default=False)
-PREFETCH_ENV_VAR = "TESSERA_GATHER_QMV_PREFETCH"
-_prefetch_switch = Switch(PREFETCH_ENV_VAR, default=False)
 
 ROWS_PER_BLOCK = 32  # output rows of one pair per block
 UNROLL = 8  # rows whose loads are in flight together
 STAGE_X = True  # x read coalesced into shared memory, then each thread's group into registers
 GROUP = 32  # mxfp4: 32 elements share an E8M0 scale; one group is one 16-byte vector of codes
 BYTE_TABLE_CHUNKS = 2  # ROWS_PER_BLOCK-row chunks a byte-table block runs: its table filled once for them all
-PREFETCH_ROWS = 16  # weight rows a block asks the L2 for before it stages x, with the prefetch switch on
-
-
-@dataclass(frozen=True)
-class PairsByExpert:
-    """A step's (token, expert) pairs sorted by expert, made once per MoE layer for its three projections
-    (`pairs_by_expert`)."""
-    order: mx.array  # [P] uint32: sorted position s holds pair order[s]
-    experts: mx.array  # [P] uint32, ascending: the expert of pair order[s]
-
-
-def pairs_by_expert(experts: mx.array, order: mx.array | None = None) -> PairsByExpert:
-    """experts: [P], pair p's expert; order: argsort(experts) where the caller has it -> the pairs sorted."""
-    order = (mx.argsort(experts) if order is None else order).astype(mx.uint32)
-    return PairsByExpert(order, experts[order].astype(mx.uint32))
 
 
 def kernel_enabled() -> bool:
@@ -94,40 +73,12 @@ def gather_qmv_reference(x: mx.array, values: mx.array, scales: mx.array, expert
     return out[:, 0, :]
 
 
-def grouped_enabled() -> bool:
-    return _grouped_switch.enabled()
-
-
-def set_grouped_enabled(enabled: bool) -> None:
-    _grouped_switch.set(enabled)
-
-
-def gather_qmv_grouped_reference(x: mx.array, values: mx.array, scales: mx.array, pairs: PairsByExpert,
-                                 rows_per_x: int = 1) -> mx.array:
-    """What `gather_qmv_grouped_kernel` computes, in plain MLX: x [P / rows_per_x, K] -> [P, N] in pair order,
-    pair p's row x[p // rows_per_x] through its expert."""
-    experts = pairs.experts[mx.argsort(pairs.order)]  # [P]: back in pair order
-    return gather_qmv_reference(mx.repeat(x, rows_per_x, axis=0), values, scales, experts)
-
-
 def byte_table_enabled() -> bool:
     return _byte_table_switch.enabled()
 
 
 def set_byte_table_enabled(enabled: bool) -> None:
     _byte_table_switch.set(enabled)
-
-
-def prefetch_enabled() -> bool:
-    return _prefetch_switch.enabled()
-
-
-def set_prefetch_enabled(enabled: bool) -> None:
-    _prefetch_switch.set(enabled)
-
-
-def _prefetch_rows(prefetch: int | None) -> int:
-    return (PREFETCH_ROWS if _prefetch_switch.enabled() else 0) if prefetch is None else prefetch
 
 
 def shared_memory_bytes(in_features: int, stage_x: bool = STAGE_X) -> int:
@@ -144,18 +95,6 @@ def fits(in_features: int, out_features: int) -> bool:
             and shared_memory_bytes(in_features) <= SHARED_MEMORY_LIMIT)
 
 
-def grouped_shared_memory_bytes(in_features: int) -> int:
-    """The grouped kernel's static shared memory: the code table, two pairs' warp partial sums and two pairs'
-    x rows as float32 in rows of 33."""
-    groups = in_features // GROUP
-    return 16 * 4 + 2 * (groups // 32) * ROWS_PER_BLOCK * 4 + 2 * groups * 33 * 4
-
-
-def grouped_fits(in_features: int, out_features: int) -> bool:
-    """As `fits`, with the grouped kernel's shared memory (K up to 5,120)."""
-    return fits(in_features, out_features) and grouped_shared_memory_bytes(in_features) <= SHARED_MEMORY_LIMIT
-
-
 def is_supported(dtype: mx.Dtype, in_features: int, values: mx.array) -> bool:
     """Rows of `dtype` and width `in_features` through mxfp4 experts `values` (the caller checks the mode, bits
     4, group 32 and no biases)."""
@@ -164,16 +103,6 @@ def is_supported(dtype: mx.Dtype, in_features: int, values: mx.array) -> bool:
 
 
 _HEADER = r"""
-// Asks the L2 cache for the block's first ROWS_AHEAD weight rows (codes and scales) while the block stages x:
-// the loads that follow find them there. Thread g: its 16 bytes of each row; the first ROWS_AHEAD threads: a
-// row of scales each.
-template <int ROWS_AHEAD, int GROUPS>
-__device__ __forceinline__ void tessera_prefetch_rows(const uint4* codes, const uint8_t* scale_rows, int g) {
-  #pragma unroll
-  for (int r = 0; r < ROWS_AHEAD; ++r) asm volatile("prefetch.global.L2 [%0];" :: "l"(codes + (size_t)r * GROUPS));
-  if (g < ROWS_AHEAD) asm volatile("prefetch.global.L2 [%0];" :: "l"(scale_rows + (size_t)g * GROUPS));
-}
-
 // E2M1 code c (sign, 2 exponent bits, 1 mantissa bit) -> 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives.
 __device__ __forceinline__ void tessera_e2m1_table(float* lut, int c) {
   const int e = (c >> 1) & 3;
@@ -213,7 +142,7 @@ __device__ __forceinline__ void tessera_fill_byte_table(uint32_t* table, int g) 
   }
 }
 
-// As `tessera_expert_rows` for one pair, each code byte's two values from the byte table (`table`, this lane's
+// As `tessera_expert_rows`, each code byte's two values from the byte table (`table`, this lane's
 // copies at lane * 4 bytes). The same sums, operation for operation: the values are the 16-entry table's exactly.
 template <int GROUPS, int ROWS, int UNROLL>
 __device__ __forceinline__ void tessera_byte_table_rows(const uint4* codes, const uint8_t* srow, const char* table,
@@ -261,19 +190,17 @@ __device__ __forceinline__ void tessera_stage_row(float* xs, const T* xrow, int 
   }
 }
 
-// One expert's ROWS rows against one pair's x (registers, xv) and, with TWO, a second pair's (shared memory,
-// xb): each row's code group is loaded and decoded once. Every sum is the ungrouped kernel's, operation for
-// operation: per thread 32 fmaf in element order, scaled by the power of two, shuffled down, one partial per
-// warp (`part_a`, `part_b`), which the caller adds in warp order.
-template <bool TWO, int GROUPS, int ROWS, int UNROLL>
+// One pair's ROWS rows of its expert, x in registers (xv): per thread 32 fmaf in element order over the row's code
+// group (decoded through the 16-entry table `lut`), scaled by the group's power of two, shuffled down, one partial
+// sum per warp (`part`), which the caller adds in warp order.
+template <int GROUPS, int ROWS, int UNROLL>
 __device__ __forceinline__ void tessera_expert_rows(const uint4* codes, const uint8_t* srow, const float* lut,
-                                                    const float (&xv)[32], const float* xb,
-                                                    float (*part_a)[ROWS], float (*part_b)[ROWS], int warp, int lane) {
+                                                    const float (&xv)[32], float (*part)[ROWS], int warp, int lane) {
   for (int r0 = 0; r0 < ROWS; r0 += UNROLL) {
     uint4 q[UNROLL];
     int e[UNROLL];
     #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {  // every load of the batch in flight before the first sum
       q[u] = codes[(size_t)(r0 + u) * GROUPS];
       e[u] = srow[(size_t)(r0 + u) * GROUPS];
     }
@@ -281,27 +208,15 @@ __device__ __forceinline__ void tessera_expert_rows(const uint4* codes, const ui
     for (int u = 0; u < UNROLL; ++u) {
       const uint32_t words[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
       float sum = 0.0f;
-      float sum_b = 0.0f;
       #pragma unroll
       for (int j = 0; j < 4; ++j) {
         #pragma unroll
-        for (int b = 0; b < 8; ++b) {
-          const float v = lut[(words[j] >> (4 * b)) & 0xF];
-          sum = fmaf(v, xv[8 * j + b], sum);
-          if (TWO) sum_b = fmaf(v, xb[8 * j + b], sum_b);
-        }
+        for (int b = 0; b < 8; ++b) sum = fmaf(lut[(words[j] >> (4 * b)) & 0xF], xv[8 * j + b], sum);
       }
-      const float scale = ldexpf(1.0f, e[u] - 127);
-      float acc = sum * scale;
+      float acc = sum * ldexpf(1.0f, e[u] - 127);
       #pragma unroll
       for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, offset);
-      if (lane == 0) part_a[warp][r0 + u] = acc;
-      if (TWO) {
-        float acc_b = sum_b * scale;
-        #pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) acc_b += __shfl_down_sync(0xffffffffu, acc_b, offset);
-        if (lane == 0) part_b[warp][r0 + u] = acc_b;
-      }
+      if (lane == 0) part[warp][r0 + u] = acc;
     }
   }
 }
@@ -322,64 +237,15 @@ _SOURCE = r"""
   const size_t first = (size_t)experts[pair] * N + row0;  // the block's first weight row
   const uint4* codes = reinterpret_cast<const uint4*>(w) + first * GROUPS + g;
   const uint8_t* srow = scales + first * GROUPS + g;
-  if (PREFETCH > 0) tessera_prefetch_rows<PREFETCH, GROUPS>(codes, scales + first * GROUPS, g);
   const T* xrow = x + (size_t)pair * K;
   if (STAGE_X) tessera_stage_row<T, GROUPS>(xs, xrow, g);
   __syncthreads();
   float xv[32];
   #pragma unroll
   for (int i = 0; i < 32; ++i) xv[i] = STAGE_X ? xs[g * 33 + i] : static_cast<float>(xrow[g * 32 + i]);
-  tessera_expert_rows<false, GROUPS, ROWS, UNROLL>(codes, srow, lut, xv, xs, partial, partial, g >> 5, g & 31);
+  tessera_expert_rows<GROUPS, ROWS, UNROLL>(codes, srow, lut, xv, partial, g >> 5, g & 31);
   __syncthreads();
   if (g < ROWS) out[(size_t)pair * N + row0 + g] = static_cast<T>(tessera_row_total<WARPS, ROWS>(partial, g));
-"""
-
-
-_GROUPED_SOURCE = r"""
-  // x [*, K] T, pair p's row x[p / X_DIV]; w [E, N, K / 8] uint32; scales [E, N, K / 32] uint8;
-  // order [P] uint32: sorted position s holds pair order[s]; experts [P] uint32, ascending: pair order[s]'s
-  // expert -> out [P, N] T.
-  constexpr int GROUPS = K / 32;
-  constexpr int WARPS = GROUPS / 32;
-  constexpr int BLOCKS_PER_PAIR = N / ROWS;
-  const int pairs = gridDim.x / BLOCKS_PER_PAIR;
-  const int start = blockIdx.x / BLOCKS_PER_PAIR;  // the block's sorted position
-  const int row0 = (blockIdx.x % BLOCKS_PER_PAIR) * ROWS;
-  const uint32_t expert = experts[start];
-  if (start > 0 && experts[start - 1] == expert) return;  // the block of the expert's first pair runs them all
-  int end = start + 1;
-  while (end < pairs && experts[end] == expert) ++end;
-  __shared__ float lut[16];
-  __shared__ float partial[2][WARPS][ROWS];
-  __shared__ float xs[2][GROUPS * 33];
-  const int g = threadIdx.x;
-  if (threadIdx.x < 16) tessera_e2m1_table(lut, threadIdx.x);
-  const size_t first_row = (size_t)expert * N + row0;
-  const uint4* codes = reinterpret_cast<const uint4*>(w) + first_row * GROUPS + g;
-  const uint8_t* srow = scales + first_row * GROUPS + g;
-  if (PREFETCH > 0) tessera_prefetch_rows<PREFETCH, GROUPS>(codes, scales + first_row * GROUPS, g);
-  for (int s = start; s < end; s += 2) {  // the expert's pairs two at a time: its rows read once a pass
-    const bool two = s + 1 < end;
-    const uint32_t pair_a = order[s];
-    const uint32_t pair_b = two ? order[s + 1] : pair_a;
-    __syncthreads();  // the previous pass has read xs and partial
-    tessera_stage_row<T, GROUPS>(xs[0], x + (size_t)(pair_a / X_DIV) * K, g);
-    if (two) tessera_stage_row<T, GROUPS>(xs[1], x + (size_t)(pair_b / X_DIV) * K, g);
-    __syncthreads();
-    float xv[32];
-    #pragma unroll
-    for (int i = 0; i < 32; ++i) xv[i] = xs[0][g * 33 + i];
-    if (two) {
-      tessera_expert_rows<true, GROUPS, ROWS, UNROLL>(codes, srow, lut, xv, xs[1] + g * 33, partial[0], partial[1], g >> 5, g & 31);
-    } else {
-      tessera_expert_rows<false, GROUPS, ROWS, UNROLL>(codes, srow, lut, xv, xs[1] + g * 33, partial[0], partial[1], g >> 5, g & 31);
-    }
-    __syncthreads();
-    if (g < ROWS) {
-      out[(size_t)pair_a * N + row0 + g] = static_cast<T>(tessera_row_total<WARPS, ROWS>(partial[0], g));
-      if (two) out[(size_t)pair_b * N + row0 + g] = static_cast<T>(tessera_row_total<WARPS, ROWS>(partial[1], g));
-    }
-  }
 """
 
 
@@ -420,8 +286,7 @@ _BYTE_TABLE_SOURCE = r"""
 """
 
 
-def gather_qmv_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array, stage_x: bool = STAGE_X,
-                      prefetch: int | None = None) -> mx.array:
+def gather_qmv_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array, stage_x: bool = STAGE_X) -> mx.array:
     """x: [P, K] bf16/fp16/fp32 on a CUDA device; values [E, N, K / 8] uint32, scales [E, N, K / 32] uint8
     (mxfp4); experts: [P] -> [P, N] in x's dtype (shapes as `fits` says)."""
     pairs, k = x.shape
@@ -430,36 +295,10 @@ def gather_qmv_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: 
     kernel = compiled_kernel("tessera_gather_qmv_mxfp4", ("x", "w", "scales", "experts"), ("out",), _SOURCE, _HEADER)
     (out,) = kernel(
         inputs=[x, values, scales, experts.astype(mx.uint32)],
-        template=[("T", x.dtype), ("K", k), ("N", n), ("ROWS", ROWS_PER_BLOCK), ("UNROLL", UNROLL), ("STAGE_X", int(stage_x)),
-                  ("PREFETCH", _prefetch_rows(prefetch))],
+        template=[("T", x.dtype), ("K", k), ("N", n), ("ROWS", ROWS_PER_BLOCK), ("UNROLL", UNROLL), ("STAGE_X", int(stage_x))],
         grid=(pairs * (n // ROWS_PER_BLOCK) * threads, 1, 1),  # threads, as mx.fast.cuda_kernel counts them
         threadgroup=(threads, 1, 1),
         output_shapes=[(pairs, n)],
-        output_dtypes=[x.dtype],
-    )
-    return out
-
-
-def gather_qmv_grouped_kernel(x: mx.array, values: mx.array, scales: mx.array, pairs: PairsByExpert,
-                              rows_per_x: int = 1, prefetch: int | None = None) -> mx.array:
-    """`gather_qmv_kernel` with each expert's rows read once for all its pairs, two pairs a pass: x [P / rows_per_x,
-    K] (pair p's row is x[p // rows_per_x]: a token's k pairs share its row, no repeat), the pairs sorted by
-    expert (`pairs_by_expert`) -> [P, N] in pair order, each row's bits the ungrouped kernel's. A block per
-    (sorted position, ROWS_PER_BLOCK output rows); the blocks of an expert's later pairs return at once.
-    Shapes as `grouped_fits` says."""
-    count = pairs.order.shape[0]
-    k = x.shape[1]
-    n = values.shape[1]
-    threads = k // GROUP
-    kernel = compiled_kernel("tessera_gather_qmv_mxfp4_grouped", ("x", "w", "scales", "order", "experts"), ("out",),
-                             _GROUPED_SOURCE, _HEADER)
-    (out,) = kernel(
-        inputs=[x, values, scales, pairs.order, pairs.experts],
-        template=[("T", x.dtype), ("K", k), ("N", n), ("ROWS", ROWS_PER_BLOCK), ("UNROLL", UNROLL),
-                  ("X_DIV", rows_per_x), ("PREFETCH", _prefetch_rows(prefetch))],
-        grid=(count * (n // ROWS_PER_BLOCK) * threads, 1, 1),  # threads, as mx.fast.cuda_kernel counts them
-        threadgroup=(threads, 1, 1),
-        output_shapes=[(count, n)],
         output_dtypes=[x.dtype],
     )
     return out

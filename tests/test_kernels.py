@@ -402,7 +402,7 @@ def test_every_cuda_kernel_source_compiles_for_the_h200():
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
-    assert len(lines) == 35 and all(line.endswith(": ok") for line in lines), done.stdout
+    assert len(lines) == 34 and all(line.endswith(": ok") for line in lines), done.stdout
 
 
 def test_take_rows_is_the_row_gather_and_stays_on_mlx_off_cuda():
@@ -477,19 +477,6 @@ def test_gather_qmv_takes_v4_flash_widths_and_no_width_its_shared_memory_cannot_
     assert gather_qmv.shared_memory_bytes(4096) - gather_qmv.shared_memory_bytes(4096, stage_x=False) == 128 * 33 * 4 - 4
 
 
-def test_gather_qmv_grouped_takes_v4_flash_widths_and_no_width_its_two_staged_rows_cannot_hold():
-    """The grouped kernel stages two pairs' rows: V4 Flash's expert widths fit, and a width past the static
-    limit falls back to the ungrouped kernel (moe.gathered_pairs checks `grouped_fits`)."""
-    from tessera.kernels import gather_qmv
-
-    assert gather_qmv.grouped_fits(4096, 2048) and gather_qmv.grouped_fits(2048, 4096)
-    for k in range(1024, 12289, 1024):
-        want = gather_qmv.fits(k, 2048) and gather_qmv.grouped_shared_memory_bytes(k) <= gather_qmv.SHARED_MEMORY_LIMIT
-        assert gather_qmv.grouped_fits(k, 2048) == want
-    assert gather_qmv.grouped_fits(5120, 2048) and not gather_qmv.grouped_fits(6144, 2048)
-    assert not gather_qmv.grouped_fits(4096, 2047)  # whole row blocks only, as ungrouped
-
-
 def test_gather_qmv_byte_table_takes_16_bit_rows_at_v4_flash_widths_and_nothing_its_shared_memory_cannot_hold():
     """The byte-table kernel stages x in its own type beside the 32 KiB table: bf16 and fp16 rows at V4 Flash's
     expert widths fit; float32 rows of 4,096, rows past the static limit and output widths that are not whole
@@ -506,19 +493,3 @@ def test_gather_qmv_byte_table_takes_16_bit_rows_at_v4_flash_widths_and_nothing_
             assert gather_qmv.byte_table_fits(k, 2048, dtype) == (gather_qmv.fits(k, 2048) and in_limit)
     assert gather_qmv.byte_table_fits(4096, 96, mx.bfloat16, chunks=1) and not gather_qmv.byte_table_fits(4096, 96, mx.bfloat16, chunks=2)
     assert gather_qmv.byte_table_shared_memory_bytes(4096, 2) == 32768 + 4 * 32 * 4 + 128 * 33 * 2
-
-
-def test_pairs_by_expert_sorts_the_pairs_and_keeps_where_each_came_from():
-    """The grouped kernel finds an expert's pairs as one run of the sorted experts and writes each result to
-    the pair's own row: the order must sort the experts, and experts[s] must be pair order[s]'s."""
-    from tessera.kernels.gather_qmv import pairs_by_expert
-
-    experts = mx.array([5, 1, 5, 0, 1, 5, 7], dtype=mx.int32)
-    pairs = pairs_by_expert(experts)
-    order = np.array(pairs.order)
-    assert pairs.order.dtype == pairs.experts.dtype == mx.uint32
-    assert sorted(order.tolist()) == list(range(7))
-    assert np.array(pairs.experts).tolist() == [0, 1, 1, 5, 5, 5, 7]
-    assert np.array_equal(np.array(experts)[order], np.array(pairs.experts))
-    given = pairs_by_expert(experts, mx.argsort(experts))  # the MoE's own argsort, reused
-    assert np.array_equal(np.array(given.experts), np.array(pairs.experts))

@@ -566,33 +566,6 @@ def test_a_decode_steps_pairs_in_order_give_the_sorted_pairs_bits(gather_qmv_on)
     assert _same_bits(in_order, moe_mod._pairs_sorted(x, flat, mx.argsort(flat), top_k, w, 7.0))
 
 
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("experts_n, tokens", [(256, 16), (8, 16), (4, 3), (256, 2)])
-@pytest.mark.parametrize("n, k", [(2048, 4096), (4096, 2048)])
-def test_gather_qmv_grouped_kernel_gives_every_pair_the_ungrouped_bits(dtype, experts_n, tokens, n, k, gather_qmv_on):
-    """Each expert's rows read once for all its pairs, two pairs a pass: every pair's row must be the ungrouped
-    kernel's, bit for bit, whatever the routing — 16 tokens at top-6 over 256 experts (a few shared), over 8
-    (runs of ~12, odd and even), 3 tokens over 4 experts (every expert shared), 2 tokens over 256 — at V4
-    Flash's expert widths, the tokens' rows read unrepeated (rows_per_x = 6), with and without the L2
-    prefetch."""
-    from tessera.kernels.gather_qmv import gather_qmv_grouped_kernel, gather_qmv_kernel, pairs_by_expert
-
-    top_k = 6
-    rng = np.random.default_rng(experts_n + tokens + k)
-    values, scales = _mxfp4_experts(rng, experts_n, n, k, scale_spread=6)
-    x = mx.array(rng.standard_normal((tokens, k)).astype(np.float32)).astype(dtype)
-    flat = np.concatenate([rng.choice(experts_n, top_k, replace=experts_n < top_k) for _ in range(tokens)])
-    experts = mx.array(flat.astype(np.uint32))
-    want = gather_qmv_kernel(mx.repeat(x, top_k, axis=0), values, scales, experts)
-    for prefetch in (0, 16):
-        got = gather_qmv_grouped_kernel(x, values, scales, pairs_by_expert(experts), rows_per_x=top_k, prefetch=prefetch)
-        assert got.dtype == dtype and got.shape == (tokens * top_k, n)
-        assert _same_bits(got, want)
-    hidden = mx.array(rng.standard_normal((tokens * top_k, k)).astype(np.float32)).astype(dtype)  # down: a row a pair
-    assert _same_bits(gather_qmv_grouped_kernel(hidden, values, scales, pairs_by_expert(experts)),
-                      gather_qmv_kernel(hidden, values, scales, experts))
-
-
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
 @pytest.mark.parametrize("chunks", [1, 2, 4])
 @pytest.mark.parametrize("pairs, n, k", [(1, 2048, 4096), (6, 4096, 2048), (96, 2048, 4096), (7, 128, 1024)])
@@ -636,53 +609,6 @@ def test_gather_qmv_takes_the_byte_table_kernel_when_its_switch_is_on(gather_qmv
         gather_qmv.gather_qmv_byte_table_kernel, gather_qmv.gather_qmv_kernel = table, lut
         gather_qmv.set_byte_table_enabled(saved)
     assert calls == ["table", "lut", "lut"]
-
-
-@pytest.mark.parametrize("prefetch", [8, 32])
-def test_gather_qmv_kernel_prefetch_changes_no_bit(prefetch, gather_qmv_on):
-    """The L2 prefetch before x is staged only asks for rows early: the same bits as without it."""
-    from tessera.kernels.gather_qmv import gather_qmv_kernel
-
-    rng = np.random.default_rng(prefetch)
-    values, scales = _mxfp4_experts(rng, 64, 2048, 4096, scale_spread=6)
-    x = mx.array(rng.standard_normal((96, 4096)).astype(np.float32)).astype(mx.bfloat16)
-    experts = mx.array(rng.integers(0, 64, 96).astype(np.uint32))
-    assert _same_bits(gather_qmv_kernel(x, values, scales, experts, prefetch=prefetch),
-                      gather_qmv_kernel(x, values, scales, experts, prefetch=0))
-
-
-def test_the_grouped_moe_gives_a_decode_batch_the_ungrouped_bits(gather_qmv_on):
-    """engine/model/moe.py with TESSERA_GATHER_QMV_GROUPED on: 16 tokens' pairs through the grouped kernel
-    (`_pairs_grouped`) give the in-order path's bits, pair by pair (V4 Flash's expert widths, top-6 over 256)."""
-    from tessera.engine.model import moe as moe_mod
-    from tessera.engine.model.moe import MoEWeights
-    from tessera.engine.model.quantized import QuantizedWeight
-    from tessera.kernels import gather_qmv
-
-    rng = np.random.default_rng(11)
-    experts_n, dim, inter, top_k, tokens = 256, 4096, 2048, 6, 16
-
-    def weight(n: int, k: int) -> QuantizedWeight:
-        return QuantizedWeight(*_mxfp4_experts(rng, experts_n, n, k, scale_spread=6), None, "mxfp4", 4, 32)
-
-    w = MoEWeights(router=None, correction_bias=None, tid2eid=None, w1=weight(inter, dim), w2=weight(dim, inter),
-                   w3=weight(inter, dim), shared_w1=None, shared_w2=None, shared_w3=None)
-    x = mx.array(rng.standard_normal((tokens, dim)).astype(np.float32) * 0.1).astype(mx.bfloat16)
-    flat = mx.array(np.concatenate([rng.choice(experts_n, top_k, replace=False) for _ in range(tokens)]).astype(np.int32))
-    saved = gather_qmv.grouped_enabled()
-    calls = []
-    real = moe_mod._pairs_grouped
-    moe_mod._pairs_grouped = lambda *a: calls.append(1) or real(*a)
-    try:
-        gather_qmv.set_grouped_enabled(True)
-        grouped = moe_mod.gathered_pairs(x, flat, mx.argsort(flat), top_k, w, 7.0)
-        gather_qmv.set_grouped_enabled(False)
-        in_order = moe_mod.gathered_pairs(x, flat, mx.argsort(flat), top_k, w, 7.0)
-    finally:
-        moe_mod._pairs_grouped = real
-        gather_qmv.set_grouped_enabled(saved)
-    assert calls == [1]
-    assert _same_bits(grouped, in_order)
 
 
 # --- mxfp8 projections, a decode batch's rows (kernels/mxfp8_qmv.py) ------------------------------------

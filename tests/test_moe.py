@@ -176,50 +176,6 @@ def test_gathered_mxfp4_pairs_go_to_the_gather_qmv_kernel_where_it_runs(monkeypa
     assert {"ArgSort", "Gather"} <= _primitive_kinds(routed_experts(x, experts, weights, w, LIMIT, layout="gathered"), tmp_path)
 
 
-def test_a_steps_pairs_go_to_the_grouped_kernel_when_several_tokens_may_share_an_expert(monkeypatch):
-    """The wiring of kernels/gather_qmv.py's grouped kernel, on the CPU (both kernels stood in by their
-    references): with TESSERA_GATHER_QMV_GROUPED on, a step of several tokens sends every projection to it —
-    the tokens' rows unrepeated (rows_per_x = k) into gate and up, the hidden rows into down — and gets the
-    ungrouped path's bits; a one-token step, whose pairs never share an expert, keeps the ungrouped kernel;
-    with the switch off nothing is grouped."""
-    from tessera.kernels import gather_qmv
-
-    base = _weights()
-    w = MoEWeights(**{**base.__dict__, **{n: quantize(getattr(base, n), "mxfp4", 32) for n in ("w1", "w2", "w3")}})
-    calls = []
-
-    def ungrouped(rows, values, scales, pair_experts):
-        calls.append(("ungrouped", rows.shape))
-        return gather_qmv.gather_qmv_reference(rows, values, scales, pair_experts)
-
-    def grouped(rows, values, scales, pairs, rows_per_x=1):
-        calls.append(("grouped", rows.shape, rows_per_x))
-        assert np.all(np.diff(np.array(pairs.experts).astype(np.int64)) >= 0)  # runs of an expert's pairs
-        return gather_qmv.gather_qmv_grouped_reference(rows, values, scales, pairs, rows_per_x)
-
-    monkeypatch.setattr(gather_qmv, "on_cuda", lambda: True)
-    monkeypatch.setattr(gather_qmv, "fits", lambda k, n: True)  # this test's widths are small
-    monkeypatch.setattr(moe_mod, "gather_qmv", ungrouped)
-    monkeypatch.setattr(moe_mod, "gather_qmv_grouped_kernel", grouped)
-    mx.random.seed(13)
-    x = mx.random.normal((3, DIM))  # 6 pairs over 8 experts
-    experts, weights = route(x, None, w, TOP_K, 1.5)
-    want = routed_experts(x, experts, weights, w, LIMIT, layout="gathered")  # the switch is off by default
-    assert [c[0] for c in calls] == ["ungrouped"] * 3
-    calls.clear()
-    gather_qmv.set_grouped_enabled(True)
-    try:
-        got = routed_experts(x, experts, weights, w, LIMIT, layout="gathered")
-        assert calls == [("grouped", (3, DIM), TOP_K), ("grouped", (3, DIM), TOP_K), ("grouped", (6, w.w2.shape[-1]), 1)]
-        assert np.array_equal(np.array(got), np.array(want))
-        calls.clear()
-        one = x[:1]
-        routed_experts(one, *route(one, None, w, TOP_K, 1.5), w, LIMIT, layout="gathered")
-        assert [c[0] for c in calls] == ["ungrouped"] * 3
-    finally:
-        gather_qmv.set_grouped_enabled(False)
-
-
 def _primitive_kinds(out: mx.array, tmp_path) -> set[str]:
     """The primitive kinds in the graph that makes `out`."""
     return set(primitive_kinds(out, tmp_path / "graph.dot"))

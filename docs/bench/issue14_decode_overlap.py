@@ -35,11 +35,10 @@ A B C D D C B A (--rounds times; --arms picks a subset). Every arm takes greedy 
   kernels/decode_attention_cuda.py).
 - serving_overlap_rms_norm: serving_overlap with bf16 RMS norms in one kernel each instead of MLX's cast, norm and
   cast back (TESSERA_RMS_NORM_KERNEL=1, kernels/rms_norm_cuda.py; off by default until measured on a GPU).
-- serving_overlap_grouped, serving_overlap_ungrouped: serving_overlap with a batch's routed experts read once
-  for all the pairs that share one, or a block per pair (TESSERA_GATHER_QMV_GROUPED=1 / 0, kernels/gather_qmv.py;
-  session 29); serving_overlap_grouped_prefetch: grouped, each block asking the L2 for its first 16 weight rows
-  before it stages x (TESSERA_GATHER_QMV_PREFETCH=1); serving_overlap_byte_table, serving_overlap_lut: the experts'
-  codes decoded through the byte table or the 16-entry table (TESSERA_GATHER_QMV_BYTE_TABLE=1 / 0).
+- serving_overlap_byte_table, serving_overlap_lut: serving_overlap with the experts' mxfp4 codes decoded through
+  kernels/gather_qmv.py's byte table or its 16-entry table (TESSERA_GATHER_QMV_BYTE_TABLE=1 / 0; session 29).
+  Session 29's first raw file also holds serving_overlap_grouped and serving_overlap_ungrouped, a grouped expert
+  kernel measured and removed (commit 88072f8).
   Session 14's raw file also holds serving_overlap_qmv_bits and serving_overlap_qmv_prefetch, gather_qmv
   layouts since removed; session 18's serving_overlap_no_host_array_cache, a cache removed after it measured
   nothing (docs/ARCHITECTURE.md "Host-made arrays").
@@ -181,16 +180,10 @@ ARMS["serving_overlap_no_decode_attention"] = with_setting(
     ARMS["serving_overlap"])  # TESSERA_DECODE_ATTENTION_KERNEL=0
 ARMS["serving_overlap_rms_norm"] = with_setting(rms_norm_cuda.kernel_enabled, rms_norm_cuda.set_kernel_enabled, True,
                                                 ARMS["serving_overlap"])  # TESSERA_RMS_NORM_KERNEL=1
-ARMS["serving_overlap_grouped"] = with_setting(gather_qmv.grouped_enabled, gather_qmv.set_grouped_enabled, True,
-                                               ARMS["serving_overlap"])  # TESSERA_GATHER_QMV_GROUPED=1
-ARMS["serving_overlap_grouped_prefetch"] = with_setting(gather_qmv.prefetch_enabled, gather_qmv.set_prefetch_enabled, True,
-                                                        ARMS["serving_overlap_grouped"])  # and TESSERA_GATHER_QMV_PREFETCH=1
 ARMS["serving_overlap_byte_table"] = with_setting(gather_qmv.byte_table_enabled, gather_qmv.set_byte_table_enabled, True,
                                                   ARMS["serving_overlap"])  # TESSERA_GATHER_QMV_BYTE_TABLE=1
 ARMS["serving_overlap_lut"] = with_setting(gather_qmv.byte_table_enabled, gather_qmv.set_byte_table_enabled, False,
                                            ARMS["serving_overlap"])  # TESSERA_GATHER_QMV_BYTE_TABLE=0
-ARMS["serving_overlap_ungrouped"] = with_setting(gather_qmv.grouped_enabled, gather_qmv.set_grouped_enabled, False,
-                                                 ARMS["serving_overlap"])  # TESSERA_GATHER_QMV_GROUPED=0
 
 
 def main() -> None:

@@ -8,8 +8,7 @@ The routed experts run in one of two layouts, chosen by the step's (token, slot)
 - gathered (decode, short steps): pairs sorted by expert, `gather_mm` / `gather_qmm` with one row per
   pair. No host sync; reads only the experts that are hit, which is what a decode step is bound by. On
   CUDA with mxfp4 experts, kernels/gather_qmv.py's gemv instead, and in a decode step (at most one pair
-  per expert) without the sort (`_pairs_in_order`), or, for several tokens with TESSERA_GATHER_QMV_GROUPED=1,
-  each expert's rows read once for all its pairs (`_pairs_grouped`).
+  per expert) without the sort (`_pairs_in_order`).
 - padded (prefill): pairs gathered into an [E, capacity, D] block and run as one batched matmul per
   projection (bf16: a strided-batched cuBLAS gemm through `mx.matmul`; quantized: `gather_qmm` with
   `capacity` rows per expert, which MLX's CUDA backend runs as a tiled quantized gemm instead of one
@@ -32,7 +31,7 @@ import numpy as np
 
 from tessera.engine.model.quantized import QuantizedWeight, Weight, linear
 from tessera.kernels.cuda import on_cuda
-from tessera.kernels.gather_qmv import gather_qmv, gather_qmv_grouped_kernel, grouped_enabled, grouped_fits, pairs_by_expert
+from tessera.kernels.gather_qmv import gather_qmv
 from tessera.kernels.gather_qmv import is_supported as gather_qmv_supported
 from tessera.kernels.moe_padded import combine_rows, index_is_supported, padded_indices_kernel
 from tessera.kernels.moe_padded import weighted_sum as _weighted_sum  # [T, k, D] -> [T, D]: the combine's definition
@@ -175,9 +174,6 @@ def gathered_pairs(x: mx.array, flat: mx.array, order: mx.array, k: int, w: MoEW
     widths = ((w.w1, x.shape[-1]), (w.w3, x.shape[-1]), (w.w2, w.w2.shape[-1]))  # (weights, rows' width)
     few_pairs = 0 < flat.shape[0] <= w.num_experts  # a decode step: experts rarely shared (`_pairs_in_order`)
     if few_pairs and all(_takes_gather_qmv(x.dtype, width, m) for m, width in widths):
-        several_tokens = flat.shape[0] > k  # only then can pairs share an expert
-        if several_tokens and grouped_enabled() and all(grouped_fits(width, m.shape[1]) for m, width in widths):
-            return _pairs_grouped(x, flat, order, k, w, limit)
         return _pairs_in_order(x, flat, k, w, limit)
     return _pairs_sorted(x, flat, order, k, w, limit)
 
@@ -203,17 +199,6 @@ def _pairs_in_order(x: mx.array, flat: mx.array, k: int, w: MoEWeights, limit: f
     gate = gather_qmv(rows, w.w1.values, w.w1.scales, experts)  # [P, I]
     up = gather_qmv(rows, w.w3.values, w.w3.scales, experts)
     return gather_qmv(_clamped_swiglu(gate, up, limit), w.w2.values, w.w2.scales, experts)  # [P, D]
-
-
-def _pairs_grouped(x: mx.array, flat: mx.array, order: mx.array, k: int, w: MoEWeights, limit: float) -> mx.array:
-    """x: [T, D], flat: [P = T·k] -> [P, D] in pair order, as `_pairs_in_order`, with each expert's rows read once
-    for all the pairs that share it (kernels/gather_qmv.py's grouped kernel): a step of several tokens, where
-    16 tokens' 96 pairs touch ~81 of 256 experts under uniform routing and fewer under a real router's. The
-    same bits as `_pairs_in_order`, row by row."""
-    pairs = pairs_by_expert(flat, order)
-    gate = gather_qmv_grouped_kernel(x, w.w1.values, w.w1.scales, pairs, rows_per_x=k)  # [P, I]
-    up = gather_qmv_grouped_kernel(x, w.w3.values, w.w3.scales, pairs, rows_per_x=k)
-    return gather_qmv_grouped_kernel(_clamped_swiglu(gate, up, limit), w.w2.values, w.w2.scales, pairs)  # [P, D]
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,21 @@
 """kernels/gather_qmv.py alone at a decode batch's pair counts: the 16-entry-table kernel (a block per pair and 32
-rows), the grouped one (each expert's rows read once for all its pairs) and the byte-table one (two values a
-shared-memory read; blocks of 1, 2 or 4 chunks of 32 rows), at V4 Flash's expert shapes (256 experts, mxfp4, up = 4096 -> 2048 and down = 2048 -> 4096, bf16
+rows) and the byte-table one (two values a shared-memory read; blocks of 1, 2 or 4 chunks of 32 rows), at V4 Flash's expert shapes (256 experts, mxfp4, up = 4096 -> 2048 and down = 2048 -> 4096, bf16
 rows), top-6 routing drawn uniformly (a random-weight checkpoint's router) or skewed (a fifth of the experts
 drawn 4× as often, as docs/bench/issue14_moe_parts.py). One process, the arms in A B … B A order; ms per call
 (the median of `--repeat` timings of `--calls` calls each), and the distinct experts' bytes over that time. One
 JSON line per measurement to OUT. Off CUDA the kernels' references stand in (`--small`: a smoke run).
 
-  python docs/bench/gather_qmv_grouped_probe.py OUT.jsonl [--small]
+  python docs/bench/gather_qmv_variants_probe.py OUT.jsonl [--small] [--uniform-only]
+
+Session 29's first raw file (docs/bench/session29-h200-grouped-probe.jsonl) came from this script at commit 88072f8,
+named gather_qmv_grouped_probe.py, whose arms were the 16-entry kernel with and without an L2 prefetch of each
+block's first 16 rows ("ungrouped", "ungrouped_prefetch16") and a grouped kernel reading each expert once for all
+its pairs ("grouped", "grouped_prefetch16"); neither paid and both were removed.
 
 Under a profiler, each arm once at 96 pairs (up), between cuProfilerStart and cuProfilerStop:
 
   ncu --profile-from-start off --section SpeedOfLight --section Occupancy --section LaunchStats \\
-      --section WarpStateStats --csv python docs/bench/gather_qmv_grouped_probe.py OUT.jsonl --profile
+      --section WarpStateStats --csv python docs/bench/gather_qmv_variants_probe.py OUT.jsonl --profile
 """
 
 from __future__ import annotations
@@ -35,11 +39,8 @@ from docs.bench.probe_io import jsonl_emitter  # noqa: E402
 from tessera.kernels import gather_qmv  # noqa: E402
 from tessera.kernels.cuda import on_cuda  # noqa: E402
 
-EXPERTS, HIDDEN, INTER, TOP_K = 256, 4096, 2048, 6  # --small: 16, 1024, 1024 (fits the grouped kernel)
-# arm -> (kind, option): the 16-entry kernel (option: L2 prefetch rows), the grouped kernel (prefetch rows), the
-# byte-table kernel (chunks of 32 rows a block)
-ARMS = {"ungrouped": ("lut", 0), "grouped": ("grouped", 0), "byte_table_c1": ("byte_table", 1),
-        "byte_table_c2": ("byte_table", 2), "byte_table_c4": ("byte_table", 4)}
+EXPERTS, HIDDEN, INTER, TOP_K = 256, 4096, 2048, 6  # --small: 16, 1024, 1024
+ARMS = {"lut": None, "byte_table_c1": 1, "byte_table_c2": 2, "byte_table_c4": 4}  # arm -> byte-table chunks
 
 
 def _experts(out_dim: int, in_dim: int) -> tuple[mx.array, mx.array]:
@@ -58,19 +59,15 @@ def _routing(rng: np.random.Generator, tokens: int, skewed: bool) -> np.ndarray:
     return np.concatenate([rng.choice(EXPERTS, TOP_K, replace=False, p=p) for _ in range(tokens)]).astype(np.uint32)
 
 
-def _call(arm: str, x: mx.array, values: mx.array, scales: mx.array, experts: mx.array, pairs, rows_per_x: int) -> mx.array:
-    """One arm's call; off CUDA the references stand in (a smoke run of this script)."""
-    kind, option = ARMS[arm]
-    if not on_cuda():
-        if kind == "grouped":
-            return gather_qmv.gather_qmv_grouped_reference(x, values, scales, pairs, rows_per_x)
-        return gather_qmv.gather_qmv_reference(mx.repeat(x, rows_per_x, axis=0), values, scales, experts)
-    if kind == "grouped":
-        return gather_qmv.gather_qmv_grouped_kernel(x, values, scales, pairs, rows_per_x=rows_per_x, prefetch=option)
+def _call(arm: str, x: mx.array, values: mx.array, scales: mx.array, experts: mx.array, rows_per_x: int) -> mx.array:
+    """One arm's call on x [P / rows_per_x, K] (up: a token's row for its TOP_K pairs, repeated as the engine does);
+    off CUDA the reference stands in (a smoke run of this script)."""
     rows = mx.repeat(x, rows_per_x, axis=0) if rows_per_x > 1 else x
-    if kind == "byte_table":
-        return gather_qmv.gather_qmv_byte_table_kernel(rows, values, scales, experts, chunks=option)
-    return gather_qmv.gather_qmv_kernel(rows, values, scales, experts, prefetch=option)
+    if not on_cuda():
+        return gather_qmv.gather_qmv_reference(rows, values, scales, experts)
+    if ARMS[arm] is None:
+        return gather_qmv.gather_qmv_kernel(rows, values, scales, experts)
+    return gather_qmv.gather_qmv_byte_table_kernel(rows, values, scales, experts, chunks=ARMS[arm])
 
 
 def _ms(run, calls: int, repeat: int) -> float:
@@ -92,16 +89,15 @@ def rounds(emit, calls: int, repeat: int, skew_too: bool) -> None:
         for tokens in (1, 8, 16):
             flat = _routing(rng, tokens, skewed)
             experts = mx.array(flat)
-            pairs = gather_qmv.pairs_by_expert(experts)
             distinct = len(set(flat.tolist()))
             for name, (values, scales) in shapes.items():
                 k = values.shape[2] * 8
                 rows_per_x = TOP_K if name == "up" else 1  # up reads a token's row; down a row per pair
                 x = mx.random.normal((flat.size // rows_per_x, k), dtype=mx.bfloat16)
-                mx.eval(x, pairs.order, pairs.experts)
+                mx.eval(x)
                 order = list(ARMS) + list(ARMS)[::-1]
                 for arm in order:
-                    ms = _ms(lambda: _call(arm, x, values, scales, experts, pairs, rows_per_x), calls, repeat)
+                    ms = _ms(lambda: _call(arm, x, values, scales, experts, rows_per_x), calls, repeat)
                     emit("op", arm=arm, shape=name, skewed=skewed, tokens=tokens, pairs=int(flat.size), distinct=distinct,
                          ms=ms, distinct_tb_per_s=distinct * bytes_per_expert[name] / ms / 1e9)
 
@@ -111,16 +107,15 @@ def profile_once() -> None:
     driver = ctypes.CDLL("libcuda.so.1")
     flat = _routing(np.random.default_rng(1), 16, skewed=False)
     experts = mx.array(flat)
-    pairs = gather_qmv.pairs_by_expert(experts)
     values, scales = _experts(INTER, HIDDEN)
     x = mx.random.normal((16, HIDDEN), dtype=mx.bfloat16)
-    mx.eval(x, pairs.order, pairs.experts)
+    mx.eval(x)
     for arm in ARMS:  # compiled and warm before the range
-        mx.eval(_call(arm, x, values, scales, experts, pairs, TOP_K))
+        mx.eval(_call(arm, x, values, scales, experts, TOP_K))
     mx.synchronize()
     driver.cuProfilerStart()
     for arm in ARMS:
-        mx.eval(_call(arm, x, values, scales, experts, pairs, TOP_K))
+        mx.eval(_call(arm, x, values, scales, experts, TOP_K))
         mx.synchronize()
     driver.cuProfilerStop()
 
