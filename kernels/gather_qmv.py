@@ -64,11 +64,12 @@ def set_kernel_enabled(enabled: bool) -> None:
     _switch.set(enabled)
 
 
-def gather_qmv_reference(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array) -> mx.array:
-    """x: [P, K]; values, scales: mxfp4 experts [E, N, K] as `mx.quantize(..., mode="mxfp4")` packs them
-    ([E, N, K / 8] uint32, [E, N, K / 32] uint8); experts: [P] -> [P, N] in x's dtype: row p through expert
-    experts[p]."""
-    out = mx.gather_qmm(x[:, None, :], values, scales, None, rhs_indices=experts, transpose=True,
+def gather_qmv_reference(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array, rows_per_x: int = 1) -> mx.array:
+    """x: [P / rows_per_x, K], pair p's row x[p // rows_per_x]; values, scales: mxfp4 experts [E, N, K] as
+    `mx.quantize(..., mode="mxfp4")` packs them ([E, N, K / 8] uint32, [E, N, K / 32] uint8); experts: [P] -> [P, N]
+    in x's dtype: pair p's row through expert experts[p]."""
+    rows = mx.repeat(x, rows_per_x, axis=0) if rows_per_x > 1 else x
+    out = mx.gather_qmm(rows[:, None, :], values, scales, None, rhs_indices=experts, transpose=True,
                         group_size=GROUP, bits=4, mode="mxfp4")  # [P, 1, N]
     return out[:, 0, :]
 
@@ -223,7 +224,7 @@ __device__ __forceinline__ void tessera_expert_rows(const uint4* codes, const ui
 """
 
 _SOURCE = r"""
-  // x [P, K] T; w [E, N, K / 8] uint32; scales [E, N, K / 32] uint8; experts [P] uint32 -> out [P, N] T.
+  // x [P / X_DIV, K] T; w [E, N, K / 8] uint32; scales [E, N, K / 32] uint8; experts [P] uint32 -> out [P, N] T.
   constexpr int GROUPS = K / 32;  // = threads per block: one 16-byte group of each row per thread
   constexpr int WARPS = GROUPS / 32;
   constexpr int BLOCKS_PER_PAIR = N / ROWS;
@@ -237,7 +238,7 @@ _SOURCE = r"""
   const size_t first = (size_t)experts[pair] * N + row0;  // the block's first weight row
   const uint4* codes = reinterpret_cast<const uint4*>(w) + first * GROUPS + g;
   const uint8_t* srow = scales + first * GROUPS + g;
-  const T* xrow = x + (size_t)pair * K;
+  const T* xrow = x + (size_t)(pair / X_DIV) * K;  // X_DIV pairs share a row: a token's top-k
   if (STAGE_X) tessera_stage_row<T, GROUPS>(xs, xrow, g);
   __syncthreads();
   float xv[32];
@@ -250,7 +251,7 @@ _SOURCE = r"""
 
 
 _BYTE_TABLE_SOURCE = r"""
-  // x [P, K] T; w [E, N, K / 8] uint32; scales [E, N, K / 32] uint8; experts [P] uint32 -> out [P, N] T.
+  // x [P / X_DIV, K] T; w [E, N, K / 8] uint32; scales [E, N, K / 32] uint8; experts [P] uint32 -> out [P, N] T.
   // A block per (pair, CHUNKS * ROWS output rows): the byte table filled and x staged once, then CHUNKS
   // chunks of ROWS rows as the 16-entry kernel runs them.
   constexpr int GROUPS = K / 32;
@@ -266,7 +267,7 @@ _BYTE_TABLE_SOURCE = r"""
   const size_t first = (size_t)experts[pair] * N + row0;  // the block's first weight row
   const uint4* codes = reinterpret_cast<const uint4*>(w) + first * GROUPS + g;
   const uint8_t* srow = scales + first * GROUPS + g;
-  const T* xrow = x + (size_t)pair * K;
+  const T* xrow = x + (size_t)(pair / X_DIV) * K;  // X_DIV pairs share a row: a token's top-k
   #pragma unroll
   for (int j = 0; j < 32; ++j) {
     const int i = g + j * GROUPS;
@@ -286,16 +287,19 @@ _BYTE_TABLE_SOURCE = r"""
 """
 
 
-def gather_qmv_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array, stage_x: bool = STAGE_X) -> mx.array:
-    """x: [P, K] bf16/fp16/fp32 on a CUDA device; values [E, N, K / 8] uint32, scales [E, N, K / 32] uint8
-    (mxfp4); experts: [P] -> [P, N] in x's dtype (shapes as `fits` says)."""
-    pairs, k = x.shape
-    n = values.shape[1]
+def gather_qmv_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array, rows_per_x: int = 1,
+                      stage_x: bool = STAGE_X) -> mx.array:
+    """x: [P / rows_per_x, K] bf16/fp16/fp32 on a CUDA device, pair p's row x[p // rows_per_x] (a token's top-k pairs
+    read its row without a repeat); values [E, N, K / 8] uint32, scales [E, N, K / 32] uint8 (mxfp4); experts: [P]
+    -> [P, N] in x's dtype (shapes as `fits` says)."""
+    pairs, k, n = experts.shape[0], x.shape[1], values.shape[1]
+    assert x.shape[0] * rows_per_x == pairs, (x.shape, rows_per_x, pairs)
     threads = k // GROUP
     kernel = compiled_kernel("tessera_gather_qmv_mxfp4", ("x", "w", "scales", "experts"), ("out",), _SOURCE, _HEADER)
     (out,) = kernel(
         inputs=[x, values, scales, experts.astype(mx.uint32)],
-        template=[("T", x.dtype), ("K", k), ("N", n), ("ROWS", ROWS_PER_BLOCK), ("UNROLL", UNROLL), ("STAGE_X", int(stage_x))],
+        template=[("T", x.dtype), ("K", k), ("N", n), ("ROWS", ROWS_PER_BLOCK), ("UNROLL", UNROLL), ("STAGE_X", int(stage_x)),
+                  ("X_DIV", rows_per_x)],
         grid=(pairs * (n // ROWS_PER_BLOCK) * threads, 1, 1),  # threads, as mx.fast.cuda_kernel counts them
         threadgroup=(threads, 1, 1),
         output_shapes=[(pairs, n)],
@@ -319,20 +323,21 @@ def byte_table_fits(in_features: int, out_features: int, dtype: mx.Dtype, chunks
             and byte_table_shared_memory_bytes(in_features, dtype.size) <= SHARED_MEMORY_LIMIT)
 
 
-def gather_qmv_byte_table_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array,
+def gather_qmv_byte_table_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array, rows_per_x: int = 1,
                                  chunks: int = BYTE_TABLE_CHUNKS) -> mx.array:
     """`gather_qmv_kernel`'s product, each code byte's two values from a table in shared memory that lane l reads
     in bank l only: half the shared-memory reads of the 16-entry table (the kernel's bound on the H200: L1
     88 % busy, DRAM 40 %). x: [P, K] -> [P, N] (shapes as `byte_table_fits` says), each row's bits the 16-entry
-    kernel's."""
-    pairs, k = x.shape
-    n = values.shape[1]
+    kernel's; x and rows_per_x as `gather_qmv_kernel`'s."""
+    pairs, k, n = experts.shape[0], x.shape[1], values.shape[1]
+    assert x.shape[0] * rows_per_x == pairs, (x.shape, rows_per_x, pairs)
     threads = k // GROUP
     kernel = compiled_kernel("tessera_gather_qmv_mxfp4_byte_table", ("x", "w", "scales", "experts"), ("out",),
                              _BYTE_TABLE_SOURCE, _HEADER)
     (out,) = kernel(
         inputs=[x, values, scales, experts.astype(mx.uint32)],
-        template=[("T", x.dtype), ("K", k), ("N", n), ("ROWS", ROWS_PER_BLOCK), ("UNROLL", UNROLL), ("CHUNKS", chunks)],
+        template=[("T", x.dtype), ("K", k), ("N", n), ("ROWS", ROWS_PER_BLOCK), ("UNROLL", UNROLL), ("CHUNKS", chunks),
+                  ("X_DIV", rows_per_x)],
         grid=(pairs * (n // (ROWS_PER_BLOCK * chunks)) * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(pairs, n)],
@@ -341,9 +346,10 @@ def gather_qmv_byte_table_kernel(x: mx.array, values: mx.array, scales: mx.array
     return out
 
 
-def gather_qmv(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array) -> mx.array:
-    """x: [P, K] -> [P, N], row p through expert experts[p] (shapes as `is_supported` says): the byte-table kernel
-    where its switch is on and it fits (`byte_table_fits`), else the 16-entry-table kernel. Both give the same bits."""
+def gather_qmv(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array, rows_per_x: int = 1) -> mx.array:
+    """x: [P / rows_per_x, K] -> [P, N], pair p's row x[p // rows_per_x] through expert experts[p] (shapes as
+    `is_supported` says): the byte-table kernel where its switch is on and it fits (`byte_table_fits`), else the
+    16-entry-table kernel. Both give the same bits."""
     if _byte_table_switch.enabled() and byte_table_fits(x.shape[1], values.shape[1], x.dtype):
-        return gather_qmv_byte_table_kernel(x, values, scales, experts)
-    return gather_qmv_kernel(x, values, scales, experts)
+        return gather_qmv_byte_table_kernel(x, values, scales, experts, rows_per_x)
+    return gather_qmv_kernel(x, values, scales, experts, rows_per_x)

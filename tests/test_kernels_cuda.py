@@ -585,6 +585,25 @@ def test_gather_qmv_byte_table_kernel_gives_the_16_entry_kernels_bits(dtype, chu
     got = gather_qmv_byte_table_kernel(x, values, scales, experts, chunks=chunks)
     assert got.dtype == dtype and got.shape == (pairs, n)
     assert _same_bits(got, gather_qmv_kernel(x, values, scales, experts))
+    if pairs % 6 == 0:  # a token's six pairs reading its row: the repeated rows' bits
+        tokens = x[:: 6]
+        assert _same_bits(gather_qmv_byte_table_kernel(tokens, values, scales, experts, 6, chunks),
+                          gather_qmv_kernel(mx.repeat(tokens, 6, axis=0), values, scales, experts))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_gather_qmv_kernel_reads_a_tokens_row_for_its_pairs_as_the_repeated_rows(dtype, gather_qmv_on):
+    """rows_per_x = 6: pair p reads row p // 6 (engine/model/moe.py's decode step: a token's top-6 without a
+    repeat), the same bits as the rows repeated."""
+    from tessera.kernels.gather_qmv import gather_qmv_kernel
+
+    rng = np.random.default_rng(4)
+    values, scales = _mxfp4_experts(rng, 32, 2048, 4096, scale_spread=6)
+    tokens = mx.array(rng.standard_normal((16, 4096)).astype(np.float32)).astype(dtype)
+    experts = mx.array(rng.integers(0, 32, 96).astype(np.uint32))
+    got = gather_qmv_kernel(tokens, values, scales, experts, rows_per_x=6)
+    assert got.shape == (96, 2048)
+    assert _same_bits(got, gather_qmv_kernel(mx.repeat(tokens, 6, axis=0), values, scales, experts))
 
 
 def test_gather_qmv_takes_the_byte_table_kernel_when_its_switch_is_on(gather_qmv_on):

@@ -144,7 +144,8 @@ def test_gathered_quantized_pairs_split_into_pieces_give_the_same_result(monkeyp
 
 def test_gathered_mxfp4_pairs_go_to_the_gather_qmv_kernel_where_it_runs(monkeypatch, tmp_path):
     """The wiring of kernels/gather_qmv.py into the gathered layout, on the CPU: with the kernel's checks
-    passing (switch on, a CUDA device pretended) every projection of the pairs goes to it as [pairs, in] rows,
+    passing (switch on, a CUDA device pretended) every projection of the pairs goes to it (gate and up on the
+    tokens' rows, read k times each: no repeat; down on the hidden rows, one a pair),
     in pair order (unsorted), and the result has the sorted path's bits (the kernel stood in by its
     reference); with at most one pair per expert the graph holds no sort and no row gather, which the sorted
     path (more pairs, or no kernel) needs."""
@@ -158,15 +159,16 @@ def test_gathered_mxfp4_pairs_go_to_the_gather_qmv_kernel_where_it_runs(monkeypa
     want = routed_experts(x, experts, weights, w, LIMIT, layout="gathered")
     calls = []
 
-    def stand_in(rows, values, scales, pair_experts):
-        calls.append(rows.shape)
-        return gather_qmv.gather_qmv_reference(rows, values, scales, pair_experts)
+    def stand_in(rows, values, scales, pair_experts, rows_per_x=1):
+        calls.append((rows.shape, rows_per_x))
+        return gather_qmv.gather_qmv_reference(rows, values, scales, pair_experts, rows_per_x)
 
     monkeypatch.setattr(gather_qmv, "on_cuda", lambda: True)
     monkeypatch.setattr(gather_qmv, "fits", lambda k, n: True)  # this test's widths are small
     monkeypatch.setattr(moe_mod, "gather_qmv", stand_in)
     got = routed_experts(x, experts, weights, w, LIMIT, layout="gathered")  # the switch is on by default
-    assert calls == [(8, DIM), (8, DIM), (8, w.w2.shape[-1])]  # w1, w3, then w2 on the hidden rows
+    # w1 and w3 read each token's row for its TOP_K pairs (no repeat), then w2 the hidden rows, one a pair
+    assert calls == [((4, DIM), TOP_K), ((4, DIM), TOP_K), ((8, w.w2.shape[-1]), 1)]
     assert np.array_equal(np.array(got), np.array(want))
     kinds = _primitive_kinds(routed_experts(x, experts, weights, w, LIMIT, layout="gathered"), tmp_path)
     assert "GatherQMM" in kinds and not {"ArgSort", "Gather"} & kinds  # the stand-in ran; nothing sorted

@@ -53,7 +53,7 @@ def _op_ms(x: mx.array, w: QuantizedWeight, experts: mx.array, setting: str, rep
 
     def run() -> mx.array:
         if setting in KERNELS:
-            return gather_qmv_kernel(x[:, 0, :], w.values, w.scales, experts, KERNELS[setting])
+            return gather_qmv_kernel(x[:, 0, :], w.values, w.scales, experts, stage_x=KERNELS[setting])
         return _gather_qmm(x, w, experts, SETTINGS[setting])
 
     times = []

@@ -60,14 +60,13 @@ def _routing(rng: np.random.Generator, tokens: int, skewed: bool) -> np.ndarray:
 
 
 def _call(arm: str, x: mx.array, values: mx.array, scales: mx.array, experts: mx.array, rows_per_x: int) -> mx.array:
-    """One arm's call on x [P / rows_per_x, K] (up: a token's row for its TOP_K pairs, repeated as the engine does);
+    """One arm's call on x [P / rows_per_x, K] (up: a token's row read by its TOP_K pairs, as the engine runs it);
     off CUDA the reference stands in (a smoke run of this script)."""
-    rows = mx.repeat(x, rows_per_x, axis=0) if rows_per_x > 1 else x
     if not on_cuda():
-        return gather_qmv.gather_qmv_reference(rows, values, scales, experts)
+        return gather_qmv.gather_qmv_reference(x, values, scales, experts, rows_per_x)
     if ARMS[arm] is None:
-        return gather_qmv.gather_qmv_kernel(rows, values, scales, experts)
-    return gather_qmv.gather_qmv_byte_table_kernel(rows, values, scales, experts, chunks=ARMS[arm])
+        return gather_qmv.gather_qmv_kernel(x, values, scales, experts, rows_per_x)
+    return gather_qmv.gather_qmv_byte_table_kernel(x, values, scales, experts, rows_per_x, chunks=ARMS[arm])
 
 
 def _ms(run, calls: int, repeat: int) -> float:
