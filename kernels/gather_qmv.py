@@ -32,9 +32,22 @@ and not kept, each giving this kernel's bits: codes decoded by bit moves into ha
 in flight, 64 rows a block — none faster at 6–96 pairs, 64 rows a block 1.6× slower (commit 6aba040 and the
 next two; docs/BENCHMARKS.md, "Session 14 on the H200").
 
-Switch: TESSERA_GATHER_QMV_KERNEL=0 keeps MLX's gather_qmm (1, the default, uses the kernel where it
-applies: CUDA; mxfp4, group 32, no biases; one row per pair; K a multiple of 1024 up to 11,264 (the
-shared memory `STAGE_X` needs) and an output width a multiple of ROWS_PER_BLOCK, `fits`).
+Session 29 (docs/BENCHMARKS.md, "Session 29 on the H200"): under ncu at 96 pairs the kernel runs the L1/shared
+pipe at 88 % and DRAM at 40 %: the 16-entry table's one shared load per element is what bounds it, with the
+integer pipe (a shift and a mask per element) close behind. Reading each expert once for all its pairs (a
+grouped kernel) and an L2 prefetch were measured there, not faster, and removed (commit 88072f8). The byte-table
+kernel (`gather_qmv_byte_table_kernel`) decodes a code byte's two values with one shared load from a 256-entry
+table of bf16 pairs, 32 copies so that lane l reads bank l only: half the shared loads and 3.5 instead of 4
+instructions per element, the same values and sums, so the same bits. Its table (32 KiB) is filled once per
+block, and a block runs BYTE_TABLE_CHUNKS chunks of ROWS_PER_BLOCK rows.
+
+Both kernels read pair p's row x[p // rows_per_x]: a decode step's k pairs of a token read the token's row,
+without the repeat that would copy it k times.
+
+Switches: TESSERA_GATHER_QMV_KERNEL=0 keeps MLX's gather_qmm (1, the default, uses a kernel where it applies:
+CUDA; mxfp4, group 32, no biases; one row per pair; K a multiple of 1024 up to 11,264 (the shared memory
+`STAGE_X` needs) and an output width a multiple of ROWS_PER_BLOCK, `fits`). TESSERA_GATHER_QMV_BYTE_TABLE=1 takes
+the byte-table kernel where it fits (`byte_table_fits`); 0, the default, the 16-entry one (`gather_qmv`).
 """
 
 from __future__ import annotations
