@@ -33,21 +33,19 @@ in flight, 64 rows a block — none faster at 6–96 pairs, 64 rows a block 1.6�
 next two; docs/BENCHMARKS.md, "Session 14 on the H200").
 
 Session 29 (docs/BENCHMARKS.md, "Session 29 on the H200"): under ncu at 96 pairs the kernel runs the L1/shared
-pipe at 88 % and DRAM at 40 %: the 16-entry table's one shared load per element is what bounds it, with the
-integer pipe (a shift and a mask per element) close behind. Reading each expert once for all its pairs (a
-grouped kernel) and an L2 prefetch were measured there, not faster, and removed (commit 88072f8). The byte-table
-kernel (`gather_qmv_byte_table_kernel`) decodes a code byte's two values with one shared load from a 256-entry
-table of bf16 pairs, 32 copies so that lane l reads bank l only: half the shared loads and 3.5 instead of 4
-instructions per element, the same values and sums, so the same bits. Its table (32 KiB) is filled once per
-block, and a block runs BYTE_TABLE_CHUNKS chunks of ROWS_PER_BLOCK rows.
+pipe at 88 % and DRAM at 40 %: the 16-entry table's one shared load per element bounds it, with the integer pipe
+(a shift and a mask per element) close behind. Tried there and removed, each giving this kernel's bits: reading
+each expert once for all the pairs that share it (a grouped kernel) and an L2 prefetch of a block's first rows,
+neither faster (commit 88072f8); a byte table (a code byte's two values as bf16 from one shared load, 32 copies so
+that lane l reads bank l: half the shared loads, 3.5 instead of 4 instructions an element), 1.2–2.1× slower at
+8–16 tokens (its 32 KiB table filled per block and 5 blocks an SM instead of 9; commit 052ec31).
 
-Both kernels read pair p's row x[p // rows_per_x]: a decode step's k pairs of a token read the token's row,
-without the repeat that would copy it k times.
+The kernel reads pair p's row x[p // rows_per_x]: a decode step's k pairs of a token read the token's row, without
+the repeat that would copy it k times (engine/model/moe.py, `_pairs_in_order`).
 
-Switches: TESSERA_GATHER_QMV_KERNEL=0 keeps MLX's gather_qmm (1, the default, uses a kernel where it applies:
-CUDA; mxfp4, group 32, no biases; one row per pair; K a multiple of 1024 up to 11,264 (the shared memory
-`STAGE_X` needs) and an output width a multiple of ROWS_PER_BLOCK, `fits`). TESSERA_GATHER_QMV_BYTE_TABLE=1 takes
-the byte-table kernel where it fits (`byte_table_fits`); 0, the default, the 16-entry one (`gather_qmv`).
+Switch: TESSERA_GATHER_QMV_KERNEL=0 keeps MLX's gather_qmm (1, the default, uses the kernel where it
+applies: CUDA; mxfp4, group 32, no biases; one row per pair; K a multiple of 1024 up to 11,264 (the
+shared memory `STAGE_X` needs) and an output width a multiple of ROWS_PER_BLOCK, `fits`).
 """
 
 from __future__ import annotations
@@ -59,14 +57,11 @@ from tessera.kernels.switch import Switch
 
 ENV_VAR = "TESSERA_GATHER_QMV_KERNEL"
 _switch = Switch(ENV_VAR, default=True)
-BYTE_TABLE_ENV_VAR = "TESSERA_GATHER_QMV_BYTE_TABLE"
-_byte_table_switch = Switch(BYTE_TABLE_ENV_VAR, default=False)
 
 ROWS_PER_BLOCK = 32  # output rows of one pair per block
 UNROLL = 8  # rows whose loads are in flight together
 STAGE_X = True  # x read coalesced into shared memory, then each thread's group into registers
 GROUP = 32  # mxfp4: 32 elements share an E8M0 scale; one group is one 16-byte vector of codes
-BYTE_TABLE_CHUNKS = 2  # ROWS_PER_BLOCK-row chunks a byte-table block runs: its table filled once for them all
 
 
 def kernel_enabled() -> bool:
@@ -85,14 +80,6 @@ def gather_qmv_reference(x: mx.array, values: mx.array, scales: mx.array, expert
     out = mx.gather_qmm(rows[:, None, :], values, scales, None, rhs_indices=experts, transpose=True,
                         group_size=GROUP, bits=4, mode="mxfp4")  # [P, 1, N]
     return out[:, 0, :]
-
-
-def byte_table_enabled() -> bool:
-    return _byte_table_switch.enabled()
-
-
-def set_byte_table_enabled(enabled: bool) -> None:
-    _byte_table_switch.set(enabled)
 
 
 def shared_memory_bytes(in_features: int, stage_x: bool = STAGE_X) -> int:
@@ -132,65 +119,6 @@ __device__ __forceinline__ float tessera_row_total(const float (*partial)[ROWS],
   #pragma unroll
   for (int k = 0; k < WARPS; ++k) total += partial[k][g];
   return total;
-}
-
-// E2M1 code c as bf16 bits (the value's top 16 float32 bits: exact, at most two significant bits).
-__device__ __forceinline__ uint32_t tessera_e2m1_bf16(int c) {
-  const int e = (c >> 1) & 3;
-  const float mag = e == 0 ? 0.5f * (c & 1) : ldexpf(1.0f + 0.5f * (c & 1), e - 1);
-  return __float_as_uint((c & 8) ? -mag : mag) >> 16;
-}
-
-// The byte table: for each code byte b (two E2M1 codes, the lower-numbered element in the low nibble, MLX's
-// layout), both values as bf16, the low nibble's in the low half; 32 copies side by side, lane l's entry b at
-// b * 32 + l, so a lane reads only its own bank: a warp's 32 lookups of any bytes are one shared-memory
-// wavefront, and it delivers two values where the 16-entry table delivers one. Filled by the block's GROUPS
-// threads, a 16-byte vector of copies at a time.
-template <int GROUPS>
-__device__ __forceinline__ void tessera_fill_byte_table(uint32_t* table, int g) {
-  for (int b = g; b < 256; b += GROUPS) {
-    const uint32_t bits = tessera_e2m1_bf16(b & 15) | (tessera_e2m1_bf16(b >> 4) << 16);
-    const uint4 copies = make_uint4(bits, bits, bits, bits);
-    #pragma unroll
-    for (int q = 0; q < 8; ++q) reinterpret_cast<uint4*>(table + b * 32)[q] = copies;
-  }
-}
-
-// As `tessera_expert_rows`, each code byte's two values from the byte table (`table`, this lane's
-// copies at lane * 4 bytes). The same sums, operation for operation: the values are the 16-entry table's exactly.
-template <int GROUPS, int ROWS, int UNROLL>
-__device__ __forceinline__ void tessera_byte_table_rows(const uint4* codes, const uint8_t* srow, const char* table,
-                                                        const float (&xv)[32], float (*part)[ROWS], int warp, int lane) {
-  const uint32_t lane4 = (uint32_t)lane << 2;
-  for (int r0 = 0; r0 < ROWS; r0 += UNROLL) {
-    uint4 q[UNROLL];
-    int e[UNROLL];
-    #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      q[u] = codes[(size_t)(r0 + u) * GROUPS];
-      e[u] = srow[(size_t)(r0 + u) * GROUPS];
-    }
-    #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const uint32_t words[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
-      float sum = 0.0f;
-      #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          // entry (byte) * 32 + lane, in bytes: (byte << 7) | (lane << 2), a shift and one three-input op
-          const uint32_t offset = (k == 0 ? words[j] << 7 : words[j] >> (8 * k - 7)) & 0x7F80u;
-          const uint32_t both = *reinterpret_cast<const uint32_t*>(table + (offset | lane4));
-          sum = fmaf(__uint_as_float(both << 16), xv[8 * j + 2 * k], sum);
-          sum = fmaf(__uint_as_float(both & 0xFFFF0000u), xv[8 * j + 2 * k + 1], sum);
-        }
-      }
-      float acc = sum * ldexpf(1.0f, e[u] - 127);
-      #pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, offset);
-      if (lane == 0) part[warp][r0 + u] = acc;
-    }
-  }
 }
 
 // x as float32 into shared memory, group h's element i at h * 33 + i; consecutive threads read consecutive
@@ -263,43 +191,6 @@ _SOURCE = r"""
 """
 
 
-_BYTE_TABLE_SOURCE = r"""
-  // x [P / X_DIV, K] T; w [E, N, K / 8] uint32; scales [E, N, K / 32] uint8; experts [P] uint32 -> out [P, N] T.
-  // A block per (pair, CHUNKS * ROWS output rows): the byte table filled and x staged once, then CHUNKS
-  // chunks of ROWS rows as the 16-entry kernel runs them.
-  constexpr int GROUPS = K / 32;
-  constexpr int WARPS = GROUPS / 32;
-  constexpr int BLOCKS_PER_PAIR = N / (ROWS * CHUNKS);
-  __shared__ uint32_t table[256 * 32];
-  __shared__ float partial[WARPS][ROWS];
-  __shared__ T xs[GROUPS * 33];  // as the 16-entry kernel's, in x's own type (exact; half the bytes for 16-bit x)
-  const int pair = blockIdx.x / BLOCKS_PER_PAIR;
-  const int row0 = (blockIdx.x % BLOCKS_PER_PAIR) * ROWS * CHUNKS;
-  const int g = threadIdx.x;
-  tessera_fill_byte_table<GROUPS>(table, g);
-  const size_t first = (size_t)experts[pair] * N + row0;  // the block's first weight row
-  const uint4* codes = reinterpret_cast<const uint4*>(w) + first * GROUPS + g;
-  const uint8_t* srow = scales + first * GROUPS + g;
-  const T* xrow = x + (size_t)(pair / X_DIV) * K;  // X_DIV pairs share a row: a token's top-k
-  #pragma unroll
-  for (int j = 0; j < 32; ++j) {
-    const int i = g + j * GROUPS;
-    xs[(i >> 5) * 33 + (i & 31)] = xrow[i];
-  }
-  __syncthreads();
-  float xv[32];
-  #pragma unroll
-  for (int i = 0; i < 32; ++i) xv[i] = static_cast<float>(xs[g * 33 + i]);
-  for (int c = 0; c < CHUNKS; ++c) {
-    tessera_byte_table_rows<GROUPS, ROWS, UNROLL>(codes + (size_t)c * ROWS * GROUPS, srow + (size_t)c * ROWS * GROUPS,
-                                                  reinterpret_cast<const char*>(table), xv, partial, g >> 5, g & 31);
-    __syncthreads();
-    if (g < ROWS) out[(size_t)pair * N + row0 + c * ROWS + g] = static_cast<T>(tessera_row_total<WARPS, ROWS>(partial, g));
-    __syncthreads();  // the next chunk's partial sums wait for these reads
-  }
-"""
-
-
 def gather_qmv_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array, rows_per_x: int = 1,
                       stage_x: bool = STAGE_X) -> mx.array:
     """x: [P / rows_per_x, K] bf16/fp16/fp32 on a CUDA device, pair p's row x[p // rows_per_x] (a token's top-k pairs
@@ -319,50 +210,3 @@ def gather_qmv_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: 
         output_dtypes=[x.dtype],
     )
     return out
-
-
-def byte_table_shared_memory_bytes(in_features: int, itemsize: int) -> int:
-    """The byte-table kernel's static shared memory: the table (256 entries × 32 lanes × 4 bytes), the warps'
-    partial sums and x staged in its own type, rows of 33."""
-    groups = in_features // GROUP
-    return 256 * 32 * 4 + (groups // 32) * ROWS_PER_BLOCK * 4 + groups * 33 * itemsize
-
-
-def byte_table_fits(in_features: int, out_features: int, dtype: mx.Dtype, chunks: int = BYTE_TABLE_CHUNKS) -> bool:
-    """x staged in its own type next to the 32 KiB table within the static shared-memory limit (16-bit rows: K up
-    to 7,168; float32 rows: 2,048), and whole blocks of chunks × ROWS_PER_BLOCK rows."""
-    return (dtype in (mx.bfloat16, mx.float16, mx.float32) and fits(in_features, out_features)
-            and out_features % (chunks * ROWS_PER_BLOCK) == 0
-            and byte_table_shared_memory_bytes(in_features, dtype.size) <= SHARED_MEMORY_LIMIT)
-
-
-def gather_qmv_byte_table_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array, rows_per_x: int = 1,
-                                 chunks: int = BYTE_TABLE_CHUNKS) -> mx.array:
-    """`gather_qmv_kernel`'s product, each code byte's two values from a table in shared memory that lane l reads
-    in bank l only: half the shared-memory reads of the 16-entry table (the kernel's bound on the H200: L1
-    88 % busy, DRAM 40 %). x: [P, K] -> [P, N] (shapes as `byte_table_fits` says), each row's bits the 16-entry
-    kernel's; x and rows_per_x as `gather_qmv_kernel`'s."""
-    pairs, k, n = experts.shape[0], x.shape[1], values.shape[1]
-    assert x.shape[0] * rows_per_x == pairs, (x.shape, rows_per_x, pairs)
-    threads = k // GROUP
-    kernel = compiled_kernel("tessera_gather_qmv_mxfp4_byte_table", ("x", "w", "scales", "experts"), ("out",),
-                             _BYTE_TABLE_SOURCE, _HEADER)
-    (out,) = kernel(
-        inputs=[x, values, scales, experts.astype(mx.uint32)],
-        template=[("T", x.dtype), ("K", k), ("N", n), ("ROWS", ROWS_PER_BLOCK), ("UNROLL", UNROLL), ("CHUNKS", chunks),
-                  ("X_DIV", rows_per_x)],
-        grid=(pairs * (n // (ROWS_PER_BLOCK * chunks)) * threads, 1, 1),
-        threadgroup=(threads, 1, 1),
-        output_shapes=[(pairs, n)],
-        output_dtypes=[x.dtype],
-    )
-    return out
-
-
-def gather_qmv(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array, rows_per_x: int = 1) -> mx.array:
-    """x: [P / rows_per_x, K] -> [P, N], pair p's row x[p // rows_per_x] through expert experts[p] (shapes as
-    `is_supported` says): the byte-table kernel where its switch is on and it fits (`byte_table_fits`), else the
-    16-entry-table kernel. Both give the same bits."""
-    if _byte_table_switch.enabled() and byte_table_fits(x.shape[1], values.shape[1], x.dtype):
-        return gather_qmv_byte_table_kernel(x, values, scales, experts, rows_per_x)
-    return gather_qmv_kernel(x, values, scales, experts, rows_per_x)

@@ -5,8 +5,7 @@ time needs a GPU: None here); compiled_step_bits.py the compiled and plain steps
 the warm-up per batch size; decode_encode_split.py each stage's encoding per batch size in A B B A rounds;
 overlap_append_memory.py (session 17) the peak memory of serial and overlapped steps in alternating rounds;
 mlx_thread_overlap.py (session 27) each graph builder timed alone and while a second thread encodes;
-issue14_primitive_count.py (session 28) what a step that closes CSA windows adds to the graph;
-gather_qmv_variants_probe.py (session 29) the expert kernel's arms in alternating order (references stand in)."""
+issue14_primitive_count.py (session 28) what a step that closes CSA windows adds to the graph."""
 
 from __future__ import annotations
 
@@ -122,18 +121,3 @@ def test_primitive_count_shows_what_a_window_closing_step_adds(tmp_path):
         assert sorted(totals)[:3] == [min(totals)] * 3 and max(totals) > min(totals)  # one step of four closes
         closing_compressors = 2 * TINY_OVERRIDES["layer_types"].count(CSA)
         assert r["closing_extra"]["SliceUpdate"] == closing_compressors * r["batch"]
-
-
-def test_expert_kernel_probe_times_every_arm_in_alternating_order_and_counts_the_distinct_experts(tmp_path):
-    """docs/bench/gather_qmv_variants_probe.py on the CPU (the kernels' references stand in): for each routing,
-    batch and shape the four arms run A B C D D C B A, and each row says how many experts its pairs touch."""
-    rows = run_probe_script("gather_qmv_variants_probe.py", tmp_path / "variants.jsonl", "--small", "--calls", "1", "--repeat", "1")
-    cases = {}
-    for row in rows:
-        cases.setdefault((row["skewed"], row["tokens"], row["shape"]), []).append(row)
-    assert len(cases) == 2 * 3 * 2
-    for (skewed, tokens, shape), case in cases.items():
-        arms = [row["arm"] for row in case]
-        assert arms == arms[:4] + arms[:4][::-1] and len(set(arms)) == 4
-        assert all(row["pairs"] == 6 * tokens and 6 <= row["distinct"] <= row["pairs"] for row in case)
-        assert all(row["ms"] > 0 for row in case)

@@ -527,8 +527,8 @@ def test_the_gathered_moe_runs_the_gather_qmv_kernel_when_it_is_on(gather_qmv_on
     x = mx.array(rng.standard_normal((12, 1, 1024)).astype(np.float32)).astype(mx.bfloat16)
     experts = mx.array(np.sort(rng.integers(0, 8, 12)).astype(np.uint32))
     calls = []
-    real = gather_qmv.gather_qmv
-    monkeypatch.setattr(moe_mod, "gather_qmv", lambda *a: calls.append(a[0].shape) or real(*a))
+    real = gather_qmv.gather_qmv_kernel
+    monkeypatch.setattr(moe_mod, "gather_qmv_kernel", lambda *a: calls.append(a[0].shape) or real(*a))
     got = np.array(moe_mod._gather_linear(x, w, experts).astype(mx.float32))
     assert calls == [(12, 1024)]
     gather_qmv.set_kernel_enabled(False)
@@ -566,31 +566,6 @@ def test_a_decode_steps_pairs_in_order_give_the_sorted_pairs_bits(gather_qmv_on)
     assert _same_bits(in_order, moe_mod._pairs_sorted(x, flat, mx.argsort(flat), top_k, w, 7.0))
 
 
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
-@pytest.mark.parametrize("chunks", [1, 2, 4])
-@pytest.mark.parametrize("pairs, n, k", [(1, 2048, 4096), (6, 4096, 2048), (96, 2048, 4096), (7, 128, 1024)])
-def test_gather_qmv_byte_table_kernel_gives_the_16_entry_kernels_bits(dtype, chunks, pairs, n, k, gather_qmv_on):
-    """Two values a shared-memory read from the byte table, lane l in bank l: the values are the 16-entry table's
-    and the sums the same operations, so every row must be the 16-entry kernel's bit for bit (random codes, every
-    byte value, scales 2^±8)."""
-    from tessera.kernels.gather_qmv import byte_table_fits, gather_qmv_byte_table_kernel, gather_qmv_kernel
-
-    rng = np.random.default_rng(pairs + chunks + k)
-    values, scales = _mxfp4_experts(rng, 16, n, k, scale_spread=8)
-    x = mx.array(rng.standard_normal((pairs, k)).astype(np.float32)).astype(dtype)
-    experts = mx.array(rng.integers(0, 16, pairs).astype(np.uint32))
-    if not byte_table_fits(k, n, dtype, chunks):
-        assert dtype == mx.float32 and k == 4096  # float32 rows of 4,096 and the table exceed the static limit
-        return
-    got = gather_qmv_byte_table_kernel(x, values, scales, experts, chunks=chunks)
-    assert got.dtype == dtype and got.shape == (pairs, n)
-    assert _same_bits(got, gather_qmv_kernel(x, values, scales, experts))
-    if pairs % 6 == 0:  # a token's six pairs reading its row: the repeated rows' bits
-        tokens = x[:: 6]
-        assert _same_bits(gather_qmv_byte_table_kernel(tokens, values, scales, experts, 6, chunks),
-                          gather_qmv_kernel(mx.repeat(tokens, 6, axis=0), values, scales, experts))
-
-
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_gather_qmv_kernel_reads_a_tokens_row_for_its_pairs_as_the_repeated_rows(dtype, gather_qmv_on):
     """rows_per_x = 6: pair p reads row p // 6 (engine/model/moe.py's decode step: a token's top-6 without a
@@ -604,30 +579,6 @@ def test_gather_qmv_kernel_reads_a_tokens_row_for_its_pairs_as_the_repeated_rows
     got = gather_qmv_kernel(tokens, values, scales, experts, rows_per_x=6)
     assert got.shape == (96, 2048)
     assert _same_bits(got, gather_qmv_kernel(mx.repeat(tokens, 6, axis=0), values, scales, experts))
-
-
-def test_gather_qmv_takes_the_byte_table_kernel_when_its_switch_is_on(gather_qmv_on):
-    """kernels/gather_qmv.gather_qmv: the byte-table kernel for bf16 rows of 4,096 with TESSERA_GATHER_QMV_BYTE_TABLE
-    on, the 16-entry one for float32 rows of 4,096 (their staged x and the table do not fit together) and with it off."""
-    from tessera.kernels import gather_qmv
-
-    rng = np.random.default_rng(2)
-    values, scales = _mxfp4_experts(rng, 4, 256, 4096, scale_spread=4)
-    experts = mx.array([3, 0, 3], dtype=mx.uint32)
-    saved = gather_qmv.byte_table_enabled()
-    calls = []
-    table, lut = gather_qmv.gather_qmv_byte_table_kernel, gather_qmv.gather_qmv_kernel
-    try:
-        gather_qmv.gather_qmv_byte_table_kernel = lambda *a, **o: calls.append("table") or table(*a, **o)
-        gather_qmv.gather_qmv_kernel = lambda *a, **o: calls.append("lut") or lut(*a, **o)
-        for enabled, dtype in ((True, mx.bfloat16), (True, mx.float32), (False, mx.bfloat16)):
-            gather_qmv.set_byte_table_enabled(enabled)
-            x = mx.array(rng.standard_normal((3, 4096)).astype(np.float32)).astype(dtype)
-            mx.eval(gather_qmv.gather_qmv(x, values, scales, experts))
-    finally:
-        gather_qmv.gather_qmv_byte_table_kernel, gather_qmv.gather_qmv_kernel = table, lut
-        gather_qmv.set_byte_table_enabled(saved)
-    assert calls == ["table", "lut", "lut"]
 
 
 # --- mxfp8 projections, a decode batch's rows (kernels/mxfp8_qmv.py) ------------------------------------

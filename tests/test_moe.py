@@ -165,7 +165,7 @@ def test_gathered_mxfp4_pairs_go_to_the_gather_qmv_kernel_where_it_runs(monkeypa
 
     monkeypatch.setattr(gather_qmv, "on_cuda", lambda: True)
     monkeypatch.setattr(gather_qmv, "fits", lambda k, n: True)  # this test's widths are small
-    monkeypatch.setattr(moe_mod, "gather_qmv", stand_in)
+    monkeypatch.setattr(moe_mod, "gather_qmv_kernel", stand_in)
     got = routed_experts(x, experts, weights, w, LIMIT, layout="gathered")  # the switch is on by default
     # w1 and w3 read each token's row for its TOP_K pairs (no repeat), then w2 the hidden rows, one a pair
     assert calls == [((4, DIM), TOP_K), ((4, DIM), TOP_K), ((8, w.w2.shape[-1]), 1)]

@@ -35,10 +35,9 @@ A B C D D C B A (--rounds times; --arms picks a subset). Every arm takes greedy 
   kernels/decode_attention_cuda.py).
 - serving_overlap_rms_norm: serving_overlap with bf16 RMS norms in one kernel each instead of MLX's cast, norm and
   cast back (TESSERA_RMS_NORM_KERNEL=1, kernels/rms_norm_cuda.py; off by default until measured on a GPU).
-- serving_overlap_byte_table, serving_overlap_lut: serving_overlap with the experts' mxfp4 codes decoded through
-  kernels/gather_qmv.py's byte table or its 16-entry table (TESSERA_GATHER_QMV_BYTE_TABLE=1 / 0; session 29).
-  Session 29's first raw file also holds serving_overlap_grouped and serving_overlap_ungrouped, a grouped expert
-  kernel measured and removed (commit 88072f8).
+  Session 29's raw files also hold serving_overlap_grouped and serving_overlap_ungrouped (a grouped expert kernel,
+  commit 88072f8), serving_overlap_byte_table and serving_overlap_lut (a byte-table decode of the experts' codes,
+  commit 052ec31), both measured and removed; their "ungrouped" and "lut" arms are serving_overlap.
   Session 14's raw file also holds serving_overlap_qmv_bits and serving_overlap_qmv_prefetch, gather_qmv
   layouts since removed; session 18's serving_overlap_no_host_array_cache, a cache removed after it measured
   nothing (docs/ARCHITECTURE.md "Host-made arrays").
@@ -180,10 +179,6 @@ ARMS["serving_overlap_no_decode_attention"] = with_setting(
     ARMS["serving_overlap"])  # TESSERA_DECODE_ATTENTION_KERNEL=0
 ARMS["serving_overlap_rms_norm"] = with_setting(rms_norm_cuda.kernel_enabled, rms_norm_cuda.set_kernel_enabled, True,
                                                 ARMS["serving_overlap"])  # TESSERA_RMS_NORM_KERNEL=1
-ARMS["serving_overlap_byte_table"] = with_setting(gather_qmv.byte_table_enabled, gather_qmv.set_byte_table_enabled, True,
-                                                  ARMS["serving_overlap"])  # TESSERA_GATHER_QMV_BYTE_TABLE=1
-ARMS["serving_overlap_lut"] = with_setting(gather_qmv.byte_table_enabled, gather_qmv.set_byte_table_enabled, False,
-                                           ARMS["serving_overlap"])  # TESSERA_GATHER_QMV_BYTE_TABLE=0
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ import numpy as np
 
 from tessera.engine.model.quantized import QuantizedWeight, Weight, linear
 from tessera.kernels.cuda import on_cuda
-from tessera.kernels.gather_qmv import gather_qmv
+from tessera.kernels.gather_qmv import gather_qmv_kernel
 from tessera.kernels.gather_qmv import is_supported as gather_qmv_supported
 from tessera.kernels.moe_padded import combine_rows, index_is_supported, padded_indices_kernel
 from tessera.kernels.moe_padded import weighted_sum as _weighted_sum  # [T, k, D] -> [T, D]: the combine's definition
@@ -107,7 +107,7 @@ def _gather_linear(x: mx.array, w: Weight, experts: mx.array) -> mx.array:
     """x: [..., M, in], experts: [...] -> [..., M, out]: batch entry n through expert experts[n]
     (experts ascend when M = 1: the gathered layout)."""
     if x.ndim == 3 and x.shape[1] == 1 and x.shape[0] and _takes_gather_qmv(x.dtype, x.shape[-1], w):
-        return gather_qmv(x.reshape(x.shape[0], x.shape[-1]), w.values, w.scales, experts)[:, None, :]
+        return gather_qmv_kernel(x.reshape(x.shape[0], x.shape[-1]), w.values, w.scales, experts)[:, None, :]
     if isinstance(w, QuantizedWeight) and x.shape[0] > GATHER_QMM_MAX_BATCH:
         pieces = range(0, x.shape[0], GATHER_QMM_MAX_BATCH)
         return mx.concatenate([_gather_linear(x[s : s + GATHER_QMM_MAX_BATCH], w, experts[s : s + GATHER_QMM_MAX_BATCH]) for s in pieces])
@@ -195,9 +195,9 @@ def _pairs_in_order(x: mx.array, flat: mx.array, k: int, w: MoEWeights, limit: f
     pairs that share an expert read it in turn, and the sorted order puts them next to each other, where
     the second read finds the expert in the L2 cache."""
     experts = flat.astype(mx.uint32)
-    gate = gather_qmv(x, w.w1.values, w.w1.scales, experts, rows_per_x=k)  # [P, I]: pair p reads token p // k's row
-    up = gather_qmv(x, w.w3.values, w.w3.scales, experts, rows_per_x=k)
-    return gather_qmv(_clamped_swiglu(gate, up, limit), w.w2.values, w.w2.scales, experts)  # [P, D]
+    gate = gather_qmv_kernel(x, w.w1.values, w.w1.scales, experts, rows_per_x=k)  # [P, I]: pair p reads token p // k's row
+    up = gather_qmv_kernel(x, w.w3.values, w.w3.scales, experts, rows_per_x=k)
+    return gather_qmv_kernel(_clamped_swiglu(gate, up, limit), w.w2.values, w.w2.scales, experts)  # [P, D]
 
 
 @dataclass(frozen=True)
