@@ -122,7 +122,7 @@ def test_the_stacked_inputs_switch_reaches_its_own_trace_of_the_attention_projec
 def test_a_padded_moe_step_and_a_stage_synced_trace_run_the_parts_plain(model, monkeypatch):
     """A MoE that reads its counts back (padded layout) cannot be traced: the layer's FFN half runs plain
     while its attention prologue stays compiled; a stage-synced trace evaluates inside every part."""
-    monkeypatch.setattr(moe, "PADDED_MIN_PAIRS_PER_EXPERT", 1)  # every decode batch runs the padded layout
+    monkeypatch.setattr(moe, "PADDED_MIN_PAIRS_PER_EXPERT", 0)  # every decode batch runs the padded layout, one token too
     compiled.set_step_compile_enabled(False)
     off = _run(model, False)
     before = _traces(model)
