@@ -30,7 +30,10 @@ def test_overlap_script_times_every_arm_in_alternating_rounds(tmp_path):
         forward = [f for f in r["functions"] if f["where"].endswith("(forward)")]
         # one model step a decode step: the arm's setup and warm-up steps are not spread over the steps
         assert forward and all(f["calls"] == 1.0 for f in forward), (r["arm"], forward)
-        assert sum(f["self_ms"] for f in r["functions"]) > 0
+        # The times are differences of two profiled runs per step: at this size (2-4 ms a step) a busy machine's
+        # noise can push them below zero (CI once summed the listed own times to -1.9 ms), so only their presence
+        # is checked here; the calls above are exact.
+        assert all(isinstance(f["self_ms"], float) and isinstance(f["total_ms"], float) for f in r["functions"])
         assert any("(_layer)" in c or "(_compiled_layer)" in c for f in r["functions"] for c in f["callers"])
 
 
