@@ -191,9 +191,9 @@ def _pairs_in_order(x: mx.array, flat: mx.array, k: int, w: MoEWeights, limit: f
     """x: [T, D], flat: [P = T·k] -> [P, D], pair p = (token p // k, slot p % k) through its expert, unsorted.
     The kernel's rows do not depend on their neighbours, so sorting the pairs would change no bit; skipping
     it saves a decode step's MoE two sorts, three gathers and a division per layer (kernels a GPU launches
-    one by one), and the kernel reads a token's row for its k pairs itself (no repeat: no copy at all). Only for steps of at most one pair per expert: with more,
-    pairs that share an expert read it in turn, and the sorted order puts them next to each other, where
-    the second read finds the expert in the L2 cache."""
+    one by one), and the kernel reads a token's row for its k pairs itself (no repeat: no copy at all). Only for
+    steps of at most one pair per expert: with more, pairs that share an expert read it in turn, and the sorted
+    order puts them next to each other, where the second read finds the expert in the L2 cache."""
     experts = flat.astype(mx.uint32)
     gate = gather_qmv_kernel(x, w.w1.values, w.w1.scales, experts, rows_per_x=k)  # [P, I]: pair p reads token p // k's row
     up = gather_qmv_kernel(x, w.w3.values, w.w3.scales, experts, rows_per_x=k)
