@@ -57,6 +57,8 @@ from tessera.kernels.switch import Switch
 
 ENV_VAR = "TESSERA_GATHER_QMV_KERNEL"
 _switch = Switch(ENV_VAR, default=True)
+MMA_ENV_VAR = "TESSERA_GATHER_QMV_MMA"
+_mma_switch = Switch(MMA_ENV_VAR, default=False)
 
 ROWS_PER_BLOCK = 32  # output rows of one pair per block
 UNROLL = 8  # rows whose loads are in flight together
@@ -70,6 +72,14 @@ def kernel_enabled() -> bool:
 
 def set_kernel_enabled(enabled: bool) -> None:
     _switch.set(enabled)
+
+
+def mma_enabled() -> bool:
+    return _mma_switch.enabled()
+
+
+def set_mma_enabled(enabled: bool) -> None:
+    _mma_switch.set(enabled)
 
 
 def gather_qmv_reference(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array, rows_per_x: int = 1) -> mx.array:
@@ -191,11 +201,180 @@ _SOURCE = r"""
 """
 
 
+_MMA_HEADER = r"""
+// Codes I and I + 4 of a word of eight E2M1 codes (low nibble first) as a bf16 pair, code I in the low half, each
+// value times 2^-126: a code's two exponent bits and its mantissa bit land on bf16's two lowest exponent bits and
+// its top mantissa bit (a zero exponent field is bf16's subnormal range, where 0.5 * 2^-126 falls), its sign bit on
+// the sign bit. Exact for all sixteen codes.
+template <int I>
+__device__ __forceinline__ uint32_t tessera_e2m1_pair(uint32_t w) {
+  const uint32_t magnitude = (I < 2 ? w << (6 - 4 * I) : w >> (4 * I - 6)) & 0x01C001C0u;
+  return magnitude | ((w << (12 - 4 * I)) & 0x80008000u);
+}
+
+// 2^(field - 127) in both halves of a bf16 pair (field: a bf16 exponent field, 1 ... 254).
+__device__ __forceinline__ uint32_t tessera_bf16x2_pow2(int field) {
+  return (uint32_t)field << 7 | (uint32_t)field << 23;
+}
+
+// a * b in each half (plus -0.0, which keeps a product's sign and adds nothing): exact for a power-of-two b.
+__device__ __forceinline__ uint32_t tessera_bf16x2_mul(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+
+// d += A (16 x 16 bf16, rows: the quad's rows g and g + 8) B (16 x 8 bf16) on the tensor cores, float32 sums.
+__device__ __forceinline__ void tessera_mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                 uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// x's bf16 row as the mma's B operand: group h's word v (v = 0 ... 15) holds elements 8 (v / 4) + v % 4 and that + 4,
+// the pair tessera_e2m1_pair<v % 4> decodes from the group's code word v / 4; groups STRIDE words apart (padded: a
+// quad's four groups on distinct banks).
+template <int GROUPS, int STRIDE, int THREADS>
+__device__ __forceinline__ void tessera_stage_pairs(uint32_t* xs, const uint16_t* xrow) {
+  for (int u = threadIdx.x; u < GROUPS * 16; u += THREADS) {
+    const int h = u >> 4, v = u & 15;
+    const int e = h * 32 + 8 * (v >> 2) + (v & 3);
+    xs[h * STRIDE + v] = (uint32_t)xrow[e] | (uint32_t)xrow[e + 4] << 16;
+  }
+}
+
+// One code group (32 codes) of the quad's two rows through two rows of 8 mma k-steps... each of the group's four
+// code words is two mmas: its pairs 0 and 1 against x's words 4j, 4j + 1, pairs 2 and 3 against 4j + 2, 4j + 3.
+// The codes are scaled to their true values before the mma (2^-126 * 2^(s - 127) = 2^(s - 1): one multiply where
+// s <= 128, two above, BIG), so every product the tensor cores sum is exact.
+template <bool BIG>
+__device__ __forceinline__ void tessera_group_mma(float (&d)[4], const uint4& qa, const uint4& qb, int sa, int sb,
+                                                  const uint32_t* xg) {
+  const uint32_t wa[4] = {qa.x, qa.y, qa.z, qa.w}, wb[4] = {qb.x, qb.y, qb.z, qb.w};
+  const uint32_t fa = tessera_bf16x2_pow2((BIG ? min(sa, 128) : sa) + 126);
+  const uint32_t fb = tessera_bf16x2_pow2((BIG ? min(sb, 128) : sb) + 126);
+  const uint32_t fa2 = tessera_bf16x2_pow2(max(sa, 128) - 1), fb2 = tessera_bf16x2_pow2(max(sb, 128) - 1);
+  uint32_t xv[16];
+  #pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint4 v = reinterpret_cast<const uint4*>(xg)[i];
+    xv[4 * i] = v.x; xv[4 * i + 1] = v.y; xv[4 * i + 2] = v.z; xv[4 * i + 3] = v.w;
+  }
+  #pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    uint32_t a[4] = {tessera_e2m1_pair<0>(wa[j]), tessera_e2m1_pair<1>(wa[j]), tessera_e2m1_pair<2>(wa[j]),
+                     tessera_e2m1_pair<3>(wa[j])};
+    uint32_t b[4] = {tessera_e2m1_pair<0>(wb[j]), tessera_e2m1_pair<1>(wb[j]), tessera_e2m1_pair<2>(wb[j]),
+                     tessera_e2m1_pair<3>(wb[j])};
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      a[i] = tessera_bf16x2_mul(a[i], fa);
+      b[i] = tessera_bf16x2_mul(b[i], fb);
+      if (BIG) {
+        a[i] = tessera_bf16x2_mul(a[i], fa2);
+        b[i] = tessera_bf16x2_mul(b[i], fb2);
+      }
+    }
+    tessera_mma_bf16(d, a[0], b[0], a[1], b[1], xv[4 * j], xv[4 * j + 1]);
+    tessera_mma_bf16(d, a[2], b[2], a[3], b[3], xv[4 * j + 2], xv[4 * j + 3]);
+  }
+}
+"""
+
+_MMA_SOURCE = r"""
+  // x [P / X_DIV, K] bf16; w [E, N, K / 8] uint32; scales [E, N, K / 32] uint8; experts [P] uint32 -> out [P, N] bf16.
+  constexpr int GROUPS = K / 32;
+  constexpr int CHUNKS = GROUPS / 4;  // 128 elements: one 16-byte code group of a row per quad lane
+  constexpr int TILES = ROWS / 16;  // the mma's 16 rows
+  constexpr int BLOCKS_PER_PAIR = N / ROWS;
+  constexpr int STRIDE = 20;
+  __shared__ __align__(16) uint32_t xs[GROUPS * STRIDE];
+  __shared__ float partial[WARPS][ROWS];
+  const int pair = blockIdx.x / BLOCKS_PER_PAIR;
+  const int row0 = (blockIdx.x % BLOCKS_PER_PAIR) * ROWS;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int quad = lane >> 2, t = lane & 3;  // the mma's groupID (rows quad, quad + 8) and thread in group
+  tessera_stage_pairs<GROUPS, STRIDE, WARPS * 32>(
+      xs, reinterpret_cast<const uint16_t*>(x) + (size_t)(pair / X_DIV) * K);  // X_DIV pairs share a row
+  __syncthreads();
+  const size_t first = (size_t)experts[pair] * N + row0;  // the block's first weight row
+  #pragma unroll
+  for (int tile = 0; tile < TILES; ++tile) {
+    const size_t ra = first + tile * 16 + quad, rb = ra + 8;
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int c0 = warp; c0 < CHUNKS; c0 += WARPS * UNROLL) {  // warp w: chunks w, w + WARPS, ... in order
+      uint4 qa[UNROLL], qb[UNROLL];
+      int sa[UNROLL], sb[UNROLL];
+      #pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {  // every load of the batch in flight before the first mma
+        const int h = 4 * min(c0 + u * WARPS, CHUNKS - 1) + t;
+        qa[u] = reinterpret_cast<const uint4*>(w)[ra * GROUPS + h];
+        qb[u] = reinterpret_cast<const uint4*>(w)[rb * GROUPS + h];
+        sa[u] = scales[ra * GROUPS + h];
+        sb[u] = scales[rb * GROUPS + h];
+      }
+      #pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int c = c0 + u * WARPS;
+        if (c >= CHUNKS) break;
+        const uint32_t* xg = xs + (4 * c + t) * STRIDE;
+        if (sa[u] > 128 || sb[u] > 128) {
+          tessera_group_mma<true>(d, qa[u], qb[u], sa[u], sb[u], xg);
+        } else {
+          tessera_group_mma<false>(d, qa[u], qb[u], sa[u], sb[u], xg);
+        }
+      }
+    }
+    if (t == 0) {  // column 0 of the mma's output: x's (the others repeat it)
+      partial[warp][tile * 16 + quad] = d[0];
+      partial[warp][tile * 16 + quad + 8] = d[2];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < ROWS) {
+    float total = 0.0f;
+    #pragma unroll
+    for (int k = 0; k < WARPS; ++k) total += partial[k][threadIdx.x];  // warp order: fixed
+    out[(size_t)pair * N + row0 + threadIdx.x] = static_cast<T>(total);
+  }
+"""
+
+MMA_ROWS = 32  # output rows of one pair per block: two mma tiles
+MMA_WARPS = 4
+MMA_UNROLL = 4  # code groups per lane whose loads are in flight together
+
+
+def gather_qmv_mma_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array,
+                          rows_per_x: int = 1) -> mx.array:
+    """`gather_qmv_kernel` on the tensor cores, for bf16 rows: the codes decoded to bf16 by bit moves (no table),
+    scaled to their values, and summed by mma.sync with x as the B operand's column."""
+    pairs, k, n = experts.shape[0], x.shape[1], values.shape[1]
+    assert x.dtype == mx.bfloat16 and x.shape[0] * rows_per_x == pairs, (x.dtype, x.shape, rows_per_x, pairs)
+    threads = MMA_WARPS * 32
+    kernel = compiled_kernel("tessera_gather_qmv_mxfp4_mma", ("x", "w", "scales", "experts"), ("out",), _MMA_SOURCE,
+                             _MMA_HEADER)
+    (out,) = kernel(
+        inputs=[x, values, scales, experts.astype(mx.uint32)],
+        template=[("T", x.dtype), ("K", k), ("N", n), ("ROWS", MMA_ROWS), ("WARPS", MMA_WARPS), ("UNROLL", MMA_UNROLL),
+                  ("X_DIV", rows_per_x)],
+        grid=(pairs * (n // MMA_ROWS) * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(pairs, n)],
+        output_dtypes=[x.dtype],
+    )
+    return out
+
+
 def gather_qmv_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array, rows_per_x: int = 1,
                       stage_x: bool = STAGE_X) -> mx.array:
     """x: [P / rows_per_x, K] bf16/fp16/fp32 on a CUDA device, pair p's row x[p // rows_per_x] (a token's top-k pairs
     read its row without a repeat); values [E, N, K / 8] uint32, scales [E, N, K / 32] uint8 (mxfp4); experts: [P]
-    -> [P, N] in x's dtype (shapes as `fits` says)."""
+    -> [P, N] in x's dtype (shapes as `fits` says). bf16 rows take the tensor-core variant where its switch is on
+    (`gather_qmv_mma_kernel`)."""
+    if x.dtype == mx.bfloat16 and _mma_switch.enabled():
+        return gather_qmv_mma_kernel(x, values, scales, experts, rows_per_x)
     pairs, k, n = experts.shape[0], x.shape[1], values.shape[1]
     assert x.shape[0] * rows_per_x == pairs, (x.shape, rows_per_x, pairs)
     threads = k // GROUP

@@ -466,9 +466,17 @@ def _kernel_switched_on(module):
 
 @pytest.fixture
 def gather_qmv_on():
+    """The kernel on, its tensor-core variant as the test sets it (off unless set), both restored after."""
     from tessera.kernels import gather_qmv
 
+    saved = gather_qmv.mma_enabled()
+    gather_qmv.set_mma_enabled(False)
     yield from _kernel_switched_on(gather_qmv)
+    gather_qmv.set_mma_enabled(saved)
+
+
+# (dtype, the tensor-core variant on): it takes bf16 rows only
+_QMV_VARIANTS = [(mx.float32, False), (mx.bfloat16, False), (mx.bfloat16, True)]
 
 
 def _mxfp4_experts(rng: np.random.Generator, experts: int, n: int, k: int, scale_spread: int):
@@ -479,13 +487,15 @@ def _mxfp4_experts(rng: np.random.Generator, experts: int, n: int, k: int, scale
     return mx.array(values), mx.array(scales)
 
 
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("dtype, mma", _QMV_VARIANTS)
 @pytest.mark.parametrize("pairs, n, k", [(1, 32, 1024), (6, 128, 2048), (96, 64, 4096)])
-def test_gather_qmv_kernel_equals_gather_qmm_on_exact_inputs(dtype, pairs, n, k, gather_qmv_on):
+def test_gather_qmv_kernel_equals_gather_qmm_on_exact_inputs(dtype, mma, pairs, n, k, gather_qmv_on):
     """Integer x in [-8, 8] and scales 2^-2 … 2^2: every product and partial sum is exact in float32, so the
     kernel's sums (another order than MLX's) must give the reference's bits."""
+    from tessera.kernels import gather_qmv
     from tessera.kernels.gather_qmv import gather_qmv_kernel, gather_qmv_reference, is_supported
 
+    gather_qmv.set_mma_enabled(mma)
     rng = np.random.default_rng(pairs + n + k)
     values, scales = _mxfp4_experts(rng, 8, n, k, scale_spread=2)
     x = mx.array(rng.integers(-8, 9, (pairs, k)).astype(np.float32)).astype(dtype)
@@ -496,12 +506,33 @@ def test_gather_qmv_kernel_equals_gather_qmm_on_exact_inputs(dtype, pairs, n, k,
     assert _same_bits(got, gather_qmv_reference(x, values, scales, experts))
 
 
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_gather_qmv_kernel_is_close_to_gather_qmm_and_row_invariant(dtype, gather_qmv_on):
-    """Normal x at V4 Flash's expert widths: within the output's rounding of the reference; and a row's bits
-    do not depend on the rows beside it."""
+@pytest.mark.parametrize("dtype, mma", _QMV_VARIANTS)
+def test_gather_qmv_kernel_decodes_every_code_and_scale(dtype, mma, gather_qmv_on):
+    """One-hot x rows pick single weights: each output is one dequantized weight, so all sixteen E2M1 codes
+    (both zeros) under scales 2^-12 … 2^12 (the tensor-core variant's second multiply above 2^1) must come out as
+    MLX dequantizes them."""
+    from tessera.kernels import gather_qmv
     from tessera.kernels.gather_qmv import gather_qmv_kernel, gather_qmv_reference
 
+    gather_qmv.set_mma_enabled(mma)
+    rng = np.random.default_rng(12)
+    values, scales = _mxfp4_experts(rng, 4, 256, 1024, scale_spread=12)
+    hot = rng.choice(1024, 64, replace=False)
+    x = np.zeros((64, 1024), dtype=np.float32)
+    x[np.arange(64), hot] = 1.0
+    x = mx.array(x).astype(dtype)
+    experts = mx.array(rng.integers(0, 4, 64).astype(np.uint32))
+    assert _same_bits(gather_qmv_kernel(x, values, scales, experts), gather_qmv_reference(x, values, scales, experts))
+
+
+@pytest.mark.parametrize("dtype, mma", _QMV_VARIANTS)
+def test_gather_qmv_kernel_is_close_to_gather_qmm_and_row_invariant(dtype, mma, gather_qmv_on):
+    """Normal x at V4 Flash's expert widths: within the output's rounding of the reference; and a row's bits
+    do not depend on the rows beside it."""
+    from tessera.kernels import gather_qmv
+    from tessera.kernels.gather_qmv import gather_qmv_kernel, gather_qmv_reference
+
+    gather_qmv.set_mma_enabled(mma)
     rng = np.random.default_rng(3)
     values, scales = _mxfp4_experts(rng, 8, 2048, 4096, scale_spread=8)
     x = mx.array(rng.standard_normal((96, 4096)).astype(np.float32)).astype(dtype)
@@ -537,14 +568,17 @@ def test_the_gathered_moe_runs_the_gather_qmv_kernel_when_it_is_on(gather_qmv_on
     np.testing.assert_allclose(got, want, rtol=2**-6, atol=2**-6 * float(np.abs(want).max()))
 
 
-def test_a_decode_steps_pairs_in_order_give_the_sorted_pairs_bits(gather_qmv_on):
+@pytest.mark.parametrize("mma", [False, True])
+def test_a_decode_steps_pairs_in_order_give_the_sorted_pairs_bits(mma, gather_qmv_on):
     """engine/model/moe.py skips the expert sort for a decode step's pairs through the kernel
     (`_pairs_in_order`): a row's result must not depend on where its pair sits, so both orders give the same
     bits, pair by pair (V4 Flash's expert widths, 16 tokens at top-6 over 256 experts)."""
     from tessera.engine.model import moe as moe_mod
     from tessera.engine.model.moe import MoEWeights
     from tessera.engine.model.quantized import QuantizedWeight
+    from tessera.kernels import gather_qmv
 
+    gather_qmv.set_mma_enabled(mma)
     rng = np.random.default_rng(7)
     experts_n, dim, inter, top_k, tokens = 256, 4096, 2048, 6, 16
 
@@ -566,12 +600,14 @@ def test_a_decode_steps_pairs_in_order_give_the_sorted_pairs_bits(gather_qmv_on)
     assert _same_bits(in_order, moe_mod._pairs_sorted(x, flat, mx.argsort(flat), top_k, w, 7.0))
 
 
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_gather_qmv_kernel_reads_a_tokens_row_for_its_pairs_as_the_repeated_rows(dtype, gather_qmv_on):
+@pytest.mark.parametrize("dtype, mma", _QMV_VARIANTS)
+def test_gather_qmv_kernel_reads_a_tokens_row_for_its_pairs_as_the_repeated_rows(dtype, mma, gather_qmv_on):
     """rows_per_x = 6: pair p reads row p // 6 (engine/model/moe.py's decode step: a token's top-6 without a
     repeat), the same bits as the rows repeated."""
+    from tessera.kernels import gather_qmv
     from tessera.kernels.gather_qmv import gather_qmv_kernel
 
+    gather_qmv.set_mma_enabled(mma)
     rng = np.random.default_rng(4)
     values, scales = _mxfp4_experts(rng, 32, 2048, 4096, scale_spread=6)
     tokens = mx.array(rng.standard_normal((16, 4096)).astype(np.float32)).astype(dtype)

@@ -35,6 +35,8 @@ A B C D D C B A (--rounds times; --arms picks a subset). Every arm takes greedy 
   kernels/decode_attention_cuda.py).
 - serving_overlap_rms_norm: serving_overlap with bf16 RMS norms in one kernel each instead of MLX's cast, norm and
   cast back (TESSERA_RMS_NORM_KERNEL=1, kernels/rms_norm_cuda.py; off by default until measured on a GPU).
+- serving_overlap_mma, serving_overlap_table: serving_overlap with the routed experts' bf16 rows through
+  kernels/gather_qmv.py's tensor-core variant or its 16-entry-table kernel (TESSERA_GATHER_QMV_MMA=1 / 0).
   Session 29's raw files also hold serving_overlap_grouped and serving_overlap_ungrouped (a grouped expert kernel,
   commit 88072f8), serving_overlap_byte_table and serving_overlap_lut (a byte-table decode of the experts' codes,
   commit 052ec31), both measured and removed; their "ungrouped" and "lut" arms are serving_overlap.
@@ -179,6 +181,10 @@ ARMS["serving_overlap_no_decode_attention"] = with_setting(
     ARMS["serving_overlap"])  # TESSERA_DECODE_ATTENTION_KERNEL=0
 ARMS["serving_overlap_rms_norm"] = with_setting(rms_norm_cuda.kernel_enabled, rms_norm_cuda.set_kernel_enabled, True,
                                                 ARMS["serving_overlap"])  # TESSERA_RMS_NORM_KERNEL=1
+ARMS["serving_overlap_mma"] = with_setting(gather_qmv.mma_enabled, gather_qmv.set_mma_enabled, True,
+                                           ARMS["serving_overlap"])  # TESSERA_GATHER_QMV_MMA=1
+ARMS["serving_overlap_table"] = with_setting(gather_qmv.mma_enabled, gather_qmv.set_mma_enabled, False,
+                                             ARMS["serving_overlap"])  # TESSERA_GATHER_QMV_MMA=0
 
 
 def main() -> None:

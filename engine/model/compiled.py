@@ -63,7 +63,7 @@ def _trace_switches() -> tuple[bool, ...]:
     with, so a flip in a running process (benchmarks) must reach a fresh trace, not a stale one."""
 
     return (compile_enabled(), sinkhorn.kernel_enabled(), sinkhorn.warp_enabled(), hc_mix.kernel_enabled(), row_gather.kernel_enabled(),
-            gather_qmv.kernel_enabled(), mxfp8_qmv.kernel_enabled(), rms_norm_cuda.kernel_enabled(), dense_min_rows())
+            gather_qmv.kernel_enabled(), gather_qmv.mma_enabled(), mxfp8_qmv.kernel_enabled(), rms_norm_cuda.kernel_enabled(), dense_min_rows())
 
 
 class StepCompiled:

@@ -185,6 +185,7 @@ def test_unset_it_is_on_where_the_default_device_is_a_gpu(monkeypatch):
 @pytest.mark.parametrize("module, getter, setter", [
     ("sinkhorn", "kernel_enabled", "set_kernel_enabled"), ("sinkhorn", "warp_enabled", "set_warp_enabled"),
     ("row_gather", "kernel_enabled", "set_kernel_enabled"), ("gather_qmv", "kernel_enabled", "set_kernel_enabled"),
+    ("gather_qmv", "mma_enabled", "set_mma_enabled"),
     ("mxfp8_qmv", "kernel_enabled", "set_kernel_enabled"), ("hc_mix", "kernel_enabled", "set_kernel_enabled"),
 ])
 def test_a_kernel_switch_flipped_in_a_running_process_reaches_a_fresh_trace(module, getter, setter):
