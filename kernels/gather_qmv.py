@@ -346,20 +346,22 @@ MMA_WARPS = 4
 MMA_UNROLL = 4  # code groups per lane whose loads are in flight together
 
 
-def gather_qmv_mma_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array,
-                          rows_per_x: int = 1) -> mx.array:
+def gather_qmv_mma_kernel(x: mx.array, values: mx.array, scales: mx.array, experts: mx.array, rows_per_x: int = 1,
+                          rows: int = MMA_ROWS, warps: int = MMA_WARPS, unroll: int = MMA_UNROLL) -> mx.array:
     """`gather_qmv_kernel` on the tensor cores, for bf16 rows: the codes decoded to bf16 by bit moves (no table),
-    scaled to their values, and summed by mma.sync with x as the B operand's column."""
+    scaled to their values, and summed by mma.sync with x as the B operand's column. `rows` (a multiple of 16 that
+    divides N), `warps` and `unroll` set the block's shape (the probe's arms; the defaults are the engine's)."""
     pairs, k, n = experts.shape[0], x.shape[1], values.shape[1]
     assert x.dtype == mx.bfloat16 and x.shape[0] * rows_per_x == pairs, (x.dtype, x.shape, rows_per_x, pairs)
-    threads = MMA_WARPS * 32
+    assert rows % 16 == 0 and n % rows == 0, (rows, n)
+    threads = warps * 32
     kernel = compiled_kernel("tessera_gather_qmv_mxfp4_mma", ("x", "w", "scales", "experts"), ("out",), _MMA_SOURCE,
                              _MMA_HEADER)
     (out,) = kernel(
         inputs=[x, values, scales, experts.astype(mx.uint32)],
-        template=[("T", x.dtype), ("K", k), ("N", n), ("ROWS", MMA_ROWS), ("WARPS", MMA_WARPS), ("UNROLL", MMA_UNROLL),
+        template=[("T", x.dtype), ("K", k), ("N", n), ("ROWS", rows), ("WARPS", warps), ("UNROLL", unroll),
                   ("X_DIV", rows_per_x)],
-        grid=(pairs * (n // MMA_ROWS) * threads, 1, 1),
+        grid=(pairs * (n // rows) * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(pairs, n)],
         output_dtypes=[x.dtype],

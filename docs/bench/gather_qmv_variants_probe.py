@@ -39,7 +39,8 @@ from tessera.kernels import gather_qmv  # noqa: E402
 from tessera.kernels.cuda import on_cuda  # noqa: E402
 
 EXPERTS, HIDDEN, INTER, TOP_K = 256, 4096, 2048, 6  # --small: 16, 1024, 1024
-ARMS = ("table", "mma")
+ARMS = {"table": None, "mma": {}, "mma_rows64": {"rows": 64}, "mma_warps8": {"warps": 8}, "mma_unroll2": {"unroll": 2},
+        "mma_rows16": {"rows": 16}}  # arm -> gather_qmv_mma_kernel's block shape (None: the table kernel)
 
 
 def _experts(out_dim: int, in_dim: int) -> tuple[mx.array, mx.array]:
@@ -63,8 +64,8 @@ def _call(arm: str, x: mx.array, values: mx.array, scales: mx.array, experts: mx
     off CUDA the reference stands in (a smoke run of this script)."""
     if not on_cuda():
         return gather_qmv.gather_qmv_reference(x, values, scales, experts, rows_per_x)
-    if arm == "mma":
-        return gather_qmv.gather_qmv_mma_kernel(x, values, scales, experts, rows_per_x)
+    if ARMS[arm] is not None:
+        return gather_qmv.gather_qmv_mma_kernel(x, values, scales, experts, rows_per_x, **ARMS[arm])
     gather_qmv.set_mma_enabled(False)
     return gather_qmv.gather_qmv_kernel(x, values, scales, experts, rows_per_x)
 
@@ -123,11 +124,11 @@ def profile_once() -> None:
     values, scales = _experts(INTER, HIDDEN)
     x = mx.random.normal((16, HIDDEN), dtype=mx.bfloat16)
     mx.eval(x)
-    for arm in ARMS:  # compiled and warm before the range
+    for arm in ("table", "mma"):  # compiled and warm before the range
         mx.eval(_call(arm, x, values, scales, experts, TOP_K))
     mx.synchronize()
     driver.cuProfilerStart()
-    for arm in ARMS:
+    for arm in ("table", "mma"):
         mx.eval(_call(arm, x, values, scales, experts, TOP_K))
         mx.synchronize()
     driver.cuProfilerStop()
