@@ -43,6 +43,17 @@ that lane l reads bank l: half the shared loads, 3.5 instead of 4 instructions a
 The kernel reads pair p's row x[p // rows_per_x]: a decode step's k pairs of a token read the token's row, without
 the repeat that would copy it k times (engine/model/moe.py, `_pairs_in_order`).
 
+Session 30: a tensor-core variant for bf16 rows (`gather_qmv_mma_kernel`, TESSERA_GATHER_QMV_MMA=1). The table's
+shared load, the shift and mask before it and the FMA after it (four instructions an element, the first bound to
+the L1 pipe) become bit moves that write two codes as a bf16 pair (code << 6 is the code's value times 2^-126,
+bf16's subnormal range included), one bf16x2 multiply by the group's scale times 2^126 (exact: a power of two;
+two multiplies for scales above 2^1), and an mma.sync m16n8k16 per 256 weights with x as column 0 of its B
+operand: by its SASS (ptxas 13, sm_90) about 2.5 instructions an element, none of them shared loads. A warp's
+quad holds rows g and g + 8 of a 16-row tile, each lane one 16-byte code group of each; the warps of a block take
+the row's 128-element chunks in turn, and their partial sums are added in warp order, so a row's bits still do
+not depend on the batch. Not the table kernel's bits (the tensor cores sum in their own order): the CUDA tests
+hold it to the reference's bits on exact inputs and every code and scale, and to the output's rounding otherwise.
+
 Switch: TESSERA_GATHER_QMV_KERNEL=0 keeps MLX's gather_qmm (1, the default, uses the kernel where it
 applies: CUDA; mxfp4, group 32, no biases; one row per pair; K a multiple of 1024 up to 11,264 (the
 shared memory `STAGE_X` needs) and an output width a multiple of ROWS_PER_BLOCK, `fits`).
@@ -245,8 +256,8 @@ __device__ __forceinline__ void tessera_stage_pairs(uint32_t* xs, const uint16_t
   }
 }
 
-// One code group (32 codes) of the quad's two rows through two rows of 8 mma k-steps... each of the group's four
-// code words is two mmas: its pairs 0 and 1 against x's words 4j, 4j + 1, pairs 2 and 3 against 4j + 2, 4j + 3.
+// One code group (32 codes) of each of the quad's two rows, as eight mmas: code word j's pairs 0 and 1 against x's
+// words 4j, 4j + 1 (k slots 2t, 2t + 1 and 2t + 8, 2t + 9 of lane t), its pairs 2 and 3 against 4j + 2, 4j + 3.
 // The codes are scaled to their true values before the mma (2^-126 * 2^(s - 127) = 2^(s - 1): one multiply where
 // s <= 128, two above, BIG), so every product the tensor cores sum is exact.
 template <bool BIG>
