@@ -463,6 +463,42 @@ def test_kernel_switch_defaults_are_what_the_h200_measured(module, function, env
     assert switch_in_fresh_process(env_var, flipped, module, function) == str(default != "True")
 
 
+def test_the_mma_variants_code_decode_is_mlxs_mxfp4_dequantize():
+    """kernels/gather_qmv.py's tensor-core variant writes code c as the bf16 bits (c & 7) << 6 | (c & 8) << 12
+    (`tessera_e2m1_pair`) and multiplies by 2^126 times the scale: for all sixteen codes that must be MLX's own
+    mxfp4 value, the subnormal 0.5 * 2^-126 and both zeros included."""
+    codes = np.arange(16, dtype=np.uint32)
+    words = mx.array((codes[0::8] | codes[1::8] << 4 | codes[2::8] << 8 | codes[3::8] << 12 | codes[4::8] << 16
+                      | codes[5::8] << 20 | codes[6::8] << 24 | codes[7::8] << 28).reshape(1, 2))  # 16 codes, 2 words
+    words = mx.concatenate([words, mx.zeros((1, 2), dtype=mx.uint32)], axis=1)  # one group of 32
+    mlx_values = np.array(mx.dequantize(words, mx.full((1, 1), 127, dtype=mx.uint8), None, group_size=32, bits=4,
+                                        mode="mxfp4").astype(mx.float32))[0, :16]
+    bf16_bits = ((codes & 7) << 6) | ((codes & 8) << 12)
+    decoded = (bf16_bits << 16).astype(np.uint32).view(np.float32).astype(np.float64) * 2.0**126
+    assert np.array_equal(decoded, mlx_values.astype(np.float64))
+    assert np.array_equal(np.signbit(decoded), np.signbit(mlx_values))  # code 8 is -0.0 in both
+
+
+def test_bf16_rows_take_the_tensor_core_variant_only_where_its_switch_is_on(monkeypatch):
+    """gather_qmv_kernel hands bf16 rows to gather_qmv_mma_kernel when TESSERA_GATHER_QMV_MMA is on, and
+    float32 rows never (the variant's B operand is bf16)."""
+    from tessera.kernels import gather_qmv
+
+    calls = []
+    monkeypatch.setattr(gather_qmv, "gather_qmv_mma_kernel", lambda x, *a: calls.append(x.dtype) or "mma")
+    monkeypatch.setattr(gather_qmv, "compiled_kernel", lambda *a: lambda **kw: ("table",))
+    values, scales = mx.zeros((2, 32, 128), dtype=mx.uint32), mx.zeros((2, 32, 32), dtype=mx.uint8)
+    experts = mx.zeros((3,), dtype=mx.uint32)
+    saved = gather_qmv.mma_enabled()
+    try:
+        for dtype, on, want in [(mx.bfloat16, True, "mma"), (mx.bfloat16, False, "table"), (mx.float32, True, "table")]:
+            gather_qmv.set_mma_enabled(on)
+            assert gather_qmv.gather_qmv_kernel(mx.zeros((3, 1024), dtype=dtype), values, scales, experts) == want
+    finally:
+        gather_qmv.set_mma_enabled(saved)
+    assert calls == [mx.bfloat16]
+
+
 def test_gather_qmv_takes_v4_flash_widths_and_no_width_its_shared_memory_cannot_hold():
     """kernels/gather_qmv.py stages each pair's x row in shared memory (STAGE_X): a width whose staged row
     does not fit the static limit must fall back to gather_qmm (a kernel that does not compile would fail
