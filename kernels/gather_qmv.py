@@ -53,10 +53,10 @@ quad holds rows g and g + 8 of a 16-row tile, each lane one 16-byte code group o
 the row's 128-element chunks in turn, and their partial sums are added in warp order, so a row's bits still do
 not depend on the batch. Not the table kernel's bits (the tensor cores sum in their own order): the CUDA tests
 hold it to the reference's bits on exact inputs and every code and scale, and to the output's rounding otherwise.
-Measured in session 31 on an H100: 7-15 % faster than the table kernel at 8 and 16 tokens' pairs, no slower at 1
-(docs/BENCHMARKS.md). The same lease's CUDA tests hung it on mixed scales: the two-multiply path was chosen per lane,
-and mma.sync needs the whole warp; the path is now the warp's (`__any_sync`), not yet re-run on a GPU, so the
-switch stays off.
+Measured in session 31 on an H100, before the fix below: 7-15 % faster than the table kernel at 8 and 16 tokens'
+pairs, no slower at 1 (docs/BENCHMARKS.md). The same lease's CUDA tests hung it on mixed scales: the two-multiply
+path was chosen per lane, and mma.sync needs the whole warp. The path is now the warp's (`__any_sync`, one vote a
+code group); neither its tests nor its speed have run on a GPU since, so the switch stays off.
 
 Switch: TESSERA_GATHER_QMV_KERNEL=0 keeps MLX's gather_qmm (1, the default, uses the kernel where it
 applies: CUDA; mxfp4, group 32, no biases; one row per pair; K a multiple of 1024 up to 11,264 (the
