@@ -463,20 +463,62 @@ def test_kernel_switch_defaults_are_what_the_h200_measured(module, function, env
     assert switch_in_fresh_process(env_var, flipped, module, function) == str(default != "True")
 
 
-def test_the_mma_variants_code_decode_is_mlxs_mxfp4_dequantize():
-    """kernels/gather_qmv.py's tensor-core variant writes code c as the bf16 bits (c & 7) << 6 | (c & 8) << 12
-    (`tessera_e2m1_pair`) and multiplies by 2^126 times the scale: for all sixteen codes that must be MLX's own
-    mxfp4 value, the subnormal 0.5 * 2^-126 and both zeros included."""
-    codes = np.arange(16, dtype=np.uint32)
-    words = mx.array((codes[0::8] | codes[1::8] << 4 | codes[2::8] << 8 | codes[3::8] << 12 | codes[4::8] << 16
-                      | codes[5::8] << 20 | codes[6::8] << 24 | codes[7::8] << 28).reshape(1, 2))  # 16 codes, 2 words
-    words = mx.concatenate([words, mx.zeros((1, 2), dtype=mx.uint32)], axis=1)  # one group of 32
-    mlx_values = np.array(mx.dequantize(words, mx.full((1, 1), 127, dtype=mx.uint8), None, group_size=32, bits=4,
-                                        mode="mxfp4").astype(mx.float32))[0, :16]
-    bf16_bits = ((codes & 7) << 6) | ((codes & 8) << 12)
-    decoded = (bf16_bits << 16).astype(np.uint32).view(np.float32).astype(np.float64) * 2.0**126
-    assert np.array_equal(decoded, mlx_values.astype(np.float64))
-    assert np.array_equal(np.signbit(decoded), np.signbit(mlx_values))  # code 8 is -0.0 in both
+def _host_compiled_mma_decode(tmp_path) -> tuple[np.ndarray, np.ndarray]:
+    """kernels/gather_qmv.py's own `tessera_e2m1_pair` and `tessera_bf16x2_pow2` (device functions of plain integer
+    arithmetic) compiled for this CPU with the host's C++ compiler: [2 words, 4 pairs] uint32 for two words holding
+    codes 0 ... 15 (low nibble first), and [256] uint32 for exponent fields 0 ... 255."""
+    import shutil
+    import subprocess
+
+    from tessera.kernels import gather_qmv
+
+    header = gather_qmv._MMA_HEADER
+    start = header.index("template <int I>")
+    end = header.index("// a * b in each half")  # the pair decode and the power of two, not the PTX after them
+    program = tmp_path / "decode.cpp"
+    program.write_text("#include <cstdint>\n#include <cstdio>\n#include <algorithm>\nusing std::min; using std::max;\n"
+                       "#define __device__\n#define __forceinline__ inline\n" + header[start:end] + """
+int main() {
+  const uint32_t words[2] = {0x76543210u, 0xFEDCBA98u};
+  for (uint32_t w : words)
+    std::printf("%u %u %u %u\\n", tessera_e2m1_pair<0>(w), tessera_e2m1_pair<1>(w), tessera_e2m1_pair<2>(w),
+                tessera_e2m1_pair<3>(w));
+  for (int field = 0; field < 256; ++field) std::printf("%u\\n", tessera_bf16x2_pow2(field));
+}
+""")
+    compiler = shutil.which("c++") or shutil.which("g++")
+    assert compiler, "a C++ compiler (g++; .ci/run installs it) checks the CUDA source's decode on the CPU"
+    subprocess.run([compiler, "-std=c++17", "-O1", "-o", str(tmp_path / "decode"), str(program)], check=True)
+    lines = subprocess.run([str(tmp_path / "decode")], check=True, capture_output=True, text=True).stdout.split()
+    numbers = np.array([int(v) for v in lines], dtype=np.uint32)
+    return numbers[:8].reshape(2, 4), numbers[8:]
+
+
+def _bf16_halves(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A bf16 pair's low and high halves as float64."""
+    def as_float(bits):
+        return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return as_float(pairs & 0xFFFF), as_float(pairs >> 16)
+
+
+def test_the_mma_variants_code_decode_is_mlxs_mxfp4_dequantize(tmp_path):
+    """The tensor-core variant's own decode, compiled for the CPU: pair I of a code word holds codes I and I + 4 as
+    their values times 2^-126 (bf16 subnormals included), and the scale factor for field s + 126 times that is
+    MLX's mxfp4 value under E8M0 scale s, for all sixteen codes (both zeros: their signs too) and the scales the
+    one-multiply path takes (s <= 128; above, two factors, each of this form)."""
+    pairs, pow2 = _host_compiled_mma_decode(tmp_path)
+    low, high = _bf16_halves(pairs)  # [2 words, 4 pairs]: codes 8 w + I and 8 w + I + 4
+    decoded = np.empty(16)
+    decoded[np.add.outer(8 * np.arange(2), np.arange(4))] = low
+    decoded[np.add.outer(8 * np.arange(2), np.arange(4) + 4)] = high
+    words = mx.array(np.array([[0x76543210, 0xFEDCBA98, 0, 0]], dtype=np.uint32))  # codes 0 ... 15, one group of 32
+    for scale in (0, 1, 100, 127, 128):
+        mlx_values = np.array(mx.dequantize(words, mx.full((1, 1), scale, dtype=mx.uint8), None, group_size=32,
+                                            bits=4, mode="mxfp4").astype(mx.float32))[0, :16].astype(np.float64)
+        factor, same = _bf16_halves(pow2[scale + 126 : scale + 127])
+        assert factor[0] == same[0] == 2.0 ** (scale - 1)
+        assert np.array_equal(decoded * factor[0], mlx_values), scale
+        assert np.array_equal(np.signbit(decoded), np.signbit(mlx_values))  # code 8 is -0.0 in both
 
 
 def test_bf16_rows_take_the_tensor_core_variant_only_where_its_switch_is_on(monkeypatch):
