@@ -56,7 +56,11 @@ hold it to the reference's bits on exact inputs and every code and scale, and to
 Measured in session 31 on an H100, before the fix below: 7-15 % faster than the table kernel at 8 and 16 tokens'
 pairs, no slower at 1 (docs/BENCHMARKS.md). The same lease's CUDA tests hung it on mixed scales: the two-multiply
 path was chosen per lane, and mma.sync needs the whole warp. The path is now the warp's (`__any_sync`, one vote a
-code group); neither its tests nor its speed have run on a GPU since, so the switch stays off.
+code group). Session 33 (an H100): with the fix, the kernel's CUDA tests pass (21, the mixed-scale case among them)
+and so does the whole CUDA suite with the variant on (154 passed, 1 skipped). Its speed since the fix was measured
+only in the serving step, where the two kernels were within that host's noise (docs/BENCHMARKS.md, "Session 33"),
+so the switch stays off until the kernel-alone probe (docs/bench/gather_qmv_variants_probe.py) shows that the fix
+kept the gain.
 
 Switch: TESSERA_GATHER_QMV_KERNEL=0 keeps MLX's gather_qmm (1, the default, uses the kernel where it
 applies: CUDA; mxfp4, group 32, no biases; one row per pair; K a multiple of 1024 up to 11,264 (the
