@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from docs.bench.cuda_standin import cuda_graph_on_cpu, standin_kernel
 from tessera.engine.model import attention
 from tessera.engine.model.config import CSA, HCA, WINDOW
 from tessera.engine.model.deepseek_v4 import Segment
@@ -16,6 +17,7 @@ from tessera.engine.model.loader import load_model
 from tessera.engine.tools.make_model import make_model
 from tessera.engine.tools.replay import random_tokens
 from tessera.kernels import indexer_cuda, row_gather
+from tests.support.bench_script import TINY_OVERRIDES
 from tests.support.graph_nodes import primitive_kinds
 
 OVERRIDES = dict(layer_types=[WINDOW, CSA, HCA, CSA], num_hidden_layers=4, compress_rates={CSA: 4, HCA: 32})
@@ -26,15 +28,21 @@ MAX_NODES_PER_SEQUENCE = 4
 # The same on the CUDA path (the kernels as one node each): 2.0, the appends of the closing step (a
 # row cut out of the pooled batch and written into the sequence's buffer, for 4 buffers, every 4 steps).
 MAX_NODES_PER_SEQUENCE_ON_CUDA = 2
+# A whole decode step of one sequence on the CUDA path (docs/bench/cuda_standin.py), the tiny preset in float32:
+# the ordinary step and the one that closes the CSA windows. MLX's CUDA backend pays a host cost per node, so a
+# node more is a step slower on a GPU (docs/BENCHMARKS.md, "Session 34"). The counts at session 34 (585 and 705
+# before the router's transposed operand and the RoPE tables' shape were made once, not in every step).
+MAX_CUDA_STEP_NODES = 577
+MAX_CUDA_CLOSING_STEP_NODES = 689
 
 
 def _nodes(arrays, path) -> int:
     return sum(primitive_kinds(arrays, path).values())
 
 
-def _nodes_per_extra_sequence(tmp_path, monkeypatch) -> float:
+def _nodes_per_extra_sequence(tmp_path, monkeypatch, dtype: str = "float32") -> float:
     """Graph nodes decode attention adds per extra sequence and step (batch 12 against batch 4)."""
-    model = load_model(make_model(tmp_path / "m", "tiny", seed=2, with_tokenizer=False, **OVERRIDES), dtype="float32")
+    model = load_model(make_model(tmp_path / "m", "tiny", seed=2, with_tokenizer=False, **OVERRIDES), dtype=dtype)
     real = attention.decode_attention
     counted = []
 
@@ -68,22 +76,33 @@ def test_decode_attention_adds_few_graph_nodes_per_sequence(tmp_path, monkeypatc
     assert per_sequence <= MAX_NODES_PER_SEQUENCE, per_sequence
 
 
-def _one_node_kernel(name, inputs, outputs, source, header):
-    """A CUDA kernel as the graph sees it: one node (its values are zeros: only counts matter here)."""
-    def launch(inputs, output_shapes, output_dtypes, **_):
-        zeros = [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
-        mx.eval(zeros)
-        return [mx.stop_gradient(z) for z in zeros]
-    return launch
-
-
 def test_on_cuda_the_indexer_and_the_selected_rows_are_one_node_per_batch(tmp_path, monkeypatch):
-    """The CUDA path (kernels stood in by one node each): the batched indexer kernel and the batched row
-    gather read every sequence's buffers where they lie, so what decode attention still does per
-    sequence is appending the rows its token completed (kernels/indexer_cuda, kernels/row_gather)."""
-    monkeypatch.setattr(indexer_cuda, "compiled_kernel", _one_node_kernel)
+    """The CUDA path (kernels stood in by one node each on their inputs, docs/bench/cuda_standin.py): the batched
+    indexer kernel and the batched row gather read every sequence's buffers where they lie, so what decode
+    attention still does per sequence is appending the rows its token completed (kernels/indexer_cuda,
+    kernels/row_gather)."""
+    monkeypatch.setattr(indexer_cuda, "compiled_kernel", standin_kernel)
     monkeypatch.setattr(indexer_cuda, "batch_is_supported", lambda q: True)
-    monkeypatch.setattr(row_gather, "compiled_kernel", _one_node_kernel)
+    monkeypatch.setattr(row_gather, "compiled_kernel", standin_kernel)
     monkeypatch.setattr(row_gather, "batch_is_supported", lambda xs, idx: True)
-    per_sequence = _nodes_per_extra_sequence(tmp_path, monkeypatch)
+    # bf16, a GPU's dtype: the kernels take bf16 buffers, so a float32 model would add a cast per sequence
+    per_sequence = _nodes_per_extra_sequence(tmp_path, monkeypatch, dtype="bfloat16")
     assert per_sequence <= MAX_NODES_PER_SEQUENCE_ON_CUDA, per_sequence
+
+
+def test_the_cuda_paths_decode_step_builds_no_more_nodes_than_it_did(tmp_path):
+    """One sequence's decode steps with the CUDA path's graph (kernels stood in by a node each), four of them so
+    that one closes the CSA windows: neither kind of step grows past its count (MAX_CUDA_STEP_NODES)."""
+    model = load_model(make_model(tmp_path / "m", "tiny", seed=2, with_tokenizer=False, **TINY_OVERRIDES), dtype="float32")
+    cache = model.new_cache()
+    model.forward([Segment(cache, list(range(3, 40)))])
+    counts = []
+    with cuda_graph_on_cpu():
+        mx.eval(model.forward([Segment(cache, [1])]), cache.arrays())  # the compiled parts traced
+        for token in range(2, 6):
+            logits = model.forward([Segment(cache, [token])])
+            counts.append(_nodes([*logits, *cache.arrays()], tmp_path / "step.dot"))
+            mx.eval(logits, cache.arrays())
+    ordinary, closing = min(counts), max(counts)
+    assert counts.count(ordinary) == 3 and closing > ordinary, counts  # one step of four closes the windows
+    assert ordinary <= MAX_CUDA_STEP_NODES and closing <= MAX_CUDA_CLOSING_STEP_NODES, counts

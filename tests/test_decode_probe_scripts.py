@@ -5,7 +5,8 @@ time needs a GPU: None here); compiled_step_bits.py the compiled and plain steps
 the warm-up per batch size; decode_encode_split.py each stage's encoding per batch size in A B B A rounds;
 overlap_append_memory.py (session 17) the peak memory of serial and overlapped steps in alternating rounds;
 mlx_thread_overlap.py (session 27) each graph builder timed alone and while a second thread encodes;
-issue14_primitive_count.py (session 28) what a step that closes CSA windows adds to the graph."""
+issue14_primitive_count.py (session 28) what a step that closes CSA windows adds to the graph, and (session 34) the
+CUDA path's graph counted on the CPU with the kernels stood in (docs/bench/cuda_standin.py)."""
 
 from __future__ import annotations
 
@@ -121,3 +122,40 @@ def test_primitive_count_shows_what_a_window_closing_step_adds(tmp_path):
         assert sorted(totals)[:3] == [min(totals)] * 3 and max(totals) > min(totals)  # one step of four closes
         closing_compressors = 2 * TINY_OVERRIDES["layer_types"].count(CSA)
         assert r["closing_extra"]["SliceUpdate"] == closing_compressors * r["batch"]
+
+
+def test_primitive_count_as_cuda_counts_the_cuda_paths_graph_on_the_cpu(tmp_path):
+    """--as-cuda builds the step the CUDA path builds: kernels where a GPU runs them (one CustomKernel node each:
+    no Sinkhorn iterations left, kernels/sinkhorn.py), MLX's one-node RMSNorm, the step compiled; fewer nodes
+    than the CPU's own path, and only the build timed."""
+    model = tiny_model(tmp_path / "model")
+    cpu, = run_printing_script("issue14_primitive_count.py", model, "--batch", "2", "--ctx", "100", "--steps", "2",
+                               "--step-compile", "1")
+    cuda, = run_printing_script("issue14_primitive_count.py", model, "--batch", "2", "--ctx", "100", "--steps", "2",
+                                "--as-cuda")
+    sinkhorn_iteration = "CompiledBroadcastAddBroadcastDivide"  # the float32 reference's fused divide, 20 a Sinkhorn
+    assert cpu["by_kind"].get("CustomKernel", 0) == 0 and cpu["by_kind"][sinkhorn_iteration] > 0
+    assert cuda["device"].startswith("cuda path") and cuda["step_compile"]
+    assert cuda["by_kind"]["CustomKernel"] >= 2 * len(TINY_OVERRIDES["layer_types"])  # a Sinkhorn per collapse at least
+    assert cuda["by_kind"]["RMSNorm"] > 0 and sinkhorn_iteration not in cuda["by_kind"]
+    assert cuda["total"] < cpu["total"]
+    assert "eval_ms_median" not in cuda and cuda["build_ms_median"] > 0
+
+
+def test_the_cuda_stand_in_is_undone_after_it():
+    """Inside `cuda_graph_on_cpu` the engine sees CUDA and its kernels; after it, the CPU again (the process goes on
+    counting or running the CPU's own path)."""
+    import mlx.core as mx
+
+    from docs.bench.cuda_standin import cuda_graph_on_cpu
+    from tessera.engine.model import compiled, moe
+    from tessera.kernels import cuda, sinkhorn
+
+    comb = mx.ones((1, 4, 4))
+    before = (compiled.step_compile_enabled(), moe.OVERLAP_HOST_WORK, mx.fast.rms_norm, sinkhorn.is_supported(comb))
+    with cuda_graph_on_cpu():
+        assert cuda.on_cuda() and sinkhorn.is_supported(comb) and compiled.step_compile_enabled()
+        out = sinkhorn.sinkhorn_kernel(comb, 20, 1e-6)
+        assert out.shape == comb.shape and out.dtype == comb.dtype
+    assert not cuda.on_cuda() and before == (compiled.step_compile_enabled(), moe.OVERLAP_HOST_WORK, mx.fast.rms_norm,
+                                               sinkhorn.is_supported(comb))

@@ -7,6 +7,8 @@ that runs gathered give a token the same result."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -117,7 +119,7 @@ def test_bf16_layouts_agree(monkeypatch):
 def test_quantized_layouts_match_dequantized_loop(mode, monkeypatch):
     base = _weights()
     q = {name: quantize(getattr(base, name), mode, 32) for name in ("w1", "w2", "w3")}
-    w = MoEWeights(**{**base.__dict__, **q})
+    w = dataclasses.replace(base, **q)
     mx.random.seed(7)
     x = mx.random.normal((80, DIM))
     experts = _skewed_experts(80)
@@ -132,7 +134,7 @@ def test_quantized_layouts_match_dequantized_loop(mode, monkeypatch):
 
 def test_gathered_quantized_pairs_split_into_pieces_give_the_same_result(monkeypatch):
     base = _weights()
-    w = MoEWeights(**{**base.__dict__, **{n: quantize(getattr(base, n), "mxfp4", 32) for n in ("w1", "w2", "w3")}})
+    w = dataclasses.replace(base, **{n: quantize(getattr(base, n), "mxfp4", 32) for n in ("w1", "w2", "w3")})
     mx.random.seed(10)
     x = mx.random.normal((40, DIM))
     experts, weights = route(x, None, w, TOP_K, 1.5)
@@ -152,7 +154,7 @@ def test_gathered_mxfp4_pairs_go_to_the_gather_qmv_kernel_where_it_runs(monkeypa
     from tessera.kernels import gather_qmv
 
     base = _weights()
-    w = MoEWeights(**{**base.__dict__, **{n: quantize(getattr(base, n), "mxfp4", 32) for n in ("w1", "w2", "w3")}})
+    w = dataclasses.replace(base, **{n: quantize(getattr(base, n), "mxfp4", 32) for n in ("w1", "w2", "w3")})
     mx.random.seed(12)
     x = mx.random.normal((4, DIM))  # 8 pairs, one per expert on average: a decode step's
     experts, weights = route(x, None, w, TOP_K, 1.5)
@@ -185,7 +187,7 @@ def _primitive_kinds(out: mx.array, tmp_path) -> set[str]:
 
 def test_dequantized_expert_groups_match_the_loop(monkeypatch):
     base = _weights()
-    w = MoEWeights(**{**base.__dict__, **{n: quantize(getattr(base, n), "mxfp4", 32) for n in ("w1", "w2", "w3")}})
+    w = dataclasses.replace(base, **{n: quantize(getattr(base, n), "mxfp4", 32) for n in ("w1", "w2", "w3")})
     mx.random.seed(8)
     x = mx.random.normal((80, DIM))
     experts = _skewed_experts(80)
@@ -284,7 +286,7 @@ def test_overflow_cost_follows_the_device_and_the_weights(monkeypatch):
 
 def _quantized_weights() -> MoEWeights:
     base = _weights()
-    return MoEWeights(**{**base.__dict__, **{n: quantize(getattr(base, n), "mxfp4", 32) for n in ("w1", "w2", "w3")}})
+    return dataclasses.replace(base, **{n: quantize(getattr(base, n), "mxfp4", 32) for n in ("w1", "w2", "w3")})
 
 
 @row_invariant_blas

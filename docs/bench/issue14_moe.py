@@ -23,7 +23,7 @@ import argparse
 import contextlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 import mlx.core as mx
@@ -72,7 +72,7 @@ def make_weights(s: Size, dtype: mx.Dtype) -> tuple[MoEWeights, MoEWeights]:
     )
     q = {name: quantize(getattr(plain, name), "mxfp4", 32) for name in ("w1", "w2", "w3")}
     mx.eval([a for v in q.values() for a in v.arrays()])
-    return plain, MoEWeights(**{**plain.__dict__, **q})
+    return plain, replace(plain, **q)
 
 
 def routing(s: Size, rows: int, kind: str, seed: int) -> tuple[mx.array, mx.array]:

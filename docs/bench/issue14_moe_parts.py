@@ -48,7 +48,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -612,7 +612,7 @@ def quantized_overflow(out, s: Size, w: MoEWeights, x: mx.array, flop: float, ar
     to check OVERFLOW_COST's quantized entry (whole calls only)."""
     q = {n: quantize(getattr(w, n), "mxfp4", 32) for n in ("w1", "w2", "w3")}
     mx.eval([a for v in q.values() for a in v.arrays()])
-    wq = MoEWeights(**{**w.__dict__, **q})
+    wq = replace(w, **q)
     points = {}
     for kind in ("random", "skewed"):
         experts, weights = routing(s, kind, seed=1)

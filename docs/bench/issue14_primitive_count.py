@@ -1,7 +1,12 @@
 """Primitives (graph nodes) of one decode step, per forward stage, and the step's Python build time.
 
 python docs/bench/issue14_primitive_count.py MODEL_DIR [--batch 1 8] [--ctx 2048] [--steps 40] [--step-compile 0|1] [--dtype bfloat16]
-    [--count-steps 4]   # one JSON line per batch
+    [--count-steps 4] [--as-cuda]   # one JSON line per batch
+
+--as-cuda counts the CUDA path's graph on a machine without CUDA (docs/bench/cuda_standin.py): every kernel of
+kernels/ and every `mx.fast.rms_norm` stood in by one node, counted as the `CustomKernel` or `RMSNorm` it stands
+for, the step compiled as on a GPU. Only `build_ms` is timed then (this CPU's Python building the CUDA path's
+graph): the stand-ins' evaluation is not the kernels' work. Without it the count is the running device's own path.
 
 --step-compile sets engine/model/compiled.py's fixed-shape step compilation for this run (absent: as
 TESSERA_COMPILE_STEP says; the JSON line's `step_compile` records it). With it on, a layer's attention
@@ -32,9 +37,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import re
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -47,6 +54,9 @@ from tessera.engine.model.loader import load_model
 from tessera.engine.model.trace import ForwardTrace
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run by path from anywhere: the repo root
+from docs.bench.cuda_standin import STANDIN_KINDS, cuda_graph_on_cpu  # noqa: E402
+
 # Node kinds of the Sinkhorn reference's iterations (a row sum, a column sum, two fused divides).
 SINKHORN_KINDS = ("Sum", "CompiledBroadcastBroadcastAddBroadcastBroadcastDivide")
 
@@ -56,7 +66,8 @@ def primitives(arrays) -> collections.Counter:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "graph.dot"
         mx.export_to_dot(str(path), *arrays)
-        return collections.Counter(re.findall(r'label ?= ?"([^"]*)"[^\]]*shape ?= ?rectangle', path.read_text()))
+        kinds = re.findall(r'label ?= ?"([^"]*)"[^\]]*shape ?= ?rectangle', path.read_text())
+        return collections.Counter(STANDIN_KINDS.get(kind, kind) for kind in kinds)
 
 
 class CountingTrace(ForwardTrace):
@@ -137,7 +148,13 @@ def main() -> None:
     p.add_argument("--step-compile", type=int, choices=(0, 1), default=None)
     p.add_argument("--count-steps", type=int, default=1, help="consecutive steps counted (≥ 4 shows a closing step)")
     p.add_argument("--dtype", default=None, help="load the weights in this dtype (bfloat16: the casts a GPU model runs)")
+    p.add_argument("--as-cuda", action="store_true", help="count the CUDA path's graph on this CPU (build time only)")
     args = p.parse_args()
+    with cuda_graph_on_cpu() if args.as_cuda else contextlib.nullcontext():
+        count(args)
+
+
+def count(args: argparse.Namespace) -> None:
     if args.step_compile is not None:
         set_step_compile_enabled(bool(args.step_compile))
     model = load_model(args.model_dir, dtype=args.dtype) if args.dtype else load_model(args.model_dir)
@@ -153,8 +170,11 @@ def main() -> None:
             counted.append(counts)
         counts = {**counted[0], "step_totals": [c["total"] for c in counted], **closing_extra(counted)}
         timing = time_steps(model, caches, token_ids, args.steps)
-        print(json.dumps({"label": args.label, "model": str(args.model_dir), "device": str(mx.default_device()),
-                          "batch": batch, "ctx": args.ctx, "step_compile": step_compile_enabled(), **timing, **counts}), flush=True)
+        if args.as_cuda:  # the stand-ins' evaluation is not the kernels' work; building the graph is this path's
+            timing = {k: v for k, v in timing.items() if not k.startswith("eval_")}
+        device = "cuda path on the cpu (stand-in kernels)" if args.as_cuda else str(mx.default_device())
+        print(json.dumps({"label": args.label, "model": str(args.model_dir), "device": device, "batch": batch,
+                          "ctx": args.ctx, "step_compile": step_compile_enabled(), **timing, **counts}), flush=True)
 
 
 if __name__ == "__main__":

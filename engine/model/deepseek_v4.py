@@ -42,10 +42,11 @@ class LayerWeights:
     ffn: MoEWeights
 
     def prime(self) -> None:
-        """Makes the hyper-connections' lazily cached weight forms (they evaluate when first made:
-        never inside a compiled trace)."""
+        """Makes the hyper-connections' and the router's lazily cached weight forms (they evaluate when
+        first made: never inside a compiled trace)."""
         for hc in (self.attn_hc, self.ffn_hc):
             hc.prime()
+        self.ffn.prime()
 
 
 @dataclass(frozen=True)

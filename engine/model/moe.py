@@ -25,6 +25,7 @@ The routed experts run in one of two layouts, chosen by the step's (token, slot)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import mlx.core as mx
 import numpy as np
@@ -78,6 +79,18 @@ class MoEWeights:
     @property
     def num_experts(self) -> int:
         return self.w1.shape[0]
+
+    @cached_property
+    def router_t(self) -> mx.array:
+        """[D, E]: the router transposed, made once: a strided view of it, evaluated (as HyperWeights.fn_t32
+        is), the very operand `router.T` gave the scores' product, without a Transpose node in every step's
+        graph (one a layer). Made by `prime` before a compiled trace uses it."""
+        router_t = self.router.T
+        mx.eval(router_t)
+        return router_t
+
+    def prime(self) -> None:
+        _ = self.router_t
 
 
 def swiglu(x: mx.array, w1: Weight, w2: Weight, w3: Weight, limit: float) -> mx.array:
@@ -424,7 +437,7 @@ def reference_routed_experts(x: mx.array, experts: mx.array, weights: mx.array, 
 def route(x: mx.array, token_ids: mx.array, w: MoEWeights, top_k: int, scaling: float) -> tuple[mx.array, mx.array]:
     """x: [T, D] -> (experts [T, k] uint32, weights [T, k]) from sqrt(softplus(logits)). uint32: what the top-k gives
     and the expert kernels take, so no cast kernel sits between them in a decode step (the hash table is held so)."""
-    scores = _router_scores(x, w.router)  # [T, E]
+    scores = _router_scores(x, w.router_t)  # [T, E]
     if w.tid2eid is not None:
         experts = w.tid2eid[token_ids]  # held in uint32 (weights.held_dtype)
     else:
@@ -435,9 +448,9 @@ def route(x: mx.array, token_ids: mx.array, w: MoEWeights, top_k: int, scaling: 
 # The router's elementwise steps, compiled shapeless (kernels/shapeless.py); the slice of the top-k
 # stays outside (a shapeless trace cannot carry a Slice).
 @shapeless
-def _router_scores(x: mx.array, router: mx.array) -> mx.array:
-    """x [T, D] -> [T, E] float32: sqrt(softplus(router logits))."""
-    return mx.sqrt(mx.logaddexp(x.astype(mx.float32) @ router.astype(mx.float32).T, 0.0))
+def _router_scores(x: mx.array, router_t: mx.array) -> mx.array:
+    """x [T, D], router_t [D, E] (MoEWeights.router_t) -> [T, E] float32: sqrt(softplus(router logits))."""
+    return mx.sqrt(mx.logaddexp(x.astype(mx.float32) @ router_t.astype(mx.float32), 0.0))
 
 
 @shapeless
