@@ -141,14 +141,15 @@ def apply_rope(x: mx.array, tables: RopeTables) -> mx.array:
     pairs = tables.pairs
     if x.shape[-1] != 2 * pairs:
         raise ValueError(f"RoPE tables for {2 * pairs} channels, a head of {x.shape[-1]}")
-    # [L, heads, pairs, 2] whatever x's rank (heads: the product of the middle axes, 1 for [L, 2·pairs] rows), so
-    # the tables' [L, 1, pairs, 1] meet every x as they are: no reshape of cos and sin per call (two nodes a call,
-    # on a GPU a host cost each: docs/BENCHMARKS.md, "Session 34").
-    paired = x.reshape(x.shape[0], math.prod(x.shape[1:-1]), pairs, 2)  # `paired[..., ::-1]` is (odd, even) per pair
+    shape = (tables.cos.shape[0],) + (1,) * (x.ndim - 2) + (pairs, 1)  # against pairs [L, .., pairs, 2]
+    cos, sin = tables.cos, tables.sin
+    if cos.shape != shape:
+        cos, sin = cos.reshape(shape), sin.reshape(shape)
+    paired = x.reshape(*x.shape[:-1], pairs, 2)  # `paired[..., ::-1]` is (odd, even) per pair
     if tables.rotated == pairs:  # every channel rotates (the indexer's keys)
-        return _rotated_pairs(paired, paired[..., ::-1], tables.cos, tables.sin).reshape(x.shape)
+        return _rotated_pairs(paired, paired[..., ::-1], cos, sin).reshape(x.shape)
     rotates = _rotated_mask(pairs, tables.rotated)
-    return _rotated_tail(paired, paired[..., ::-1], tables.cos, tables.sin, rotates).reshape(x.shape)
+    return _rotated_tail(paired, paired[..., ::-1], cos, sin, rotates).reshape(x.shape)
 
 
 @lru_cache(maxsize=32)
