@@ -243,8 +243,9 @@ def test_norms_give_the_same_bits_compiled_and_plain_for_every_shape(dtype):
 
 @pytest.mark.parametrize("enabled", [True, False], ids=["compiled", "plain"])
 def test_rope_tables_give_the_per_op_bits(enabled):
-    """cos_sin (one fused function, tables shaped [L, 1, half, 1]) against the per-op formula: the
-    angles every rotation uses, on the plain and the YaRN table, over positions up to 1M."""
+    """cos_sin (one fused function, tables shaped [L, 1, half, 1] and, sin signed (−1, 1), [L, 1, half, 2])
+    against the per-op formula: the angles every rotation uses, on the plain and the YaRN table, over positions
+    up to 1M."""
     from tessera.engine.model.config import RopeSpec
     from tessera.engine.model.rope import cos_sin, inv_freq
 
@@ -252,12 +253,14 @@ def test_rope_tables_give_the_per_op_bits(enabled):
     specs = [RopeSpec(theta=10000.0, dim=16), RopeSpec(theta=160000.0, dim=64, yarn_factor=16.0, yarn_original_max_positions=65536, attention_factor=0.5)]
     for spec in specs:
         for positions in (mx.array([5]), mx.arange(0, 1 << 20, 4099)):  # a decode row, a long prefill
-            cos, sin = cos_sin(spec, positions)
+            cos, signed_sin = cos_sin(spec, positions)
             freqs = positions.astype(mx.float32)[:, None] * inv_freq(spec)[None, :]
             want_cos, want_sin = mx.cos(freqs) * spec.attention_factor, mx.sin(freqs) * spec.attention_factor
             assert cos.shape == (positions.shape[0], 1, spec.dim // 2, 1)
+            assert signed_sin.shape == (positions.shape[0], 1, spec.dim // 2, 2)
             assert mx.array_equal(cos.reshape(want_cos.shape), want_cos).item(), spec
-            assert mx.array_equal(sin.reshape(want_sin.shape), want_sin).item(), spec
+            assert mx.array_equal(signed_sin[..., 1].reshape(want_sin.shape), want_sin).item(), spec
+            assert mx.array_equal(signed_sin[..., 0].reshape(want_sin.shape), -want_sin).item(), spec
 
 
 def test_decode_pieces_stay_within_their_node_budgets(tmp_path):
@@ -279,7 +282,7 @@ def test_decode_pieces_stay_within_their_node_budgets(tmp_path):
     w = _weights(mx.float32, 5)
     mx.eval(q, rows, valid, sinks, streams, w.fn_t32, w.base32, w.scale_per_mix)
     tables = rope_tables(RopeSpec(theta=10000.0, dim=16), mx.array([7]), 48)
-    mx.eval(tables.cos, tables.sin)
+    mx.eval(tables.cos, tables.signed_sin)
     assert _node_count([apply_rope(q, tables)], tmp_path / "rope.dot") <= 4
     assert _node_count([mixed_attention_reference(q, list(zip(rows, valid)), sinks, 0.1)], tmp_path / "attn.dot") <= 15
     post, comb, collapsed = hyper.hyper_weights(streams, w, ITERS, EPS, EPS)

@@ -158,28 +158,28 @@ class DecodeProjections:
 
     def inputs(self, x: mx.array, tables: RopeTables, index_tables: RopeTables | None):
         """x [B, D] -> (kv, index_w, compressor_in, index_compressor_in, q, index_q) as `_decode_inputs`."""
-        index = () if index_tables is None else (index_tables.cos, index_tables.sin)
-        out = self._inputs[_takes_stacked_inputs(self._w)](x, tables.cos, tables.sin, *index)
+        index = () if index_tables is None else (index_tables.cos, index_tables.signed_sin)
+        out = self._inputs[_takes_stacked_inputs(self._w)](x, tables.cos, tables.signed_sin, *index)
         return (out["kv"], out.get("index_w"), _pair(out, "compressor"), _pair(out, "index_compressor"), out["q"],
                 out.get("index_q"))
 
     def output(self, decoded: mx.array, inverse: RopeTables) -> mx.array:
         """decoded [B, H, hd] -> [B, D] as `_decode_output`."""
-        return self._output(decoded, inverse.cos, inverse.sin)
+        return self._output(decoded, inverse.cos, inverse.signed_sin)
 
-    def _named_inputs(self, stacked: bool, x: mx.array, cos: mx.array, sin: mx.array, *index: mx.array) -> dict[str, mx.array]:
+    def _named_inputs(self, stacked: bool, x: mx.array, cos: mx.array, signed_sin: mx.array, *index: mx.array) -> dict[str, mx.array]:
         """`_decode_inputs` as a compiled function returns them: by name, the parts the layer lacks left out."""
         index_tables = RopeTables(*index, self._rotated) if index else None
         kv, index_w, compressor_in, index_compressor_in, q, index_q = _decode_inputs(
-            x, RopeTables(cos, sin, self._rotated), index_tables, self._w, self._cfg, self._layer, stacked)
+            x, RopeTables(cos, signed_sin, self._rotated), index_tables, self._w, self._cfg, self._layer, stacked)
         named = {"kv": kv, "index_w": index_w, "q": q, "index_q": index_q}
         for prefix, pair in (("compressor", compressor_in), ("index_compressor", index_compressor_in)):
             if pair is not None:
                 named[f"{prefix}_kv"], named[f"{prefix}_gate"] = pair
         return {name: a for name, a in named.items() if a is not None}
 
-    def _flat_output(self, decoded: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-        return _decode_output(decoded, RopeTables(cos, sin, self._rotated), self._w, self._cfg)
+    def _flat_output(self, decoded: mx.array, cos: mx.array, signed_sin: mx.array) -> mx.array:
+        return _decode_output(decoded, RopeTables(cos, signed_sin, self._rotated), self._w, self._cfg)
 
 
 def _pair(named: dict[str, mx.array], prefix: str) -> tuple[mx.array, mx.array] | None:

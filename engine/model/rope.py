@@ -50,15 +50,20 @@ def inv_freq(spec: RopeSpec) -> mx.array:
 @dataclass(frozen=True)
 class RopeTables:
     """A step's rotation for heads of 2·`pairs` channels whose trailing 2·`rotated` channels rotate in
-    interleaved pairs: cos, sin [L, 1, pairs, 1] float32, a row per position. The leading pairs' entries
-    are placeholders (angle 0): `apply_rope` passes those channels through as they are.
+    interleaved pairs, a row per position, float32: cos [L, 1, pairs, 1] and signed_sin [L, 1, pairs, 2], sin
+    times (−1, 1), the signs of the swapped terms (even' = e·cos − o·sin, odd' = o·cos + e·sin). The leading
+    pairs' entries are placeholders (angle 0): `apply_rope` passes those channels through as they are.
+
+    The signs are in the table, multiplied once a step, not in every rotation: the keys' and the queries'
+    rotations in one compiled trace read the same table, and a `sin · (−1, 1)` they both computed was merged
+    into one node that then fused into neither, a kernel launch more a layer (docs/BENCHMARKS.md, "Session 34").
 
     Tables as wide as the head let the rotation write the whole head in one fused kernel: a table of the
     rotated channels alone meant slicing them off and concatenating them back, a copy kernel for each
     part (docs/BENCHMARKS.md, "Session 24")."""
 
     cos: mx.array
-    sin: mx.array
+    signed_sin: mx.array
     rotated: int
 
     @property
@@ -69,16 +74,16 @@ class RopeTables:
         """The tables of positions [r0, r1) (self where that is every row: no slice node)."""
         if r0 == 0 and r1 == self.cos.shape[0]:
             return self
-        return RopeTables(self.cos[r0:r1], self.sin[r0:r1], self.rotated)
+        return RopeTables(self.cos[r0:r1], self.signed_sin[r0:r1], self.rotated)
 
     def inverse(self) -> RopeTables:
         """The rotation back (-sin)."""
-        return RopeTables(self.cos, -self.sin, self.rotated)
+        return RopeTables(self.cos, -self.signed_sin, self.rotated)
 
 
 def cos_sin(spec: RopeSpec, positions: mx.array, width: int | None = None) -> tuple[mx.array, mx.array]:
-    """positions: [L] int -> cos, sin: [L, 1, pairs, 1] float32, one angle per interleaved pair, already
-    shaped for `apply_rope`'s [L, heads, pairs, 2] pairs (no reshape per call there). pairs = width // 2
+    """positions: [L] int -> cos [L, 1, pairs, 1], signed_sin [L, 1, pairs, 2] float32 (RopeTables), one angle
+    per interleaved pair, already shaped for `apply_rope`'s [L, heads, pairs, 2] pairs. pairs = width // 2
     (default: the rotated channels' spec.dim // 2); the leading pairs beyond the rotated ones get angle 0.
     A rotated pair's entries are the same bits at every width (elementwise, the same inverse frequency)."""
     pairs = (width or spec.dim) // 2
@@ -102,11 +107,15 @@ def _inv_freq_table(spec: RopeSpec, pairs: int) -> mx.array:
     return table
 
 
+_SWAPPED_SIGN = mx.array([-1.0, 1.0], dtype=mx.float32)  # even' = e·cos + o·(−sin), odd' = o·cos + e·sin
+
+
 @shapeless
 def _cos_sin(positions: mx.array, inv_freq: mx.array, attention_factor: float) -> tuple[mx.array, mx.array]:
-    """positions: [L, 1, 1, 1] float32, inv_freq: [1, 1, pairs, 1] -> cos, sin: [L, 1, pairs, 1], fused."""
+    """positions: [L, 1, 1, 1] float32, inv_freq: [1, 1, pairs, 1] -> cos [L, 1, pairs, 1], signed_sin
+    [L, 1, pairs, 2], fused. The sign's product is exact: the same bits as signing in the rotation."""
     freqs = positions * inv_freq
-    return mx.cos(freqs) * attention_factor, mx.sin(freqs) * attention_factor
+    return mx.cos(freqs) * attention_factor, (mx.sin(freqs) * attention_factor) * _SWAPPED_SIGN
 
 
 class StepRope:
@@ -141,15 +150,15 @@ def apply_rope(x: mx.array, tables: RopeTables) -> mx.array:
     pairs = tables.pairs
     if x.shape[-1] != 2 * pairs:
         raise ValueError(f"RoPE tables for {2 * pairs} channels, a head of {x.shape[-1]}")
-    shape = (tables.cos.shape[0],) + (1,) * (x.ndim - 2) + (pairs, 1)  # against pairs [L, .., pairs, 2]
-    cos, sin = tables.cos, tables.sin
-    if cos.shape != shape:
-        cos, sin = cos.reshape(shape), sin.reshape(shape)
-    paired = x.reshape(*x.shape[:-1], pairs, 2)  # `paired[..., ::-1]` is (odd, even) per pair
+    # [L, heads, pairs, 2] whatever x's rank (heads: the product of the middle axes, 1 for [L, 2·pairs] rows), so the
+    # tables' [L, 1, pairs, ·] meet every x as they are: no reshape of them per call (two nodes a call, a host cost
+    # each on a GPU: docs/BENCHMARKS.md, "Session 34").
+    paired = x.reshape(x.shape[0], math.prod(x.shape[1:-1]), pairs, 2)  # `paired[..., ::-1]` is (odd, even) per pair
+    cos, signed_sin = tables.cos, tables.signed_sin
     if tables.rotated == pairs:  # every channel rotates (the indexer's keys)
-        return _rotated_pairs(paired, paired[..., ::-1], cos, sin).reshape(x.shape)
+        return _rotated_pairs(paired, paired[..., ::-1], cos, signed_sin).reshape(x.shape)
     rotates = _rotated_mask(pairs, tables.rotated)
-    return _rotated_tail(paired, paired[..., ::-1], cos, sin, rotates).reshape(x.shape)
+    return _rotated_tail(paired, paired[..., ::-1], cos, signed_sin, rotates).reshape(x.shape)
 
 
 @lru_cache(maxsize=32)
@@ -160,18 +169,15 @@ def _rotated_mask(pairs: int, rotated: int) -> mx.array:
     return mask
 
 
-_SWAPPED_SIGN = mx.array([-1.0, 1.0], dtype=mx.float32)  # even' = e·cos + o·(−sin), odd' = o·cos + e·sin
-
-
 @shapeless
-def _rotated_pairs(pairs: mx.array, swapped: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """pairs, swapped: [..., half, 2] (x's dtype), cos/sin: [..., half, 1] -> [..., half, 2] rotated
-    in float32, back in x's dtype."""
+def _rotated_pairs(pairs: mx.array, swapped: mx.array, cos: mx.array, signed_sin: mx.array) -> mx.array:
+    """pairs, swapped: [..., half, 2] (x's dtype), cos: [..., half, 1], signed_sin: [..., half, 2] ->
+    [..., half, 2] rotated in float32, back in x's dtype."""
     dtype = pairs.dtype
-    return (pairs.astype(mx.float32) * cos + swapped.astype(mx.float32) * (sin * _SWAPPED_SIGN)).astype(dtype)
+    return (pairs.astype(mx.float32) * cos + swapped.astype(mx.float32) * signed_sin).astype(dtype)
 
 
 @shapeless
-def _rotated_tail(pairs: mx.array, swapped: mx.array, cos: mx.array, sin: mx.array, rotates: mx.array) -> mx.array:
+def _rotated_tail(pairs: mx.array, swapped: mx.array, cos: mx.array, signed_sin: mx.array, rotates: mx.array) -> mx.array:
     """`_rotated_pairs` where `rotates` [pairs, 1], the pairs themselves elsewhere (their bits, -0 included)."""
-    return mx.where(rotates, _rotated_pairs.plain(pairs, swapped, cos, sin), pairs)
+    return mx.where(rotates, _rotated_pairs.plain(pairs, swapped, cos, signed_sin), pairs)
