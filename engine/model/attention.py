@@ -362,6 +362,9 @@ def _rotated_back_output(out: mx.array, inverse: RopeTables, w: AttentionWeights
     (`inverse`); then a per-group low-rank projection and one mixing projection."""
     out = apply_rope(out, inverse)
     num_tokens, groups = out.shape[0], cfg.o_groups
+    if num_tokens == 1:  # [1, G, ·] and [G, 1, ·] are one order in memory: a reshape each way, no transpose node
+        grouped = out.reshape(groups, 1, -1)  # [G, 1, H·hd / G]
+        return linear(grouped_linear(grouped, w.wo_a, groups).reshape(1, -1), w.wo_b)
     grouped = out.reshape(num_tokens, groups, -1).transpose(1, 0, 2)  # [G, B, H·hd / G]
     mid = grouped_linear(grouped, w.wo_a, groups).transpose(1, 0, 2).reshape(num_tokens, -1)  # [B, G·o_lora]
     return linear(mid, w.wo_b)
