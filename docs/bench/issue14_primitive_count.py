@@ -155,6 +155,7 @@ def main() -> None:
 
 
 def count(args: argparse.Namespace) -> None:
+    """One JSON line per batch size: the counted steps and the timing (module docstring)."""
     if args.step_compile is not None:
         set_step_compile_enabled(bool(args.step_compile))
     model = load_model(args.model_dir, dtype=args.dtype) if args.dtype else load_model(args.model_dir)

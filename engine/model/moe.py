@@ -90,6 +90,7 @@ class MoEWeights:
         return router_t
 
     def prime(self) -> None:
+        """Makes `router_t` now: it evaluates when made, never inside a compiled trace."""
         _ = self.router_t
 
 
