@@ -17,7 +17,6 @@ from tessera.engine.model.loader import load_model
 from tessera.engine.tools.make_model import make_model
 from tessera.engine.tools.replay import random_tokens
 from tessera.kernels import indexer_cuda, row_gather
-from tests.support.bench_script import TINY_OVERRIDES
 from tests.support.graph_nodes import primitive_kinds
 
 OVERRIDES = dict(layer_types=[WINDOW, CSA, HCA, CSA], num_hidden_layers=4, compress_rates={CSA: 4, HCA: 32})
@@ -93,7 +92,7 @@ def test_on_cuda_the_indexer_and_the_selected_rows_are_one_node_per_batch(tmp_pa
 def test_the_cuda_paths_decode_step_builds_no_more_nodes_than_it_did(tmp_path):
     """One sequence's decode steps with the CUDA path's graph (kernels stood in by a node each), four of them so
     that one closes the CSA windows: neither kind of step grows past its count (MAX_CUDA_STEP_NODES)."""
-    model = load_model(make_model(tmp_path / "m", "tiny", seed=2, with_tokenizer=False, **TINY_OVERRIDES), dtype="float32")
+    model = load_model(make_model(tmp_path / "m", "tiny", seed=2, with_tokenizer=False, **OVERRIDES), dtype="float32")
     cache = model.new_cache()
     model.forward([Segment(cache, list(range(3, 40)))])
     counts = []
