@@ -13,10 +13,10 @@ def test_overlap_script_times_every_arm_in_alternating_rounds(tmp_path):
     rows = run_bench_script("issue14_decode_overlap.py", tiny_model(tmp_path / "model"), tmp_path / "overlap.jsonl",
                             "--ctx", "100", "--batch", "3", "--chunk", "32", "--tile", "8", "--steps", "3",
                             "--arms", "serial", "serving_overlap", "--rounds", "1", "--profile-steps", "2",
-                            "--profile-top", "40", "--profile-top-total", "3")
-    # The model step has little own time, and its callers (the arm, the runner's execute, ...) outrank it by
-    # total: the script lists it by name whatever its rank (CI once missed it; checked alone below, since 40 by
-    # own time, which the callers check needs, can happen to take it in).
+                            "--profile-top", "5", "--profile-top-total", "20")
+    # The model step has little own time, and on a busy machine its callers can outrank it by total: the script
+    # lists it by name whatever its rank (CI once missed it; the rule is checked alone below). The layer's callees
+    # come in by total time (with only 3 by total, CI once listed none).
     rounds = [(r["arm"], r["batch"]) for r in rows if r["what"] == "decode"]
     assert rounds == [(arm, b) for b in (1, 3) for arm in ("serial", "serving_overlap", "serving_overlap", "serial")]
     assert all(len(r["step_ms"]) >= 2 and r["step_ms_median"] > 0 for r in rows if r["what"] == "decode")
