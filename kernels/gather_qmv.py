@@ -43,24 +43,25 @@ that lane l reads bank l: half the shared loads, 3.5 instead of 4 instructions a
 The kernel reads pair p's row x[p // rows_per_x]: a decode step's k pairs of a token read the token's row, without
 the repeat that would copy it k times (engine/model/moe.py, `_pairs_in_order`).
 
-Session 30: a tensor-core variant for bf16 rows (`gather_qmv_mma_kernel`, TESSERA_GATHER_QMV_MMA=1). The table's
-shared load, the shift and mask before it and the FMA after it (four instructions an element, the first bound to
-the L1 pipe) become bit moves that write two codes as a bf16 pair (code << 6 is the code's value times 2^-126,
-bf16's subnormal range included), one bf16x2 multiply by the group's scale times 2^126 (exact: a power of two;
-two multiplies for scales above 2^1), and an mma.sync m16n8k16 per 256 weights with x as column 0 of its B
-operand: by its SASS (ptxas 13, sm_90) about 2.5 instructions an element, none of them shared loads. A warp's
-quad holds rows g and g + 8 of a 16-row tile, each lane one 16-byte code group of each; the warps of a block take
-the row's 128-element chunks in turn, and their partial sums are added in warp order, so a row's bits still do
-not depend on the batch. Not the table kernel's bits (the tensor cores sum in their own order): the CUDA tests
-hold it to the reference's bits on exact inputs and every code and scale, and to the output's rounding otherwise.
-Measured in session 31 on an H100, before the fix below: 7-15 % faster than the table kernel at 8 and 16 tokens'
-pairs, no slower at 1 (docs/BENCHMARKS.md). The same lease's CUDA tests hung it on mixed scales: the two-multiply
-path was chosen per lane, and mma.sync needs the whole warp. The path is now the warp's (`__any_sync`, one vote a
-code group). Session 33 (an H100): with the fix, the kernel's CUDA tests pass (21, the mixed-scale case among them)
-and so does the whole CUDA suite with the variant on (154 passed, 1 skipped). Its speed since the fix was measured
-only in the serving step, where the two kernels were within that host's noise (docs/BENCHMARKS.md, "Session 33"),
-so the switch stays off until the kernel-alone probe (docs/bench/gather_qmv_variants_probe.py) shows that the fix
-kept the gain.
+Session 30: a tensor-core variant for bf16 rows (`gather_qmv_mma_kernel`; TESSERA_GATHER_QMV_MMA, on by default).
+The table's shared load, the shift and mask before it and the FMA after it (four instructions an element, the first
+bound to the L1 pipe) become bit moves that write two codes as a bf16 pair (code << 6 is the code's value times
+2^-126, bf16's subnormal range included), one bf16x2 multiply by the group's scale times 2^126 (exact: a power of
+two; two multiplies for scales above 2^1), and an mma.sync m16n8k16 per 256 weights with x as column 0 of its B
+operand: by its SASS (ptxas 13, sm_90) about 2.5 instructions an element, none of them shared loads. A warp's quad
+holds rows g and g + 8 of a 16-row tile, each lane one 16-byte code group of each; the warps of a block take the
+row's 128-element chunks in turn, and their partial sums are added in warp order, so a row's bits still do not
+depend on the batch. Not the table kernel's bits (the tensor cores sum in their own order): the CUDA tests hold it
+to the reference's bits on exact inputs and every code and scale, and to the output's rounding otherwise. Measured
+in session 31 on an H100, before the fix below: 7-15 % faster than the table kernel at 8 and 16 tokens' pairs, no
+slower at 1 (docs/BENCHMARKS.md). The same lease's CUDA tests hung it on mixed scales: the two-multiply path was
+chosen per lane, and mma.sync needs the whole warp. The path is now the warp's (`__any_sync`, one vote a code
+group). Session 33 (an H100): with the fix, the kernel's CUDA tests pass (21, the mixed-scale case among them) and
+so does the whole CUDA suite with the variant on (154 passed, 1 skipped). Session 35 (an H100, the kernel-alone
+probe docs/bench/gather_qmv_variants_probe.py, A B B A): with the fix the variant is still 12-15 % faster at V4
+Flash's expert shapes, at 6, 48 and 96 pairs, up and down, uniform and skewed routing (at 96 pairs 0.167-0.173 ms
+against 0.188-0.200), so the switch is on by default (TESSERA_GATHER_QMV_MMA=0 keeps the table kernel). In a whole
+decode step the gain (~5 us a call) is below a host's noise (docs/BENCHMARKS.md).
 
 Switch: TESSERA_GATHER_QMV_KERNEL=0 keeps MLX's gather_qmm (1, the default, uses the kernel where it
 applies: CUDA; mxfp4, group 32, no biases; one row per pair; K a multiple of 1024 up to 11,264 (the
@@ -77,7 +78,7 @@ from tessera.kernels.switch import Switch
 ENV_VAR = "TESSERA_GATHER_QMV_KERNEL"
 _switch = Switch(ENV_VAR, default=True)
 MMA_ENV_VAR = "TESSERA_GATHER_QMV_MMA"
-_mma_switch = Switch(MMA_ENV_VAR, default=False)
+_mma_switch = Switch(MMA_ENV_VAR, default=True)
 
 ROWS_PER_BLOCK = 32  # output rows of one pair per block
 UNROLL = 8  # rows whose loads are in flight together
