@@ -1,6 +1,12 @@
 """The hyper-connections' Sinkhorn projection (engine/model/hyper.py): a plain-MLX reference and, for
 MLX's CUDA backend, one kernel for all iterations.
 
+What the engine takes from here is the layer's mixing matrix as `expand` reads it (`mixing_reference`,
+`mixing_kernel`): the Sinkhorn projection of the comb mixes' softmax plus eps, rounded to the streams' dtype
+and transposed (mix_t[k, j] = comb[j, k]). The kernel does the three steps around the iterations too (the eps
+add before, the cast and the transposed write after), which in MLX were two more kernels and a view a collapse
+(docs/BENCHMARKS.md, "Session 35"): the same round-to-nearest add and cast, so the same bits.
+
 The reference is 2 reductions and 2 fused divisions per iteration: ~80 graph nodes (kernel launches)
 per collapse, 20 iterations, 2 collapses per layer — most of a decode step's graph (docs/BENCHMARKS.md,
 "Issue 14: decode overhead"). The kernel runs one thread per token with its hc×hc matrix in registers:
@@ -86,18 +92,33 @@ def sinkhorn_ordered(comb: mx.array, iters: int, eps: float) -> mx.array:
     return comb
 
 
-def is_supported(comb: mx.array) -> bool:
-    return _switch.enabled() and on_cuda() and comb.dtype == mx.float32 and comb.ndim == 3 and comb.shape[1] == comb.shape[2]
+def mixing_reference(probs: mx.array, iters: int, eps: float, dtype: mx.Dtype) -> mx.array:
+    """probs: [T, hc, hc] float32, the softmax of a collapse's comb mixes -> mix_t [T, hc, hc] in `dtype`:
+    the Sinkhorn projection of probs + eps, rounded to `dtype` and transposed (mix_t[t, k, j] = comb[t, j, k]),
+    so that expand's product reads it as it is."""
+    return sinkhorn_reference(probs + eps, iters, eps).astype(dtype).transpose(0, 2, 1)
+
+
+def mixing_ordered(probs: mx.array, iters: int, eps: float, dtype: mx.Dtype) -> mx.array:
+    """`mixing_reference` with `sinkhorn_ordered`'s sums: the kernel's bits."""
+    return sinkhorn_ordered(probs + eps, iters, eps).astype(dtype).transpose(0, 2, 1)
+
+
+OUT_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
+
+
+def is_supported(probs: mx.array) -> bool:
+    return _switch.enabled() and on_cuda() and probs.dtype == mx.float32 and probs.ndim == 3 and probs.shape[1] == probs.shape[2]
 
 
 _SOURCE = r"""
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
-  if (t >= comb_shape[0]) return;
+  if (t >= probs_shape[0]) return;
   const float e = __int_as_float(EPS_BITS);
   const int iters = ITERS;
   float c[HC][HC];
   for (int i = 0; i < HC; ++i)
-    for (int j = 0; j < HC; ++j) c[i][j] = comb[(size_t)t * HC * HC + i * HC + j];
+    for (int j = 0; j < HC; ++j) c[i][j] = __fadd_rn(probs[(size_t)t * HC * HC + i * HC + j], e);
   for (int it = 0; it < iters; ++it) {
     if (it > 0) {  // rows (every iteration after the first starts with them)
       for (int i = 0; i < HC; ++i) {
@@ -114,8 +135,8 @@ _SOURCE = r"""
       for (int i = 0; i < HC; ++i) c[i][j] = __fdiv_rn(c[i][j], s);
     }
   }
-  for (int i = 0; i < HC; ++i)
-    for (int j = 0; j < HC; ++j) out[(size_t)t * HC * HC + i * HC + j] = c[i][j];
+  for (int i = 0; i < HC; ++i)  // transposed: entry (i, j) to [j][i], rounded to T as MLX's astype rounds
+    for (int j = 0; j < HC; ++j) out[(size_t)t * HC * HC + j * HC + i] = static_cast<T>(c[i][j]);
 """
 
 # A token's hc×hc entries on as many lanes, TOKENS_PER_WARP tokens a warp (lanes past them idle, and every
@@ -126,7 +147,7 @@ _WARP_SOURCE = r"""
   constexpr unsigned FULL = 0xffffffffu;
   const int lane = threadIdx.x & 31;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const int num_tokens = comb_shape[0];
+  const int num_tokens = probs_shape[0];
   if (warp * TOKENS_PER_WARP >= num_tokens) return;  // the whole warp idle: leaves together
   const int slot = lane / GROUP;
   const int t = warp * TOKENS_PER_WARP + slot;
@@ -135,7 +156,7 @@ _WARP_SOURCE = r"""
   const int i = (lane % GROUP) / HC;
   const int j = (lane % GROUP) % HC;
   const float eps = __int_as_float(EPS_BITS);
-  float v = active ? comb[(size_t)t * GROUP + i * HC + j] : 1.0f;
+  float v = active ? __fadd_rn(probs[(size_t)t * GROUP + i * HC + j], eps) : 1.0f;
   for (int it = 0; it < ITERS; ++it) {
     if (it > 0) {  // rows (every iteration after the first starts with them)
       float s = __shfl_sync(FULL, v, base + i * HC);
@@ -148,16 +169,17 @@ _WARP_SOURCE = r"""
     s = __fadd_rn(s, eps);
     v = __fdiv_rn(v, s);
   }
-  if (active) out[(size_t)t * GROUP + i * HC + j] = v;
+  if (active) out[(size_t)t * GROUP + j * HC + i] = static_cast<T>(v);  // transposed, rounded to T
 """
 
 THREADS = 128
 
 
-def kernel_template(hc: int, iters: int, eps: float) -> list[tuple[str, int]]:
+def kernel_template(hc: int, iters: int, eps: float, dtype: mx.Dtype = mx.float32) -> list[tuple[str, int | mx.Dtype]]:
     """The kernel's compile-time constants. `eps` travels as its float32 bit pattern (a template takes
-    integers only), so the kernel adds exactly the float32 the reference adds; no per-call input arrays."""
-    return [("HC", hc), ("ITERS", iters), ("EPS_BITS", float_bits(eps))]
+    integers and types only), so the kernel adds exactly the float32 the reference adds; no per-call input
+    arrays. T: the output's dtype (the streams')."""
+    return [("HC", hc), ("ITERS", iters), ("EPS_BITS", float_bits(eps)), ("T", dtype)]
 
 
 def tokens_per_warp(hc: int) -> int:
@@ -165,26 +187,28 @@ def tokens_per_warp(hc: int) -> int:
     return 32 // (hc * hc)
 
 
-def sinkhorn_kernel(comb: mx.array, iters: int, eps: float) -> mx.array:
-    """comb: [T, hc, hc] float32 on a CUDA device -> the same as `sinkhorn_ordered`, one launch (the warp
-    layout where a token's matrix fits a warp and TESSERA_SINKHORN_WARP is on, else a thread per token)."""
-    rows, hc = comb.shape[0], comb.shape[-1]
+def mixing_kernel(probs: mx.array, iters: int, eps: float, dtype: mx.Dtype) -> mx.array:
+    """probs: [T, hc, hc] float32 on a CUDA device -> `mixing_ordered`'s result, one launch (the warp layout
+    where a token's matrix fits a warp and TESSERA_SINKHORN_WARP is on, else a thread per token)."""
+    if dtype not in OUT_DTYPES:
+        raise ValueError(f"the mixing kernel writes {OUT_DTYPES}, not {dtype}")
+    rows, hc = probs.shape[0], probs.shape[-1]
     if rows == 0:
-        return comb
+        return probs.astype(dtype)
     per_warp = tokens_per_warp(hc)
     if _warp_switch.enabled() and per_warp:
-        kernel = compiled_kernel("tessera_sinkhorn_warp", ("comb",), ("out",), _WARP_SOURCE, "")
-        template = [*kernel_template(hc, iters, eps), ("TOKENS_PER_WARP", per_warp)]
+        kernel = compiled_kernel("tessera_sinkhorn_warp", ("probs",), ("out",), _WARP_SOURCE, "")
+        template = [*kernel_template(hc, iters, eps, dtype), ("TOKENS_PER_WARP", per_warp)]
         threads = -(-rows // per_warp) * 32
     else:
-        kernel = compiled_kernel("tessera_sinkhorn", ("comb",), ("out",), _SOURCE, "")
-        template, threads = kernel_template(hc, iters, eps), rows
+        kernel = compiled_kernel("tessera_sinkhorn", ("probs",), ("out",), _SOURCE, "")
+        template, threads = kernel_template(hc, iters, eps, dtype), rows
     (out,) = kernel(
-        inputs=[comb],
+        inputs=[probs],
         template=template,
         grid=((threads + THREADS - 1) // THREADS * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
-        output_shapes=[comb.shape],
-        output_dtypes=[mx.float32],
+        output_shapes=[probs.shape],
+        output_dtypes=[dtype],
     )
     return out

@@ -46,6 +46,11 @@ def reference_hyper_weights(streams, w: hyper.HyperWeights, iters, hc_eps, norm_
     return post[..., None], comb, (pre[..., None] * streams).sum(axis=1).astype(streams.dtype)
 
 
+def as_mix_t(comb, dtype):
+    """The reference's comb as hyper_weights hands it to expand: in the streams' dtype, transposed."""
+    return comb.astype(dtype).transpose(0, 2, 1)
+
+
 def reference_expand(block_out, streams, post, comb):
     mixed = comb.astype(streams.dtype).transpose(0, 2, 1) @ streams
     return post.astype(streams.dtype) * block_out[:, None, :] + mixed  # post: [T, hc, 1]
@@ -87,11 +92,11 @@ def test_hyper_connections_give_the_reference_bits_for_every_batch_size(dtype, e
         streams = mx.random.normal((rows, HC, WIDTH), key=mx.random.key(10 + step)).astype(dtype)
         block_out = mx.random.normal((rows, WIDTH), key=mx.random.key(20 + step)).astype(dtype)
         got = hyper.hyper_weights(streams, w, ITERS, EPS, EPS)
-        want = reference_hyper_weights(streams, w, ITERS, EPS, EPS)
-        for name, a, b in zip(("post", "comb", "collapsed"), got, want):
+        post, comb, collapsed = reference_hyper_weights(streams, w, ITERS, EPS, EPS)
+        for name, a, b in zip(("post", "mix_t", "collapsed"), got, (post, as_mix_t(comb, dtype), collapsed)):
             assert a.shape == b.shape and a.dtype == b.dtype, name
             assert mx.array_equal(a, b).item(), f"{name} differs at {rows} rows"
-        assert mx.array_equal(hyper.expand(block_out, streams, got[0], got[1]), reference_expand(block_out, streams, *want[:2])).item()
+        assert mx.array_equal(hyper.expand(block_out, streams, got[0], got[1]), reference_expand(block_out, streams, post, comb)).item()
         head = (w.fn[:HC], w.base[:HC], w.scale[:1])
         got_head = hyper.head_collapse(streams, hyper.HyperWeights(*head), EPS, EPS)
         assert got_head.shape == (rows, WIDTH)
@@ -100,9 +105,9 @@ def test_hyper_connections_give_the_reference_bits_for_every_batch_size(dtype, e
 
 def test_sinkhorn_output_is_doubly_stochastic():
     streams = mx.random.normal((7, HC, WIDTH), key=mx.random.key(3))
-    _, comb, _ = hyper.hyper_weights(streams, _weights(mx.float32, 1), ITERS, EPS, EPS)
-    assert mx.allclose(comb.sum(axis=-1), mx.ones((7, HC)), atol=1e-3).item()
-    assert mx.allclose(comb.sum(axis=-2), mx.ones((7, HC)), atol=1e-3).item()
+    _, mix_t, _ = hyper.hyper_weights(streams, _weights(mx.float32, 1), ITERS, EPS, EPS)
+    assert mx.allclose(mix_t.sum(axis=-1), mx.ones((7, HC)), atol=1e-3).item()
+    assert mx.allclose(mix_t.sum(axis=-2), mx.ones((7, HC)), atol=1e-3).item()
 
 
 def test_the_switch_really_changes_the_graph(tmp_path):
@@ -285,10 +290,10 @@ def test_decode_pieces_stay_within_their_node_budgets(tmp_path):
     mx.eval(tables.cos, tables.signed_sin)
     assert _node_count([apply_rope(q, tables)], tmp_path / "rope.dot") <= 4
     assert _node_count([mixed_attention_reference(q, list(zip(rows, valid)), sinks, 0.1)], tmp_path / "attn.dot") <= 15
-    post, comb, collapsed = hyper.hyper_weights(streams, w, ITERS, EPS, EPS)
+    post, mix_t, collapsed = hyper.hyper_weights(streams, w, ITERS, EPS, EPS)
     assert _node_count([post, collapsed], tmp_path / "hyper.dot") <= 14  # the Sinkhorn's nodes left out
-    mx.eval(post, comb, collapsed)
-    assert _node_count([hyper.expand(collapsed, streams, post, comb)], tmp_path / "expand.dot") <= 6
+    mx.eval(post, mix_t, collapsed)
+    assert _node_count([hyper.expand(collapsed, streams, post, mix_t)], tmp_path / "expand.dot") <= 6
 
 
 def test_hyper_connections_hand_the_mixing_kernel_its_operands_where_it_runs(monkeypatch):
@@ -316,7 +321,8 @@ def test_hyper_connections_hand_the_mixing_kernel_its_operands_where_it_runs(mon
     head = (w.fn[:HC], w.base[:HC], w.scale[:1])
     streams = mx.random.normal((3, HC, WIDTH), key=mx.random.key(5))
     got = hyper.hyper_weights(streams, w, ITERS, EPS, EPS)
-    for name, a, b in zip(("post", "comb", "collapsed"), got, reference_hyper_weights(streams, w, ITERS, EPS, EPS)):
+    post, comb, collapsed = reference_hyper_weights(streams, w, ITERS, EPS, EPS)
+    for name, a, b in zip(("post", "mix_t", "collapsed"), got, (post, as_mix_t(comb, mx.float32), collapsed)):
         assert mx.allclose(a, b, rtol=1e-4, atol=1e-5).item(), name
     got_head = hyper.head_collapse(streams, hyper.HyperWeights(*head), EPS, EPS)
     assert mx.allclose(got_head, reference_head_collapse(streams, *head, EPS, EPS), rtol=1e-4, atol=1e-5).item()

@@ -155,7 +155,7 @@ def test_the_cuda_stand_in_is_undone_after_it():
     before = (compiled.step_compile_enabled(), moe.OVERLAP_HOST_WORK, mx.fast.rms_norm, sinkhorn.is_supported(comb))
     with cuda_graph_on_cpu():
         assert cuda.on_cuda() and sinkhorn.is_supported(comb) and compiled.step_compile_enabled()
-        out = sinkhorn.sinkhorn_kernel(comb, 20, 1e-6)
-        assert out.shape == comb.shape and out.dtype == comb.dtype
+        out = sinkhorn.mixing_kernel(comb, 20, 1e-6, mx.bfloat16)
+        assert out.shape == comb.shape and out.dtype == mx.bfloat16
     assert not cuda.on_cuda() and before == (compiled.step_compile_enabled(), moe.OVERLAP_HOST_WORK, mx.fast.rms_norm,
                                                sinkhorn.is_supported(comb))

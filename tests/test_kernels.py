@@ -349,13 +349,14 @@ def test_sinkhorn_kernel_constants_carry_the_exact_float32_eps(eps):
 @pytest.mark.parametrize("hc, rows", [(4, 1), (4, 3), (4, 16), (3, 7), (2, 9)])
 def test_sinkhorn_warp_layout_lanes_add_and_divide_as_the_ordered_reference(hc, rows):
     """kernels/sinkhorn.py's warp layout, its lane arithmetic written out in NumPy float32 (IEEE adds and
-    divisions, as __fadd_rn and __fdiv_rn): lane -> (token slot, i, j), row and column sums read from the lanes
-    the kernel shuffles from, idle lanes included. It must give sinkhorn_ordered's bits; the CUDA test runs the
-    kernel itself (tests/test_kernels_cuda.py)."""
-    from tessera.kernels.sinkhorn import sinkhorn_ordered, tokens_per_warp
+    divisions, as __fadd_rn and __fdiv_rn): lane -> (token slot, i, j), the eps added to its softmax entry, row
+    and column sums read from the lanes the kernel shuffles from, idle lanes included, the entry written
+    transposed. It must give mixing_ordered's bits (float32 out); the CUDA test runs the kernel itself
+    (tests/test_kernels_cuda.py)."""
+    from tessera.kernels.sinkhorn import mixing_ordered, tokens_per_warp
 
-    comb = mx.softmax(mx.random.normal((rows, hc, hc), key=mx.random.key(rows)) * 3, axis=-1) + 1e-6
-    flat, eps, group, per_warp = np.array(comb).reshape(rows, hc * hc), np.float32(1e-6), hc * hc, tokens_per_warp(hc)
+    probs = mx.softmax(mx.random.normal((rows, hc, hc), key=mx.random.key(rows)) * 3, axis=-1)
+    flat, eps, group, per_warp = np.array(probs).reshape(rows, hc * hc), np.float32(1e-6), hc * hc, tokens_per_warp(hc)
     out = np.zeros_like(flat)
     for warp in range(-(-rows // per_warp)):
         lane = np.arange(32)
@@ -363,7 +364,7 @@ def test_sinkhorn_warp_layout_lanes_add_and_divide_as_the_ordered_reference(hc, 
         t = warp * per_warp + slot
         active = (slot < per_warp) & (t < rows)
         base = np.where(slot < per_warp, slot, 0) * group
-        v = np.where(active, flat[np.minimum(t, rows - 1), i * hc + j], np.float32(1.0)).astype(np.float32)
+        v = np.where(active, flat[np.minimum(t, rows - 1), i * hc + j] + eps, np.float32(1.0)).astype(np.float32)
         shfl = lambda src: v[src % 32]  # noqa: E731  (__shfl_sync: the value lane src holds)
         for it in range(20):
             if it > 0:
@@ -375,9 +376,22 @@ def test_sinkhorn_warp_layout_lanes_add_and_divide_as_the_ordered_reference(hc, 
             for k in range(1, hc):
                 s = s + shfl(base + k * hc + j)
             v = v / (s + eps)
-        out[t[active], (i * hc + j)[active]] = v[active]
-    want = np.array(sinkhorn_ordered(comb, 20, 1e-6)).reshape(rows, hc * hc)
+        out[t[active], (j * hc + i)[active]] = v[active]  # transposed
+    want = np.array(mixing_ordered(probs, 20, 1e-6, mx.float32)).reshape(rows, hc * hc)
     assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_the_mixing_matrix_is_the_sinkhorn_projection_rounded_and_transposed(dtype):
+    """mixing_reference (what expand reads): the Sinkhorn projection of softmax + eps, in the streams' dtype,
+    transposed; mixing_ordered (the kernel's bits) the same on the CPU."""
+    from tessera.kernels.sinkhorn import mixing_ordered, mixing_reference, sinkhorn_reference
+
+    probs = mx.softmax(mx.random.normal((5, 4, 4), key=mx.random.key(3)) * 3, axis=-1)
+    comb = sinkhorn_reference(probs + 1e-6, 20, 1e-6)
+    got = mixing_reference(probs, 20, 1e-6, dtype)
+    assert got.dtype == dtype and mx.array_equal(got, comb.astype(dtype).transpose(0, 2, 1)).item()
+    assert mx.array_equal(mixing_ordered(probs, 20, 1e-6, dtype), got).item()
 
 
 def test_sinkhorn_warp_layout_is_the_default_and_switches_off():

@@ -92,21 +92,23 @@ def test_topk_kernel_selects_the_reference_rows_with_ties(t, n, k):
     assert mx.array_equal(got_rows, want_rows).item()  # as `check kernels` compares them
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 @pytest.mark.parametrize("warp", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 3, 16, 37, 1000])
-def test_sinkhorn_kernel_equals_the_ordered_reference(rows, warp, monkeypatch):
-    """Round-to-nearest adds and divisions in the reference's order: the same bits, token by token, a thread
-    per token or a lane per entry (TESSERA_SINKHORN_WARP; 1 to 3 and 16 tokens: a warp's two token groups
-    half and wholly used, a decode batch)."""
+def test_sinkhorn_kernel_equals_the_ordered_reference(rows, warp, dtype, monkeypatch):
+    """Round-to-nearest adds, divisions and the cast in the reference's order: the same bits, token by token, a
+    thread per token or a lane per entry (TESSERA_SINKHORN_WARP; 1 to 3 and 16 tokens: a warp's two token groups
+    half and wholly used, a decode batch), the eps added before and the result written transposed."""
     from tessera.kernels import sinkhorn
-    from tessera.kernels.sinkhorn import sinkhorn_kernel, sinkhorn_ordered, sinkhorn_reference
+    from tessera.kernels.sinkhorn import mixing_kernel, mixing_ordered, mixing_reference
 
     monkeypatch.setattr(sinkhorn, "_warp_switch", sinkhorn.Switch("TESSERA_SINKHORN_WARP", default=warp))
-    comb = mx.softmax(mx.random.normal((rows, 4, 4), key=mx.random.key(rows)) * 3, axis=-1) + 1e-6
-    got = sinkhorn_kernel(comb, 20, 1e-6)
-    assert mx.array_equal(got, sinkhorn_ordered(comb, 20, 1e-6)).item()
-    assert mx.allclose(got, sinkhorn_reference(comb, 20, 1e-6), rtol=1e-5, atol=1e-7).item()
-    assert mx.array_equal(sinkhorn_kernel(comb[:1], 20, 1e-6), got[:1]).item()  # a row alone: the same bits
+    probs = mx.softmax(mx.random.normal((rows, 4, 4), key=mx.random.key(rows)) * 3, axis=-1)
+    got = mixing_kernel(probs, 20, 1e-6, dtype)
+    assert got.dtype == dtype and mx.array_equal(got, mixing_ordered(probs, 20, 1e-6, dtype)).item()
+    want = mixing_reference(probs, 20, 1e-6, mx.float32)
+    assert mx.allclose(got.astype(mx.float32), want, rtol=1e-5 if dtype == mx.float32 else 1e-2, atol=1e-7).item()
+    assert mx.array_equal(mixing_kernel(probs[:1], 20, 1e-6, dtype), got[:1]).item()  # a row alone: the same bits
 
 
 def _hc_mix_inputs(rows: int, hc: int, hidden: int, dtype, scales: int):

@@ -115,13 +115,13 @@ def rms_norm_texts() -> list[KernelText]:
 def checked_kernels() -> list[KernelText]:
     """Every kernel in kernels/, at V4 Flash's widths (batched kernels at 16 buffers)."""
     bf16, f32, i32, u32, u8 = mx.bfloat16, mx.float32, mx.int32, mx.uint32, mx.uint8
-    sink = tuple(sinkhorn.kernel_template(4, 20, 1e-6))
+    sink = tuple(sinkhorn.kernel_template(4, 20, 1e-6, bf16))
     gather_name, gather_inputs, gather_outputs, gather_source = row_gather._batched_kernel_text(16)
     index_name, index_inputs, index_outputs, index_source = indexer_cuda._batched_kernel_text(16)
     heads, d = 64, 128
     return [
-        KernelText("tessera_sinkhorn", (("comb", f32),), (("out", f32),), sinkhorn._SOURCE, "", sink),
-        KernelText("tessera_sinkhorn_warp", (("comb", f32),), (("out", f32),), sinkhorn._WARP_SOURCE, "",
+        KernelText("tessera_sinkhorn", (("probs", f32),), (("out", bf16),), sinkhorn._SOURCE, "", sink),
+        KernelText("tessera_sinkhorn_warp", (("probs", f32),), (("out", bf16),), sinkhorn._WARP_SOURCE, "",
                    sink + (("TOKENS_PER_WARP", sinkhorn.tokens_per_warp(4)),)),
         KernelText("tessera_hc_mix", (("flat", bf16), ("fn", f32), ("scale", f32), ("base", f32)), (("out", f32),),
                    hc_mix._SOURCE, hc_mix._HEADER, tuple(hc_mix.kernel_template(bf16, 1e-6))),

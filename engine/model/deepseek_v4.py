@@ -53,9 +53,9 @@ class LayerWeights:
 class _CompiledLayer:
     """A layer's shape-stable decode parts, compiled with fixed shapes (compiled.StepCompiled)."""
 
-    attention_in: StepCompiled  # streams -> (post, comb, normed attention input)
+    attention_in: StepCompiled  # streams -> (post, mix_t, normed attention input)
     attention: DecodeProjections  # the projections around the cache-dependent attention
-    ffn_half: StepCompiled  # (attn_out, streams, post, comb, token_ids) -> streams after the layer
+    ffn_half: StepCompiled  # (attn_out, streams, post, mix_t, token_ids) -> streams after the layer
 
 
 @dataclass(frozen=True)
@@ -218,21 +218,21 @@ class DeepseekV4:
         return StepCompiled(self._head.logits, prime=self._head.prime)
 
     def _layer(self, streams, token_ids, rope: StepRope, slices, layer: LayerWeights, i: int, tile: int, timer: ForwardTrace):
-        post, comb, x = _attention_in(self.cfg, layer, streams)
+        post, mix_t, x = _attention_in(self.cfg, layer, streams)
         attn_out = attention(x, rope, slices, layer.attn, self.cfg, i, tile, timer)
-        return _ffn_half(self.cfg, layer, attn_out, streams, post, comb, token_ids, timer)
+        return _ffn_half(self.cfg, layer, attn_out, streams, post, mix_t, token_ids, timer)
 
     def _compiled_layer(self, streams, token_ids, rope: StepRope, slices, i: int, tile: int, timer: ForwardTrace):
         """`_layer` of a decode step (one row per segment), its parts around attention compiled
         (`_compile_layer`): the hyper-connections and norm before attention, attention's projections
         (`DecodeProjections`), the FFN half after it; the cache-dependent attention between is built in Python."""
         layer, parts = self.layers[i], self._compiled_layers[i]
-        post, comb, x = parts.attention_in(streams)
+        post, mix_t, x = parts.attention_in(streams)
         timer.stage("other", x)
         attn_out = attention(x, rope, slices, layer.attn, self.cfg, i, tile, timer, compiled=parts.attention)
         if syncs_host(streams.shape[0], layer.ffn, self.cfg.num_experts_per_tok):  # a padded MoE: plain
-            return _ffn_half(self.cfg, layer, attn_out, streams, post, comb, token_ids, timer)
-        return timer.stage("moe", parts.ffn_half(attn_out, streams, post, comb, token_ids))
+            return _ffn_half(self.cfg, layer, attn_out, streams, post, mix_t, token_ids, timer)
+        return timer.stage("moe", parts.ffn_half(attn_out, streams, post, mix_t, token_ids))
 
 
 @dataclass(frozen=True)
@@ -265,23 +265,23 @@ class _Head:
 
 
 def _attention_in(cfg: ModelConfig, layer: LayerWeights, streams: mx.array):
-    """streams [T, hc, D] -> (post [T, hc, 1], comb [T, hc, hc], normed attention input [T, D])."""
+    """streams [T, hc, D] -> (post [T, hc, 1], mix_t [T, hc, hc], normed attention input [T, D])."""
     eps = cfg.rms_norm_eps
-    post, comb, collapsed = hyper_weights(streams, layer.attn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
-    return post, comb, rms_norm(collapsed, layer.attn_norm, eps)
+    post, mix_t, collapsed = hyper_weights(streams, layer.attn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+    return post, mix_t, rms_norm(collapsed, layer.attn_norm, eps)
 
 
-def _ffn_half(cfg: ModelConfig, layer: LayerWeights, attn_out, streams, post, comb, token_ids, timer: ForwardTrace) -> mx.array:
+def _ffn_half(cfg: ModelConfig, layer: LayerWeights, attn_out, streams, post, mix_t, token_ids, timer: ForwardTrace) -> mx.array:
     """attention's output [T, D] expanded into the streams [T, hc, D], then the FFN (MoE) block between
     its collapse and expand -> the layer's output streams [T, hc, D]."""
     eps = cfg.rms_norm_eps
-    streams = expand(attn_out, streams, post, comb)
-    post, comb, collapsed = hyper_weights(streams, layer.ffn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+    streams = expand(attn_out, streams, post, mix_t)
+    post, mix_t, collapsed = hyper_weights(streams, layer.ffn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
     timer.stage("other", collapsed)
     ffn_in = rms_norm(collapsed, layer.ffn_norm, eps)
     ffn_out = moe(ffn_in, token_ids, layer.ffn, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit)
     timer.stage("moe", ffn_out)
-    return expand(ffn_out, streams, post, comb)
+    return expand(ffn_out, streams, post, mix_t)
 
 
 def _compile_layer(cfg: ModelConfig, layer: LayerWeights, index: int) -> _CompiledLayer:
@@ -292,8 +292,8 @@ def _compile_layer(cfg: ModelConfig, layer: LayerWeights, index: int) -> _Compil
     return _CompiledLayer(
         attention_in=StepCompiled(lambda streams: _attention_in(cfg, layer, streams), prime=layer.prime),
         attention=DecodeProjections(layer.attn, cfg, index),
-        ffn_half=StepCompiled(lambda attn_out, streams, post, comb, token_ids: _ffn_half(
-            cfg, layer, attn_out, streams, post, comb, token_ids, inert), prime=layer.prime),
+        ffn_half=StepCompiled(lambda attn_out, streams, post, mix_t, token_ids: _ffn_half(
+            cfg, layer, attn_out, streams, post, mix_t, token_ids, inert), prime=layer.prime),
     )
 
 

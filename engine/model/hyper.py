@@ -78,15 +78,16 @@ def _evaluated(a: mx.array) -> mx.array:
 
 
 def hyper_weights(streams: mx.array, w: HyperWeights, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
-    """streams: [T, hc, D] -> (post [T, hc, 1], comb [T, hc, hc], collapsed block input [T, D]).
+    """streams: [T, hc, D] -> (post [T, hc, 1], mix_t [T, hc, hc], collapsed block input [T, D]); mix_t is the
+    doubly stochastic comb transposed (mix_t[t, k, j] = comb[t, j, k]) in the streams' dtype, as `expand` reads it.
 
     The mixes come out as [T, mixes, 1], so pre and post are split off already shaped to scale
     [T, hc, D] streams (one node for the three parts and none to expand pre and post)."""
     num_tokens, hc, _ = streams.shape
     logits = _mixes(streams.reshape(num_tokens, -1), w, w.scale_per_mix, norm_eps)  # [T, (2 + hc)·hc, 1]
     pre_logits, post_logits, comb_logits = mx.split(logits, [hc, 2 * hc], axis=1)  # one node, not three slices
-    pre, post, comb = _coefficients(pre_logits, post_logits, comb_logits.reshape(num_tokens, hc, hc), hc_eps)
-    return post, _sinkhorn(comb, sinkhorn_iters, hc_eps), _collapse(pre, streams)
+    pre, post, probs = _coefficients(pre_logits, post_logits, comb_logits.reshape(num_tokens, hc, hc), hc_eps)
+    return post, _mixing(probs, streams, sinkhorn_iters, hc_eps), _collapse(pre, streams)
 
 
 _mix_logits = shapeless(hc_mix_kernels.mix_logits_reference)
@@ -103,21 +104,26 @@ def _mixes(flat: mx.array, w: HyperWeights, scale: mx.array, norm_eps: float) ->
 
 @shapeless
 def _coefficients(pre_logits: mx.array, post_logits: mx.array, comb_logits: mx.array, hc_eps: float):
-    """[T, hc, 1], [T, hc, 1], [T, hc, hc] -> pre, post [T, hc, 1], comb [T, hc, hc] (before Sinkhorn)."""
+    """[T, hc, 1], [T, hc, 1], [T, hc, hc] -> pre, post [T, hc, 1], probs [T, hc, hc] (the comb's softmax; its
+    eps is added with the Sinkhorn projection, `_mixing`)."""
     pre = mx.sigmoid(pre_logits) + hc_eps
     post = 2 * mx.sigmoid(post_logits)
-    return pre, post, mx.softmax(comb_logits, axis=-1, precise=True) + hc_eps
+    return pre, post, mx.softmax(comb_logits, axis=-1, precise=True)
 
 
-_sinkhorn_compiled = shapeless(sinkhorn_kernels.sinkhorn_reference)
+@shapeless
+def _mixing_compiled(probs: mx.array, streams: mx.array, iters: int, eps: float) -> mx.array:
+    """`mixing_reference` in the streams' dtype (`streams` passes only its dtype: a compiled function takes
+    no dtype argument)."""
+    return sinkhorn_kernels.mixing_reference(probs, iters, eps, streams.dtype)
 
 
-def _sinkhorn(comb: mx.array, iters: int, eps: float) -> mx.array:
-    """[T, hc, hc] -> doubly stochastic: one CUDA kernel where supported (compilation on), else the
-    reference, compiled when compilation is on (kernels/sinkhorn.py)."""
-    if compile_enabled() and sinkhorn_kernels.is_supported(comb):
-        return sinkhorn_kernels.sinkhorn_kernel(comb, iters, eps)
-    return _sinkhorn_compiled(comb, iters, eps)
+def _mixing(probs: mx.array, streams: mx.array, iters: int, eps: float) -> mx.array:
+    """probs [T, hc, hc] -> mix_t [T, hc, hc] in the streams' dtype (`hyper_weights`): one CUDA kernel where
+    supported (compilation on), else the reference, compiled when compilation is on (kernels/sinkhorn.py)."""
+    if compile_enabled() and sinkhorn_kernels.is_supported(probs):
+        return sinkhorn_kernels.mixing_kernel(probs, iters, eps, streams.dtype)
+    return _mixing_compiled(probs, streams, iters, eps)
 
 
 @shapeless
@@ -127,12 +133,11 @@ def _collapse(pre: mx.array, streams: mx.array) -> mx.array:
 
 
 @shapeless
-def expand(block_out: mx.array, streams: mx.array, post: mx.array, comb: mx.array) -> mx.array:
+def expand(block_out: mx.array, streams: mx.array, post: mx.array, mix_t: mx.array) -> mx.array:
     """new[k] = post[k]·out + Σ_j comb[j, k]·streams[j]; block_out: [T, D], streams: [T, hc, D],
-    post: [T, hc, 1] (`hyper_weights`)."""
-    dtype = streams.dtype
-    mixed = comb.astype(dtype).transpose(0, 2, 1) @ streams  # [T, hc, D]
-    return post.astype(dtype) * block_out[:, None, :] + mixed
+    post: [T, hc, 1] and mix_t [T, hc, hc] (`hyper_weights`: mix_t[k, j] = comb[j, k], in the streams' dtype)."""
+    mixed = mix_t @ streams  # [T, hc, D]
+    return post.astype(streams.dtype) * block_out[:, None, :] + mixed
 
 
 def head_collapse(streams: mx.array, w: HyperWeights, hc_eps: float, norm_eps: float) -> mx.array:
