@@ -159,7 +159,8 @@ def grouped_linear(x: mx.array, w: Weight, groups: int) -> mx.array:
         split = w.grouped(groups)
         if _takes_mxfp8_qmv(x.dtype, x.shape[1], split):
             return mxfp8_qmv.mxfp8_qmv_kernel(x, split.values, split.scales)
-        return mx.gather_qmm(x, split.values, split.scales, split.biases, rhs_indices=_group_ids(groups),
+        ids = _group_ids(groups)  # both sides: without lhs_indices MLX makes an Arange node each call
+        return mx.gather_qmm(x, split.values, split.scales, split.biases, lhs_indices=ids, rhs_indices=ids,
                              transpose=True, group_size=w.group_size, bits=w.bits, mode=w.mode)
     wg = w.reshape(groups, -1, w.shape[-1])  # [G, out/G, in]
     return x @ wg.transpose(0, 2, 1)
@@ -173,7 +174,7 @@ def _takes_mxfp8_qmv(dtype: mx.Dtype, rows: int, w: QuantizedWeight) -> bool:
 
 @lru_cache(maxsize=8)
 def _group_ids(groups: int) -> mx.array:
-    """[groups] uint32: group g through block g (gather_qmm's rhs_indices), made once."""
+    """[groups] uint32: group g of x through block g of w (gather_qmm's lhs and rhs indices), made once."""
     ids = mx.arange(groups, dtype=mx.uint32)
     mx.eval(ids)
     return ids
