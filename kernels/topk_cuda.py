@@ -8,7 +8,10 @@ returned in ascending order): one block of 1024 threads per query row
 2. counts, per warp-owned contiguous stretch of the row, the rows above the k-th score and the ties;
 3. walks the stretches again writing the selected row indices straight into their ascending slots
    (rows above the k-th score, and the first `need` ties in index order).
-Six coalesced reads of the row and a [T, k] int32 output: no [T, N] sort scratch, no full sort.
+Six coalesced reads of the row and a [T, k] int32 output: no [T, N] sort scratch, no full sort. The picks'
+validity (a pick at or past the row's `visible` count) is written beside them, `rows < visible[:, None]` in the
+same launch: in MLX that was a comparison kernel and two views a CSA layer in every decode step
+(docs/BENCHMARKS.md, "Session 35").
 A row's picks depend only on that row, so tiles stay bit-identical whatever T is (docs/ARCHITECTURE.md).
 """
 
@@ -40,6 +43,7 @@ _SOURCE = r"""
   const int n = scores_shape[1];
   const unsigned int k = (unsigned int)k_in[0];
   const float* x = scores + (size_t)row * n;
+  const int vis = (int)visible[row];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
 
   // 1. The k-th largest key, 8 bits at a time from the top.
@@ -92,6 +96,7 @@ _SOURCE = r"""
   unsigned int slot = above_before + min(ties_before, need);
   const unsigned int lower_lanes = (1u << lane) - 1u;
   int* out = rows + (size_t)row * k;
+  bool* out_valid = valid + (size_t)row * k;
   for (int base = lo; base < hi; base += 32) {
     const int i = base + lane;
     const unsigned int key = i < hi ? order_key(x[i]) : 0u;
@@ -99,14 +104,18 @@ _SOURCE = r"""
     const unsigned int tie_mask = __ballot_sync(0xFFFFFFFFu, tie);
     const bool pick = (i < hi && key > kth) || (tie && ties_before + __popc(tie_mask & lower_lanes) < need);
     const unsigned int pick_mask = __ballot_sync(0xFFFFFFFFu, pick);
-    if (pick) out[slot + __popc(pick_mask & lower_lanes)] = i;
+    if (pick) {
+      const unsigned int at = slot + __popc(pick_mask & lower_lanes);
+      out[at] = i;
+      out_valid[at] = i < vis;
+    }
     ties_before += __popc(tie_mask);
     slot += __popc(pick_mask);
   }
 """
 
 def _kernel():
-    return compiled_kernel("tessera_topk_radix", ("scores", "k_in"), ("rows",), _SOURCE, _HEADER)
+    return compiled_kernel("tessera_topk_radix", ("scores", "k_in", "visible"), ("rows", "valid"), _SOURCE, _HEADER)
 
 
 def is_supported(scores: mx.array) -> bool:
@@ -125,17 +134,17 @@ def warp_stretch(n: int) -> int:
 
 
 def select_topk_kernel(scores: mx.array, visible: mx.array, k: int) -> tuple[mx.array, mx.array]:
-    """scores: [T, N] fp32 -> (rows [T, min(k, N)] int32 ascending, valid [T, min(k, N)] bool)."""
+    """scores: [T, N] fp32, visible: [T] int32 -> (rows [T, min(k, N)] int32 ascending, valid [T, min(k, N)] bool)."""
     num_q, num_rows = scores.shape
     k = min(k, num_rows)
     if num_q == 0 or k == 0:
         rows = mx.zeros((num_q, k), dtype=mx.int32)
         return rows, rows < visible[:, None]
-    (rows,) = _kernel()(
-        inputs=[scores, mx.array([k], dtype=mx.int32)],
+    rows, valid = _kernel()(
+        inputs=[scores, mx.array([k], dtype=mx.int32), visible.astype(mx.int32)],
         grid=launch_shape(num_q)[0],
         threadgroup=launch_shape(num_q)[1],
-        output_shapes=[(num_q, k)],
-        output_dtypes=[mx.int32],
+        output_shapes=[(num_q, k), (num_q, k)],
+        output_dtypes=[mx.int32, mx.bool_],
     )
-    return rows, rows < visible[:, None]
+    return rows, valid

@@ -34,8 +34,9 @@ MAX_NODES_PER_SEQUENCE_ON_CUDA = 2
 # step slower on a GPU (docs/BENCHMARKS.md, "Session 34"). The counts at session 35. Float32: 585 and 705 before
 # session 34 (the router's transposed operand, the RoPE tables met as they are, one token's output groups
 # reshaped), 565 and 677 before the Sinkhorn kernel took the eps add, the cast and the transposed write (session
-# 35). Official bf16: 595 and 715 before session 35 (the Sinkhorn kernel's steps, gather_qmm's lhs indices).
-MAX_CUDA_STEP_NODES = {"plain": (549, 661), "official": (567, 687)}  # fmt: (ordinary, closing)
+# 35), 549 and 661 before the top-k kernel wrote the picks' validity. Official bf16: 595 and 715 before session 35
+# (the Sinkhorn kernel's steps, gather_qmm's lhs indices, the top-k kernel's validity).
+MAX_CUDA_STEP_NODES = {"plain": (543, 655), "official": (561, 681)}  # fmt: (ordinary, closing)
 
 
 def _nodes(arrays, path) -> int:

@@ -136,7 +136,7 @@ def checked_kernels() -> list[KernelText]:
         KernelText(index_name, (("qs", bf16), ("ws", f32), ("visibles", i32), ("sizes", i32),
                                 *((n, bf16) for n in index_inputs[4:])), ((index_outputs[0], f32),),
                    index_source, indexer_cuda._HEADER, (("H", heads), ("D", d), ("KS", d // 16), ("NB", 16))),
-        KernelText("tessera_topk_radix", (("scores", f32), ("k_in", i32)), (("rows", i32),), topk_cuda._SOURCE,
+        KernelText("tessera_topk_radix", (("scores", f32), ("k_in", i32), ("visible", i32)), (("rows", i32), ("valid", mx.bool_)), topk_cuda._SOURCE,
                    topk_cuda._HEADER, ()),
         KernelText("tessera_mxfp8_qmv", (("x", bf16), ("w", u32), ("scales", u8)), (("out", bf16),), mxfp8_qmv._SOURCE,
                    mxfp8_qmv._HEADER, (("T", bf16), ("K", 4096), ("N", 1536), ("WR", mxfp8_qmv.WEIGHT_ROWS), ("RB", 16),
