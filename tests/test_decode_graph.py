@@ -33,10 +33,10 @@ MAX_NODES_PER_SEQUENCE_ON_CUDA = 2
 # path (its casts, the quantized projections). MLX's CUDA backend pays a host cost per node, so a node more is a
 # step slower on a GPU (docs/BENCHMARKS.md, "Session 34"). The counts at session 35. Float32: 585 and 705 before
 # session 34 (the router's transposed operand, the RoPE tables met as they are, one token's output groups
-# reshaped), 565 and 677 before the Sinkhorn kernel took the eps add, the cast and the transposed write (session
-# 35), 549 and 661 before the top-k kernel wrote the picks' validity. Official bf16: 595 and 715 before session 35
-# (the Sinkhorn kernel's steps, gather_qmm's lhs indices, the top-k kernel's validity).
-MAX_CUDA_STEP_NODES = {"plain": (543, 655), "official": (561, 681)}  # fmt: (ordinary, closing)
+# reshaped), 565 and 677 before session 35 (the Sinkhorn kernel's eps add, cast and transposed write; the top-k
+# kernel's validity; the HCA mask made once). Official bf16: 595 and 715 before session 35 (the same, and
+# gather_qmm's lhs indices).
+MAX_CUDA_STEP_NODES = {"plain": (539, 651), "official": (557, 677)}  # fmt: (ordinary, closing)
 
 
 def _nodes(arrays, path) -> int:
@@ -111,3 +111,22 @@ def test_the_cuda_paths_decode_step_builds_no_more_nodes_than_it_did(tmp_path, f
     assert counts.count(ordinary) == 3 and closing > ordinary, counts  # one step of four closes the windows
     max_ordinary, max_closing = MAX_CUDA_STEP_NODES[fmt]
     assert ordinary <= max_ordinary and closing <= max_closing, counts
+
+
+def test_the_hca_mask_hides_the_rows_past_a_sequences_visible_count():
+    """decode_attention._all_compressed_rows: the all-true leaf where every row is visible (a decode step), and
+    each row's own count where a sequence sees fewer rows than its buffer holds: no row past it is attended."""
+    from tessera.engine.model.attention_inputs import SegmentSlice
+    from tessera.engine.model.cache import LayerCache, RowBuffer
+    from tessera.engine.model.decode_attention import _all_compressed_rows
+
+    def segment(start: int) -> SegmentSlice:
+        rows = RowBuffer(8)
+        rows.append(mx.ones((5, 8)))
+        return SegmentSlice(offset=0, length=1, start=start, cache=LayerCache(stored_window=mx.zeros((0, 8)), compressed=rows))
+
+    segs = [segment(40), segment(40)]
+    _, valid = _all_compressed_rows(segs, [5, 5])
+    assert valid.tolist() == [[True] * 5] * 2
+    _, valid = _all_compressed_rows(segs, [5, 3])
+    assert valid.tolist() == [[True] * 5, [True, True, True, False, False]]

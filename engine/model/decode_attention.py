@@ -70,9 +70,9 @@ def decode_attention(rows: DecodeRows, w: AttentionWeights, cfg: ModelConfig, la
     for members in same_shape_batches(rows.segments, cfg.index_topk if kind == CSA else None):
         pick = _picker(members, len(rows.segments))
         segs = [rows.segments[i] for i in members]
-        visible = mx.array([(s.start + 1) // cfg.compress_ratio(layer) for s in segs])  # [b]
+        visible = [(s.start + 1) // cfg.compress_ratio(layer) for s in segs]  # rows from tokens ≤ each query
         if kind == CSA:
-            group = _selected_rows(segs, pick(rows.index_q), pick(rows.index_w), visible, cfg, layer, timer)
+            group = _selected_rows(segs, pick(rows.index_q), pick(rows.index_w), mx.array(visible), cfg, layer, timer)
         else:
             group = _all_compressed_rows(segs, visible)
         outs.append(decode_mixed_attention(pick(rows.q), [(pick(window), pick(window_valid)), group], w.sinks, scale))
@@ -232,13 +232,19 @@ def _gather_selected(buffers: list[RowBuffer], selected: mx.array) -> mx.array:
     return mx.concatenate([buf.data()[p] for buf, p in zip(buffers, picks)])
 
 
-def _all_compressed_rows(segs: list[SegmentSlice], visible: mx.array) -> tuple[mx.array, mx.array]:
+def _all_compressed_rows(segs: list[SegmentSlice], visible: list[int]) -> tuple[mx.array, mx.array]:
     """HCA: every compressed row of each sequence (equal N) -> (rows [b, N, hd], valid [b, N]). Where the
     batched row gather runs (CUDA, TESSERA_DECODE_BATCH_GATHER), one launch reads every buffer where it lies
-    instead of a concatenation (one copy kernel a sequence); a gather copies, so the same bits."""
+    instead of a concatenation (one copy kernel a sequence); a gather copies, so the same bits. visible: each
+    sequence's visible row count, known on the host: where every row is visible (a decode step's rule: a row is
+    emitted before the query that closes it is scored) the mask is the all-true leaf made once per shape, not
+    an Arange, a comparison and two views in every step's graph."""
     buffers = [s.cache.compressed for s in segs]
     num_rows = buffers[0].num_rows
-    valid = mx.arange(num_rows)[None, :] < visible[:, None]
+    if all(count >= num_rows for count in visible):
+        valid = _all_valid(len(segs), num_rows)
+    else:
+        valid = mx.arange(num_rows)[None, :] < mx.array(visible)[:, None]
     if len(segs) > 1 and num_rows and row_gather.batch_gather_enabled():
         data, every_row = [buf.data() for buf in buffers], _every_row(len(segs), num_rows)
         if row_gather.batch_is_supported(data, every_row):
