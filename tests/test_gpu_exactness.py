@@ -161,8 +161,9 @@ def _order_keys(x: np.ndarray) -> np.ndarray:
     return np.where(bits & 0x80000000, ~bits, bits | 0x80000000).astype(np.uint32)
 
 
-def _emulate_topk_row(x: np.ndarray, k: int) -> np.ndarray:
-    """topk_cuda's algorithm for one row, step for step: four radix passes, then per-warp stretches."""
+def _emulate_topk_row(x: np.ndarray, k: int, visible: int) -> tuple[np.ndarray, np.ndarray]:
+    """topk_cuda's algorithm for one row, step for step: four radix passes, then per-warp stretches, each pick's
+    validity (its row below `visible`) written at the pick's slot."""
     keys, n = _order_keys(x), x.shape[0]
     prefix, mask, remaining = 0, 0, k
     for shift in (24, 16, 8, 0):
@@ -176,7 +177,7 @@ def _emulate_topk_row(x: np.ndarray, k: int) -> np.ndarray:
     kth, need = prefix, remaining
     stretch = topk_cuda.warp_stretch(n)
     spans = [(min(w * stretch, n), min(min(w * stretch, n) + stretch, n)) for w in range(topk_cuda.WARPS)]
-    out = np.full(k, -1)
+    out, out_valid = np.full(k, -1), np.zeros(k, dtype=bool)
     above_before = ties_before = 0
     for lo, hi in spans:
         slot, ties_seen = above_before + min(ties_before, need), ties_before
@@ -187,10 +188,11 @@ def _emulate_topk_row(x: np.ndarray, k: int) -> np.ndarray:
             tie = ok & (key == kth)
             pick = (ok & (key > kth)) | (tie & (ties_seen + np.cumsum(tie) - tie < need))
             out[slot + (np.cumsum(pick) - pick)[pick]] = i[pick]
+            out_valid[slot + (np.cumsum(pick) - pick)[pick]] = i[pick] < visible
             ties_seen, slot = ties_seen + tie.sum(), slot + pick.sum()
         above_before += int((keys[lo:hi] > kth).sum())
         ties_before += int((keys[lo:hi] == kth).sum())
-    return out
+    return out, out_valid
 
 
 @pytest.mark.parametrize("n", [1, 5, 31, 33, 750, 1023, 1025, 3001])
@@ -204,9 +206,10 @@ def test_topk_kernel_slots_equal_the_reference(n, ties):
     visible[0] = n
     scores = np.array(mask_invisible(mx.array(raw), mx.array(visible)))
     for k in sorted({1, min(16, n), min(512, n), n}):
-        expected, _ = select_topk_reference(mx.array(scores), mx.array(visible), k)
-        got = np.stack([_emulate_topk_row(row, k) for row in scores])
-        assert got.tolist() == np.array(expected).tolist(), f"k {k}"
+        expected, expected_valid = select_topk_reference(mx.array(scores), mx.array(visible), k)
+        got, got_valid = zip(*(_emulate_topk_row(row, k, int(v)) for row, v in zip(scores, visible)))
+        assert np.stack(got).tolist() == np.array(expected).tolist(), f"k {k}"
+        assert np.stack(got_valid).tolist() == np.array(expected_valid).tolist(), f"k {k}"
 
 
 # --- tessera check gpu ----------------------------------------------------------------------------
