@@ -58,9 +58,9 @@ slower at 1 (docs/BENCHMARKS.md). The same lease's CUDA tests hung it on mixed s
 chosen per lane, and mma.sync needs the whole warp. The path is now the warp's (`__any_sync`, one vote a code
 group). Session 33 (an H100): with the fix, the kernel's CUDA tests pass (21, the mixed-scale case among them) and
 so does the whole CUDA suite with the variant on (154 passed, 1 skipped). Session 35 (an H100, the kernel-alone
-probe docs/bench/gather_qmv_variants_probe.py, A B B A): with the fix the variant is still 12-15 % faster at V4
+probe docs/bench/gather_qmv_variants_probe.py, A B B A): with the fix the variant is still 9-17 % faster at V4
 Flash's expert shapes, at 6, 48 and 96 pairs, up and down, uniform and skewed routing (at 96 pairs 0.167-0.173 ms
-against 0.188-0.200), so the switch is on by default (TESSERA_GATHER_QMV_MMA=0 keeps the table kernel). In a whole
+against 0.189-0.200), so the switch is on by default (TESSERA_GATHER_QMV_MMA=0 keeps the table kernel). In a whole
 decode step the gain (~5 us a call) is below a host's noise (docs/BENCHMARKS.md).
 
 Switch: TESSERA_GATHER_QMV_KERNEL=0 keeps MLX's gather_qmm (1, the default, uses the kernel where it

@@ -165,9 +165,10 @@ def _full_window_keys(caches: list[LayerCache], prev: mx.array, kv: mx.array) ->
 
 
 @lru_cache(maxsize=64)
-def _all_valid(num_seqs: int, window: int) -> mx.array:
-    """[num_seqs, window] bool, all True: made once per shape from the host, a leaf of the step's graph."""
-    return mx.array(np.ones((num_seqs, window), dtype=bool))
+def _all_valid(num_seqs: int, width: int) -> mx.array:
+    """[num_seqs, width] bool, all True (the full windows' mask, the HCA rows' in a decode step): made once per
+    shape from the host, a leaf of the step's graph."""
+    return mx.array(np.ones((num_seqs, width), dtype=bool))
 
 
 def _short_window_keys(cache: LayerCache, kv: mx.array, valid: np.ndarray, window: int) -> mx.array:
