@@ -62,7 +62,7 @@ def is_supported(flat: mx.array) -> bool:
             and flat.dtype in (mx.bfloat16, mx.float16, mx.float32))
 
 
-_HEADER = r"""
+HEADER = r"""  // also kernels/hc_collapse.py's (block_sum)
 template <typename T>
 struct alignas(4 * sizeof(T)) Quad { T v[4]; };  // four consecutive inputs, one vector load
 
@@ -133,7 +133,7 @@ def mix_logits_kernel(flat: mx.array, fn32: mx.array, scale: mx.array, base32: m
     scale: [mixes] or [1] float32, base32: [mixes] float32 -> [T, mixes, 1] float32, as the reference."""
     rows = flat.shape[0]
     mixes = fn32.shape[0]
-    kernel = compiled_kernel("tessera_hc_mix", ("flat", "fn", "scale", "base"), ("out",), _SOURCE, _HEADER)
+    kernel = compiled_kernel("tessera_hc_mix", ("flat", "fn", "scale", "base"), ("out",), _SOURCE, HEADER)
     (out,) = kernel(
         inputs=[flat, fn32, scale, base32],
         template=kernel_template(flat.dtype, norm_eps),

@@ -139,24 +139,14 @@ _SOURCE = r"""
     for (int j = 0; j < HC; ++j) out[(size_t)t * HC * HC + j * HC + i] = static_cast<T>(c[i][j]);
 """
 
-# A token's hc×hc entries on as many lanes, TOKENS_PER_WARP tokens a warp (lanes past them idle, and every
-# lane of a warp takes part in each shuffle). Lane (i, j) holds entry c[i][j]; a row's sum is read from lanes
-# (i, 0 … hc-1) and a column's from (0 … hc-1, j), added in index order as `_SOURCE` adds them.
-_WARP_SOURCE = r"""
-  constexpr int GROUP = HC * HC;
+# One Sinkhorn projection of a token's hc×hc matrix on hc·hc lanes of a warp: lane base + i·HC + j holds entry
+# (i, j); a row's sum is read from lanes (i, 0 … hc-1) and a column's from (0 … hc-1, j), added in index order as
+# `_SOURCE` adds them. Every lane of the warp must call it (each shuffle is the whole warp's). Also the collapse
+# kernel's (kernels/hc_collapse.py).
+LANE_HEADER = r"""
+template <int HC, int ITERS>
+__device__ __forceinline__ float sinkhorn_lane(float v, int base, int i, int j, float eps) {
   constexpr unsigned FULL = 0xffffffffu;
-  const int lane = threadIdx.x & 31;
-  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const int num_tokens = probs_shape[0];
-  if (warp * TOKENS_PER_WARP >= num_tokens) return;  // the whole warp idle: leaves together
-  const int slot = lane / GROUP;
-  const int t = warp * TOKENS_PER_WARP + slot;
-  const bool active = slot < TOKENS_PER_WARP && t < num_tokens;
-  const int base = (slot < TOKENS_PER_WARP ? slot : 0) * GROUP;  // idle lanes read a live group, harmlessly
-  const int i = (lane % GROUP) / HC;
-  const int j = (lane % GROUP) % HC;
-  const float eps = __int_as_float(EPS_BITS);
-  float v = active ? __fadd_rn(probs[(size_t)t * GROUP + i * HC + j], eps) : 1.0f;
   for (int it = 0; it < ITERS; ++it) {
     if (it > 0) {  // rows (every iteration after the first starts with them)
       float s = __shfl_sync(FULL, v, base + i * HC);
@@ -169,6 +159,27 @@ _WARP_SOURCE = r"""
     s = __fadd_rn(s, eps);
     v = __fdiv_rn(v, s);
   }
+  return v;
+}
+"""
+
+# A token's hc×hc entries on as many lanes, TOKENS_PER_WARP tokens a warp (lanes past them idle, and every
+# lane of a warp takes part in each shuffle), projected by `sinkhorn_lane`.
+_WARP_SOURCE = r"""
+  constexpr int GROUP = HC * HC;
+  const int lane = threadIdx.x & 31;
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int num_tokens = probs_shape[0];
+  if (warp * TOKENS_PER_WARP >= num_tokens) return;  // the whole warp idle: leaves together
+  const int slot = lane / GROUP;
+  const int t = warp * TOKENS_PER_WARP + slot;
+  const bool active = slot < TOKENS_PER_WARP && t < num_tokens;
+  const int base = (slot < TOKENS_PER_WARP ? slot : 0) * GROUP;  // idle lanes read a live group, harmlessly
+  const int i = (lane % GROUP) / HC;
+  const int j = (lane % GROUP) % HC;
+  const float eps = __int_as_float(EPS_BITS);
+  float v = active ? __fadd_rn(probs[(size_t)t * GROUP + i * HC + j], eps) : 1.0f;
+  v = sinkhorn_lane<HC, ITERS>(v, base, i, j, eps);
   if (active) out[(size_t)t * GROUP + j * HC + i] = static_cast<T>(v);  // transposed, rounded to T
 """
 
@@ -197,7 +208,7 @@ def mixing_kernel(probs: mx.array, iters: int, eps: float, dtype: mx.Dtype) -> m
         return probs.astype(dtype)
     per_warp = tokens_per_warp(hc)
     if _warp_switch.enabled() and per_warp:
-        kernel = compiled_kernel("tessera_sinkhorn_warp", ("probs",), ("out",), _WARP_SOURCE, "")
+        kernel = compiled_kernel("tessera_sinkhorn_warp", ("probs",), ("out",), _WARP_SOURCE, LANE_HEADER)
         template = [*kernel_template(hc, iters, eps, dtype), ("TOKENS_PER_WARP", per_warp)]
         threads = -(-rows // per_warp) * 32
     else:

@@ -20,6 +20,7 @@ from tests.support.graph_nodes import primitive_kinds
 from tests.support.rope_tables import padded_rope_tables
 
 HC, WIDTH, ITERS, EPS = 4, 48, 20, 1e-6
+NORM_EPS = 1e-2  # the norms' eps where a test tells it from the mixes' (EPS)
 
 
 # ---- the reference: the per-op formulation (one op per Sinkhorn sum, division and epsilon) --------
@@ -327,3 +328,66 @@ def test_hyper_connections_hand_the_mixing_kernel_its_operands_where_it_runs(mon
     got_head = hyper.head_collapse(streams, hyper.HyperWeights(*head), EPS, EPS)
     assert mx.allclose(got_head, reference_head_collapse(streams, *head, EPS, EPS), rtol=1e-4, atol=1e-5).item()
     assert calls == [(2 + HC) * HC, HC]
+
+
+# ---- the collapse after the mix logits (kernels/hc_collapse.py) ---------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("enabled", [True, False], ids=["compiled", "plain"])
+def test_the_collapse_reference_is_the_engines_block_input_bit_for_bit(dtype, enabled):
+    """kernels/hc_collapse.py's `collapse_reference` (what its CUDA kernel is held to) is the engine's path where the
+    kernel does not run: `hyper_weights` and the block's norm, the same bits (the two eps values apart, so a swap
+    shows)."""
+    from tessera.kernels.hc_collapse import collapse_reference
+    from tessera.kernels.hc_mix import mix_logits_reference
+
+    compiled.set_compile_enabled(enabled)
+    w = _weights(dtype, 6)
+    norm_weight = mx.random.uniform(0.5, 1.5, (WIDTH,), key=mx.random.key(7)).astype(dtype)
+    for rows in (1, 5, 2):
+        streams = mx.random.normal((rows, HC, WIDTH), key=mx.random.key(30 + rows)).astype(dtype)
+        got = hyper.block_input(streams, w, norm_weight, ITERS, EPS, NORM_EPS)
+        logits = mix_logits_reference(streams.reshape(rows, -1), w.fn_t32, w.scale_per_mix, w.base32, NORM_EPS)
+        want = collapse_reference(logits, streams, norm_weight, ITERS, EPS, NORM_EPS)
+        post, mix_t, collapsed = hyper.hyper_weights(streams, w, ITERS, EPS, NORM_EPS)
+        normed = mx.fast.rms_norm(collapsed.astype(mx.float32), norm_weight.astype(mx.float32), NORM_EPS).astype(dtype)
+        for name, a, b, c in zip(("post", "mix_t", "normed"), got, want, (post, mix_t, normed)):
+            assert a.dtype == b.dtype == c.dtype and a.shape == b.shape == c.shape, name
+            assert mx.array_equal(a, b).item() and mx.array_equal(a, c).item(), f"{name} differs at {rows} rows"
+
+
+def test_a_model_hands_the_collapse_kernel_each_blocks_operands_where_it_runs(tmp_path, monkeypatch):
+    """Where the collapse kernel is supported (a CUDA decode batch), every collapse of a layer (attention's and the
+    FFN's) hands it the mix logits, the streams and that block's norm weight with the config's iterations and eps
+    values. A stand-in with the reference's contract takes its place here: the decode step's logits must be the
+    bits of the path without it (a swapped norm weight or eps would move them), with the stand-in called twice a
+    layer."""
+    from tessera.engine.model.deepseek_v4 import Segment
+    from tessera.engine.model.loader import load_model
+    from tessera.engine.tools.make_model import make_model
+    from tessera.kernels import hc_collapse
+
+    model = load_model(make_model(tmp_path / "m", "tiny", seed=3, with_tokenizer=False, rms_norm_eps=NORM_EPS), dtype="float32")
+    cfg = model.cfg
+    assert cfg.rms_norm_eps != cfg.hc_eps  # a swap of the two shows
+    calls = []
+
+    def stand_in(logits, streams, norm_weight, iters, hc_eps, norm_eps):
+        assert logits.shape == (streams.shape[0], (2 + cfg.hc_mult) * cfg.hc_mult, 1) and logits.dtype == mx.float32
+        assert (iters, hc_eps, norm_eps) == (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        calls.append(norm_weight.shape)
+        return hc_collapse.collapse_reference(logits, streams, norm_weight, iters, hc_eps, norm_eps)
+
+    def step_logits(cache):
+        return model.forward([Segment(cache, [5])])
+
+    caches = [model.new_cache(), model.new_cache()]
+    for cache in caches:
+        model.forward([Segment(cache, list(range(3, 20)))])
+    want = step_logits(caches[0])
+    monkeypatch.setattr(hc_collapse, "is_supported", lambda logits, streams: streams.shape[0] == 1)
+    monkeypatch.setattr(hc_collapse, "collapse_kernel", stand_in)
+    got = step_logits(caches[1])
+    assert len(calls) == 2 * cfg.num_hidden_layers
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))

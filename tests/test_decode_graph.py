@@ -31,12 +31,13 @@ MAX_NODES_PER_SEQUENCE_ON_CUDA = 2
 # A whole decode step of one sequence on the CUDA path (docs/bench/cuda_standin.py), the tiny preset: the ordinary
 # step and the one that closes the CSA windows, in float32 and as an official checkpoint (FP8/FP4) in bf16, a GPU's
 # path (its casts, the quantized projections). MLX's CUDA backend pays a host cost per node, so a node more is a
-# step slower on a GPU (docs/BENCHMARKS.md, "Session 34"). The counts at session 35. Float32: 585 and 705 before
+# step slower on a GPU (docs/BENCHMARKS.md, "Session 34"). The counts at session 36. Float32: 585 and 705 before
 # session 34 (the router's transposed operand, the RoPE tables met as they are, one token's output groups
 # reshaped), 565 and 677 before session 35 (the Sinkhorn kernel's eps add, cast and transposed write; the top-k
 # kernel's validity; the HCA mask made once). Official bf16: 595 and 715 before session 35 (the same, and
-# gather_qmm's lhs indices).
-MAX_CUDA_STEP_NODES = {"plain": (539, 651), "official": (557, 677)}  # fmt: (ordinary, closing)
+# gather_qmm's lhs indices). 539 / 651 and 557 / 677 before session 36 (the collapse after the mix logits one
+# kernel, kernels/hc_collapse.py).
+MAX_CUDA_STEP_NODES = {"plain": (479, 591), "official": (481, 601)}  # fmt: (ordinary, closing)
 
 
 def _nodes(arrays, path) -> int:

@@ -111,6 +111,51 @@ def test_sinkhorn_kernel_equals_the_ordered_reference(rows, warp, dtype, monkeyp
     assert mx.array_equal(mixing_kernel(probs[:1], 20, 1e-6, dtype), got[:1]).item()  # a row alone: the same bits
 
 
+def _hc_collapse_inputs(rows: int, hidden: int, dtype, weight_dtype, seed: int = 0):
+    rng = np.random.default_rng(seed + rows * 7 + hidden)
+    logits = mx.array(rng.standard_normal((rows, 24, 1), dtype=np.float32) * 2)  # hc = 4: 4 pre, 4 post, 16 comb
+    streams = mx.array(rng.standard_normal((rows, 4, hidden), dtype=np.float32) * 3).astype(dtype)
+    weight = mx.array(rng.uniform(0.5, 1.5, (hidden,)).astype(np.float32)).astype(weight_dtype)
+    return logits, streams, weight
+
+
+@pytest.mark.parametrize("rows, hidden, dtype, weight_dtype", [
+    (1, 4096, mx.bfloat16, mx.bfloat16), (16, 4096, mx.bfloat16, mx.float32), (3, 100, mx.bfloat16, mx.bfloat16),
+    (64, 4096, mx.float32, mx.float32), (5, 4096, mx.float16, mx.float32),
+], ids=["decode-1", "decode-16-f32-weight", "narrow", "max-rows-float32", "float16"])
+def test_hc_collapse_kernel_is_the_reference_within_its_dtypes_rounding(rows, hidden, dtype, weight_dtype):
+    """post, mix_t and the normed block input against the MLX composition they replace (kernels/hc_collapse.py
+    `collapse_reference`): post within float32 rounding; mix_t and the normed input within two units of the streams'
+    dtype (the kernel's exp, sums and sigmoid round apart from MLX's by an ulp of float32, which can tip a rounding
+    to the dtype), and equal nearly everywhere. A wrong eps, weight, transposition or mix order moves them far past."""
+    from tessera.kernels.hc_collapse import collapse_kernel, collapse_reference, is_supported
+
+    logits, streams, weight = _hc_collapse_inputs(rows, hidden, dtype, weight_dtype)
+    assert is_supported(logits, streams)
+    got = collapse_kernel(logits, streams, weight, 20, 1e-6, 1e-6)
+    want = collapse_reference(logits, streams, weight, 20, 1e-6, 1e-6)
+    unit = {mx.bfloat16: 2.0**-8, mx.float16: 2.0**-11, mx.float32: 2.0**-23}[dtype]
+    for name, a, b in zip(("post", "mix_t", "normed"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        a64, b64 = (np.array(x.astype(mx.float32), dtype=np.float64) for x in (a, b))
+        tol = 1e-6 if name == "post" else max(2 * unit, 1e-5)  # float32 outputs: a few ulps, 20 iterations deep
+        assert np.all(np.abs(a64 - b64) <= tol * np.abs(b64) + 1e-7), (name, float(np.max(np.abs(a64 - b64))))
+        if dtype != mx.float32 and name == "normed":
+            assert np.mean(a64 == b64) >= 0.98, name
+    assert mx.allclose(got[1].astype(mx.float32).sum(axis=-1), mx.ones((rows, 4)), atol=1e-2).item()  # doubly stochastic
+
+
+def test_hc_collapse_kernel_gives_a_token_the_same_bits_at_every_batch_size():
+    """A token's outputs depend on its own row only (a block a token, sums in a fixed order)."""
+    from tessera.kernels.hc_collapse import collapse_kernel
+
+    logits, streams, weight = _hc_collapse_inputs(16, 4096, mx.bfloat16, mx.bfloat16)
+    batch = collapse_kernel(logits, streams, weight, 20, 1e-6, 1e-6)
+    for r in (0, 5, 15):
+        alone = collapse_kernel(logits[r : r + 1], streams[r : r + 1], weight, 20, 1e-6, 1e-6)
+        assert all(mx.array_equal(a, b[r : r + 1]).item() for a, b in zip(alone, batch)), r
+
+
 def _hc_mix_inputs(rows: int, hc: int, hidden: int, dtype, scales: int):
     rng = np.random.default_rng(rows * 7 + hidden)
     mixes = (2 + hc) * hc if scales == 3 else hc

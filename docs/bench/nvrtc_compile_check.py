@@ -30,7 +30,7 @@ from tests.support.source_tree import use_source_tree  # noqa: E402
 
 use_source_tree()  # `tessera.*` = this checkout, unless it already is
 
-from tessera.kernels import decode_attention_cuda, gather_qmv, hc_mix, indexer_cuda, moe_padded, mxfp8_qmv, rms_norm_cuda, row_gather, sinkhorn, topk_cuda  # noqa: E402
+from tessera.kernels import decode_attention_cuda, gather_qmv, hc_collapse, hc_mix, indexer_cuda, moe_padded, mxfp8_qmv, rms_norm_cuda, row_gather, sinkhorn, topk_cuda  # noqa: E402
 
 PRELUDE = """
 #include <cuda_fp16.h>
@@ -112,6 +112,17 @@ def rms_norm_texts() -> list[KernelText]:
     return texts
 
 
+def hc_collapse_texts() -> list[KernelText]:
+    """kernels/hc_collapse.py's kernel: bf16 streams with a bf16 and a float32 norm weight, and float32 streams, V4's
+    hc = 4 at V4 Flash's hidden 4096."""
+    texts = []
+    for dtype, weight in ((mx.bfloat16, mx.bfloat16), (mx.bfloat16, mx.float32), (mx.float32, mx.float32)):
+        texts.append(KernelText(hc_collapse.KERNEL_NAME, (("logits", mx.float32), ("streams", dtype), ("weight", weight)),
+                                (("post", mx.float32), ("mix_t", dtype), ("normed", dtype)), hc_collapse._SOURCE,
+                                hc_collapse._HEADER, tuple(hc_collapse.kernel_template(dtype, weight, 4, 20, 1e-6, 1e-6))))
+    return texts
+
+
 def checked_kernels() -> list[KernelText]:
     """Every kernel in kernels/, at V4 Flash's widths (batched kernels at 16 buffers)."""
     bf16, f32, i32, u32, u8 = mx.bfloat16, mx.float32, mx.int32, mx.uint32, mx.uint8
@@ -121,10 +132,11 @@ def checked_kernels() -> list[KernelText]:
     heads, d = 64, 128
     return [
         KernelText("tessera_sinkhorn", (("probs", f32),), (("out", bf16),), sinkhorn._SOURCE, "", sink),
-        KernelText("tessera_sinkhorn_warp", (("probs", f32),), (("out", bf16),), sinkhorn._WARP_SOURCE, "",
+        KernelText("tessera_sinkhorn_warp", (("probs", f32),), (("out", bf16),), sinkhorn._WARP_SOURCE, sinkhorn.LANE_HEADER,
                    sink + (("TOKENS_PER_WARP", sinkhorn.tokens_per_warp(4)),)),
         KernelText("tessera_hc_mix", (("flat", bf16), ("fn", f32), ("scale", f32), ("base", f32)), (("out", f32),),
-                   hc_mix._SOURCE, hc_mix._HEADER, tuple(hc_mix.kernel_template(bf16, 1e-6))),
+                   hc_mix._SOURCE, hc_mix.HEADER, tuple(hc_mix.kernel_template(bf16, 1e-6))),
+        *hc_collapse_texts(),
         *decode_attention_texts(),
         *rms_norm_texts(),
         KernelText("tessera_take_rows", (("x", bf16), ("idx", i32)), (("out", bf16),), row_gather._SOURCE, "",

@@ -24,7 +24,7 @@ from tessera.engine.model.compressor import CompressorWeights
 from tessera.engine.model.config import HASH_MOE, ModelConfig
 from tessera.engine.model.decode_async import decode_async_mode
 from tessera.engine.model.encode_thread import EncodeThread, encode_thread
-from tessera.engine.model.hyper import HyperWeights, expand, head_collapse, hyper_weights
+from tessera.engine.model.hyper import HyperWeights, block_input, expand, head_collapse
 from tessera.engine.model.moe import MoEWeights, moe, syncs_host
 from tessera.engine.model.norms import rms_norm
 from tessera.engine.model.rope import StepRope
@@ -266,19 +266,15 @@ class _Head:
 
 def _attention_in(cfg: ModelConfig, layer: LayerWeights, streams: mx.array):
     """streams [T, hc, D] -> (post [T, hc, 1], mix_t [T, hc, hc], normed attention input [T, D])."""
-    eps = cfg.rms_norm_eps
-    post, mix_t, collapsed = hyper_weights(streams, layer.attn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
-    return post, mix_t, rms_norm(collapsed, layer.attn_norm, eps)
+    return block_input(streams, layer.attn_hc, layer.attn_norm, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
 
 
 def _ffn_half(cfg: ModelConfig, layer: LayerWeights, attn_out, streams, post, mix_t, token_ids, timer: ForwardTrace) -> mx.array:
     """attention's output [T, D] expanded into the streams [T, hc, D], then the FFN (MoE) block between
     its collapse and expand -> the layer's output streams [T, hc, D]."""
-    eps = cfg.rms_norm_eps
     streams = expand(attn_out, streams, post, mix_t)
-    post, mix_t, collapsed = hyper_weights(streams, layer.ffn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
-    timer.stage("other", collapsed)
-    ffn_in = rms_norm(collapsed, layer.ffn_norm, eps)
+    post, mix_t, ffn_in = block_input(streams, layer.ffn_hc, layer.ffn_norm, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+    timer.stage("other", ffn_in)
     ffn_out = moe(ffn_in, token_ids, layer.ffn, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit)
     timer.stage("moe", ffn_out)
     return expand(ffn_out, streams, post, mix_t)

@@ -13,6 +13,8 @@ from functools import cached_property
 
 import mlx.core as mx
 
+from tessera.engine.model.norms import rms_norm
+from tessera.kernels import hc_collapse as hc_collapse_kernels
 from tessera.kernels import hc_mix as hc_mix_kernels
 from tessera.kernels import sinkhorn as sinkhorn_kernels
 from tessera.kernels.shapeless import compile_enabled, shapeless
@@ -77,14 +79,30 @@ def _evaluated(a: mx.array) -> mx.array:
     return a
 
 
+def block_input(streams: mx.array, w: HyperWeights, norm_weight: mx.array, sinkhorn_iters: int, hc_eps: float,
+                norm_eps: float) -> tuple[mx.array, mx.array, mx.array]:
+    """streams: [T, hc, D] -> (post [T, hc, 1], mix_t [T, hc, hc], the block's normed input [T, D]): `hyper_weights`
+    with its collapsed sum RMS-normed by the block's norm weight. On CUDA decode batches the part after the mix
+    logits is one kernel (kernels/hc_collapse.py)."""
+    logits = _mixes(streams.reshape(streams.shape[0], -1), w, w.scale_per_mix, norm_eps)  # [T, (2 + hc)·hc, 1]
+    if hc_collapse_kernels.is_supported(logits, streams):
+        return hc_collapse_kernels.collapse_kernel(logits, streams, norm_weight, sinkhorn_iters, hc_eps, norm_eps)
+    post, mix_t, collapsed = _weights_from_logits(logits, streams, sinkhorn_iters, hc_eps)
+    return post, mix_t, rms_norm(collapsed, norm_weight, norm_eps)
+
+
 def hyper_weights(streams: mx.array, w: HyperWeights, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
     """streams: [T, hc, D] -> (post [T, hc, 1], mix_t [T, hc, hc], collapsed block input [T, D]); mix_t is the
-    doubly stochastic comb transposed (mix_t[t, k, j] = comb[t, j, k]) in the streams' dtype, as `expand` reads it.
+    doubly stochastic comb transposed (mix_t[t, k, j] = comb[t, j, k]) in the streams' dtype, as `expand` reads it."""
+    logits = _mixes(streams.reshape(streams.shape[0], -1), w, w.scale_per_mix, norm_eps)  # [T, (2 + hc)·hc, 1]
+    return _weights_from_logits(logits, streams, sinkhorn_iters, hc_eps)
 
-    The mixes come out as [T, mixes, 1], so pre and post are split off already shaped to scale
-    [T, hc, D] streams (one node for the three parts and none to expand pre and post)."""
+
+def _weights_from_logits(logits: mx.array, streams: mx.array, sinkhorn_iters: int, hc_eps: float):
+    """logits [T, (2 + hc)·hc, 1] -> `hyper_weights`' three. The mixes come out as [T, mixes, 1], so pre and post
+    are split off already shaped to scale [T, hc, D] streams (one node for the three parts and none to expand pre
+    and post)."""
     num_tokens, hc, _ = streams.shape
-    logits = _mixes(streams.reshape(num_tokens, -1), w, w.scale_per_mix, norm_eps)  # [T, (2 + hc)·hc, 1]
     pre_logits, post_logits, comb_logits = mx.split(logits, [hc, 2 * hc], axis=1)  # one node, not three slices
     pre, post, probs = _coefficients(pre_logits, post_logits, comb_logits.reshape(num_tokens, hc, hc), hc_eps)
     return post, _mixing(probs, streams, sinkhorn_iters, hc_eps), _collapse(pre, streams)
@@ -102,13 +120,7 @@ def _mixes(flat: mx.array, w: HyperWeights, scale: mx.array, norm_eps: float) ->
     return _mix_logits(flat, w.fn_t32, scale, w.base32, norm_eps)
 
 
-@shapeless
-def _coefficients(pre_logits: mx.array, post_logits: mx.array, comb_logits: mx.array, hc_eps: float):
-    """[T, hc, 1], [T, hc, 1], [T, hc, hc] -> pre, post [T, hc, 1], probs [T, hc, hc] (the comb's softmax; its
-    eps is added with the Sinkhorn projection, `_mixing`)."""
-    pre = mx.sigmoid(pre_logits) + hc_eps
-    post = 2 * mx.sigmoid(post_logits)
-    return pre, post, mx.softmax(comb_logits, axis=-1, precise=True)
+_coefficients = shapeless(hc_collapse_kernels.coefficients)
 
 
 @shapeless
@@ -126,10 +138,7 @@ def _mixing(probs: mx.array, streams: mx.array, iters: int, eps: float) -> mx.ar
     return _mixing_compiled(probs, streams, iters, eps)
 
 
-@shapeless
-def _collapse(pre: mx.array, streams: mx.array) -> mx.array:
-    """pre [T, hc, 1], streams [T, hc, D] -> [T, D]: the pre-weighted sum of the streams."""
-    return (pre * streams).sum(axis=1).astype(streams.dtype)
+_collapse = shapeless(hc_collapse_kernels.weighted_sum)
 
 
 @shapeless
