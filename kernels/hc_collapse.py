@@ -22,6 +22,9 @@ so a token's outputs depend on its own row only: the same bits at every batch si
 (MLX sums and exponentiates in its own order): the CUDA tests hold it to the reference within the rounding of
 the streams' dtype, and bit for bit across batch sizes (tests/test_kernels_cuda.py).
 
+The head's collapse (pre weights only, then the output norm) is the same kernel without warp 0's part
+(`head_kernel`, `head_reference`).
+
 Where it runs: where the mix kernel runs (decode batches, up to kernels/hc_mix.MAX_ROWS tokens; CUDA;
 compilation on), with hc·hc ≤ 32 (one warp holds the comb; V4: hc = 4).
 
@@ -104,16 +107,15 @@ __device__ __forceinline__ float collapsed_at(const T* s, const float* pre, int 
 }
 """
 
-_SOURCE = r"""
-  // logits [R, (2 + HC)·HC, 1] float32 (pre, post, comb), streams [R, HC, D] T, weight [D] W
-  //   -> post [R, HC, 1] float32, mix_t [R, HC, HC] T, normed [R, D] T. A block a token.
+# The block's input: the pre weights (the logits' first HC), the weighted sum's squares, the normed row. The logits'
+# row is logits_shape[1] wide: (2 + HC)·HC for a layer's collapse, HC for the head's (pre only).
+_NORMED_SOURCE = r"""
+  // logits [R, M, 1] float32 (pre first), streams [R, HC, D] T, weight [D] W -> normed [R, D] T. A block a token.
   constexpr int WARPS = THREADS / 32;
-  constexpr int GROUP = HC * HC;
-  constexpr unsigned FULL = 0xffffffffu;
   __shared__ float partial[WARPS];
   const int r = blockIdx.x;
   const int D = streams_shape[2];
-  const float* lg = logits + (size_t)r * (2 + HC) * HC;
+  const float* lg = logits + (size_t)r * logits_shape[1];
   const T* s = streams + (size_t)r * HC * D;
   const float hc_eps = __int_as_float(HC_EPS_BITS);
   float pre[HC];
@@ -131,7 +133,14 @@ _SOURCE = r"""
     const float x = collapsed_at<T, HC>(s, pre, d, D);
     row[d] = static_cast<T>(__fmul_rn(static_cast<float>(weight[d]), __fmul_rn(x, normalizer)));
   }
-  if (threadIdx.x >= 32) return;  // warp 0 (all its lanes: each shuffle is the warp's) takes post and the comb
+"""
+
+# A layer's collapse also makes post and mix_t: warp 0, a lane per comb entry (all 32 lanes take part in each
+# shuffle), -> post [R, HC, 1] float32, mix_t [R, HC, HC] T.
+_MIXES_SOURCE = r"""
+  if (threadIdx.x >= 32) return;
+  constexpr int GROUP = HC * HC;
+  constexpr unsigned FULL = 0xffffffffu;
   const int lane = threadIdx.x;
   if (lane < HC) post[(size_t)r * HC + lane] = __fmul_rn(2.0f, mlx_sigmoid(lg[HC + lane]));
   const int e = lane % GROUP;  // lanes past GROUP shadow a live entry, write nothing
@@ -148,7 +157,11 @@ _SOURCE = r"""
   if (lane < GROUP) mix_t[(size_t)r * GROUP + j * HC + i] = static_cast<T>(v);  // transposed, rounded to T
 """
 
+_SOURCE = _NORMED_SOURCE + _MIXES_SOURCE
+_HEAD_SOURCE = _NORMED_SOURCE
+
 KERNEL_NAME = "tessera_hc_collapse"
+HEAD_KERNEL_NAME = "tessera_hc_collapse_head"
 INPUTS = ("logits", "streams", "weight")
 OUTPUTS = ("post", "mix_t", "normed")
 
@@ -175,3 +188,31 @@ def collapse_kernel(logits: mx.array, streams: mx.array, norm_weight: mx.array, 
         output_dtypes=[mx.float32, streams.dtype, streams.dtype],
     )
     return post, mix_t, normed
+
+
+def head_reference(logits: mx.array, streams: mx.array, norm_weight: mx.array, hc_eps: float, norm_eps: float) -> mx.array:
+    """The head's collapse: logits [T, hc, 1] float32 (pre only), streams [T, hc, D], norm_weight [D] -> the normed
+    input of the vocabulary projection [T, D] in the streams' dtype."""
+    return rms_norm_reference(weighted_sum(mx.sigmoid(logits) + hc_eps, streams), norm_weight, norm_eps)
+
+
+def head_is_supported(logits: mx.array, streams: mx.array) -> bool:
+    rows, hc = streams.shape[0], streams.shape[1]
+    return (_switch.enabled() and hc_mix.kernel_enabled() and compile_enabled() and on_cuda()
+            and 0 < rows <= hc_mix.MAX_ROWS and streams.dtype in DTYPES and logits.dtype == mx.float32
+            and logits.shape[1] == hc)
+
+
+def head_kernel(logits: mx.array, streams: mx.array, norm_weight: mx.array, hc_eps: float, norm_eps: float) -> mx.array:
+    """`head_reference`'s result in one launch, on a CUDA device (`head_is_supported`)."""
+    rows, hc, width = streams.shape
+    kernel = compiled_kernel(HEAD_KERNEL_NAME, INPUTS, ("normed",), _HEAD_SOURCE, _HEADER)
+    (normed,) = kernel(
+        inputs=[logits, streams, norm_weight],
+        template=kernel_template(streams.dtype, norm_weight.dtype, hc, 0, hc_eps, norm_eps),
+        grid=(rows * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(rows, width)],
+        output_dtypes=[streams.dtype],
+    )
+    return normed

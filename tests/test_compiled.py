@@ -336,10 +336,10 @@ def test_hyper_connections_hand_the_mixing_kernel_its_operands_where_it_runs(mon
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("enabled", [True, False], ids=["compiled", "plain"])
 def test_the_collapse_reference_is_the_engines_block_input_bit_for_bit(dtype, enabled):
-    """kernels/hc_collapse.py's `collapse_reference` (what its CUDA kernel is held to) is the engine's path where the
-    kernel does not run: `hyper_weights` and the block's norm, the same bits (the two eps values apart, so a swap
+    """kernels/hc_collapse.py's `collapse_reference` and `head_reference` (what its CUDA kernels are held to) are the
+    engine's path where the kernels do not run: `hyper_weights` (`head_collapse`) and the block's norm, the same bits (the two eps values apart, so a swap
     shows)."""
-    from tessera.kernels.hc_collapse import collapse_reference
+    from tessera.kernels.hc_collapse import collapse_reference, head_reference
     from tessera.kernels.hc_mix import mix_logits_reference
 
     compiled.set_compile_enabled(enabled)
@@ -355,14 +355,21 @@ def test_the_collapse_reference_is_the_engines_block_input_bit_for_bit(dtype, en
         for name, a, b, c in zip(("post", "mix_t", "normed"), got, want, (post, mix_t, normed)):
             assert a.dtype == b.dtype == c.dtype and a.shape == b.shape == c.shape, name
             assert mx.array_equal(a, b).item() and mx.array_equal(a, c).item(), f"{name} differs at {rows} rows"
+        head = hyper.HyperWeights(w.fn[:HC], w.base[:HC], w.scale[:1])
+        got_head = hyper.head_input(streams, head, norm_weight, EPS, NORM_EPS)
+        head_logits = mix_logits_reference(streams.reshape(rows, -1), head.fn_t32, head.scale32, head.base32, NORM_EPS)
+        want_head = head_reference(head_logits, streams, norm_weight, EPS, NORM_EPS)
+        collapsed = hyper.head_collapse(streams, head, EPS, NORM_EPS)
+        normed = mx.fast.rms_norm(collapsed.astype(mx.float32), norm_weight.astype(mx.float32), NORM_EPS).astype(dtype)
+        assert got_head.dtype == dtype and mx.array_equal(got_head, want_head).item() and mx.array_equal(got_head, normed).item()
 
 
-def test_a_model_hands_the_collapse_kernel_each_blocks_operands_where_it_runs(tmp_path, monkeypatch):
-    """Where the collapse kernel is supported (a CUDA decode batch), every collapse of a layer (attention's and the
-    FFN's) hands it the mix logits, the streams and that block's norm weight with the config's iterations and eps
-    values. A stand-in with the reference's contract takes its place here: the decode step's logits must be the
-    bits of the path without it (a swapped norm weight or eps would move them), with the stand-in called twice a
-    layer."""
+def test_a_model_hands_the_collapse_kernels_each_blocks_operands_where_they_run(tmp_path, monkeypatch):
+    """Where the collapse kernels are supported (a CUDA decode batch), every collapse of a layer (attention's and the
+    FFN's) and the head's hands them the mix logits, the streams and that block's norm weight with the config's
+    iterations and eps values. Stand-ins with the references' contracts take their place here: the decode step's
+    logits must be the bits of the path without them (a swapped eps would move them), with the layer's stand-in
+    called twice a layer and the head's once."""
     from tessera.engine.model.deepseek_v4 import Segment
     from tessera.engine.model.loader import load_model
     from tessera.engine.tools.make_model import make_model
@@ -386,8 +393,15 @@ def test_a_model_hands_the_collapse_kernel_each_blocks_operands_where_it_runs(tm
     for cache in caches:
         model.forward([Segment(cache, list(range(3, 20)))])
     want = step_logits(caches[0])
+    def head_stand_in(logits, streams, norm_weight, hc_eps, norm_eps):
+        assert logits.shape == (streams.shape[0], cfg.hc_mult, 1) and (hc_eps, norm_eps) == (cfg.hc_eps, cfg.rms_norm_eps)
+        calls.append("head")
+        return hc_collapse.head_reference(logits, streams, norm_weight, hc_eps, norm_eps)
+
     monkeypatch.setattr(hc_collapse, "is_supported", lambda logits, streams: streams.shape[0] == 1)
     monkeypatch.setattr(hc_collapse, "collapse_kernel", stand_in)
+    monkeypatch.setattr(hc_collapse, "head_is_supported", lambda logits, streams: streams.shape[0] == 1)
+    monkeypatch.setattr(hc_collapse, "head_kernel", head_stand_in)
     got = step_logits(caches[1])
-    assert len(calls) == 2 * cfg.num_hidden_layers
+    assert len(calls) == 2 * cfg.num_hidden_layers + 1 and calls[-1] == "head"
     assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))

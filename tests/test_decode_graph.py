@@ -35,9 +35,9 @@ MAX_NODES_PER_SEQUENCE_ON_CUDA = 2
 # session 34 (the router's transposed operand, the RoPE tables met as they are, one token's output groups
 # reshaped), 565 and 677 before session 35 (the Sinkhorn kernel's eps add, cast and transposed write; the top-k
 # kernel's validity; the HCA mask made once). Official bf16: 595 and 715 before session 35 (the same, and
-# gather_qmm's lhs indices). 539 / 651 and 557 / 677 before session 36 (the collapse after the mix logits one
-# kernel, kernels/hc_collapse.py).
-MAX_CUDA_STEP_NODES = {"plain": (479, 591), "official": (481, 601)}  # fmt: (ordinary, closing)
+# gather_qmm's lhs indices). 539 / 651 and 557 / 677 before session 36 (each collapse after its mix logits one
+# kernel, the head's too: kernels/hc_collapse.py).
+MAX_CUDA_STEP_NODES = {"plain": (476, 588), "official": (476, 596)}  # fmt: (ordinary, closing)
 
 
 def _nodes(arrays, path) -> int:

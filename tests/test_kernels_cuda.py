@@ -156,6 +156,26 @@ def test_hc_collapse_kernel_gives_a_token_the_same_bits_at_every_batch_size():
         assert all(mx.array_equal(a, b[r : r + 1]).item() for a, b in zip(alone, batch)), r
 
 
+@pytest.mark.parametrize("rows, dtype", [(1, mx.bfloat16), (16, mx.bfloat16), (4, mx.float32)])
+def test_hc_collapse_head_kernel_is_the_reference_within_its_dtypes_rounding(rows, dtype):
+    """The head's collapse (pre weights only, then the output norm) against `head_reference`: within two units of
+    the streams' dtype (10⁻⁵ for float32), equal nearly everywhere in bf16, and a token's same bits alone."""
+    from tessera.kernels.hc_collapse import head_is_supported, head_kernel, head_reference
+
+    logits, streams, weight = _hc_collapse_inputs(rows, 4096, dtype, dtype)
+    logits = logits[:, :4]  # the head's hc pre mixes
+    assert head_is_supported(logits, streams)
+    got = head_kernel(logits, streams, weight, 1e-6, 1e-6)
+    want = head_reference(logits, streams, weight, 1e-6, 1e-6)
+    unit = 2.0**-8 if dtype == mx.bfloat16 else 1e-5 / 2
+    a64, b64 = (np.array(x.astype(mx.float32), dtype=np.float64) for x in (got, want))
+    assert got.shape == want.shape and got.dtype == dtype
+    assert np.all(np.abs(a64 - b64) <= 2 * unit * np.abs(b64) + 1e-7), float(np.max(np.abs(a64 - b64)))
+    if dtype == mx.bfloat16:
+        assert np.mean(a64 == b64) >= 0.98
+    assert mx.array_equal(head_kernel(logits[-1:], streams[-1:], weight, 1e-6, 1e-6), got[-1:]).item()
+
+
 def _hc_mix_inputs(rows: int, hc: int, hidden: int, dtype, scales: int):
     rng = np.random.default_rng(rows * 7 + hidden)
     mixes = (2 + hc) * hc if scales == 3 else hc

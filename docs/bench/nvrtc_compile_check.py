@@ -113,13 +113,17 @@ def rms_norm_texts() -> list[KernelText]:
 
 
 def hc_collapse_texts() -> list[KernelText]:
-    """kernels/hc_collapse.py's kernel: bf16 streams with a bf16 and a float32 norm weight, and float32 streams, V4's
-    hc = 4 at V4 Flash's hidden 4096."""
+    """kernels/hc_collapse.py's kernels: a layer's with bf16 streams and a bf16 and a float32 norm weight, and with
+    float32 streams; the head's with bf16; V4's hc = 4 at V4 Flash's hidden 4096."""
     texts = []
     for dtype, weight in ((mx.bfloat16, mx.bfloat16), (mx.bfloat16, mx.float32), (mx.float32, mx.float32)):
         texts.append(KernelText(hc_collapse.KERNEL_NAME, (("logits", mx.float32), ("streams", dtype), ("weight", weight)),
                                 (("post", mx.float32), ("mix_t", dtype), ("normed", dtype)), hc_collapse._SOURCE,
                                 hc_collapse._HEADER, tuple(hc_collapse.kernel_template(dtype, weight, 4, 20, 1e-6, 1e-6))))
+    texts.append(KernelText(hc_collapse.HEAD_KERNEL_NAME, (("logits", mx.float32), ("streams", mx.bfloat16),
+                                                          ("weight", mx.bfloat16)), (("normed", mx.bfloat16),),
+                            hc_collapse._HEAD_SOURCE, hc_collapse._HEADER,
+                            tuple(hc_collapse.kernel_template(mx.bfloat16, mx.bfloat16, 4, 0, 1e-6, 1e-6))))
     return texts
 
 

@@ -24,9 +24,8 @@ from tessera.engine.model.compressor import CompressorWeights
 from tessera.engine.model.config import HASH_MOE, ModelConfig
 from tessera.engine.model.decode_async import decode_async_mode
 from tessera.engine.model.encode_thread import EncodeThread, encode_thread
-from tessera.engine.model.hyper import HyperWeights, block_input, expand, head_collapse
+from tessera.engine.model.hyper import HyperWeights, block_input, expand, head_input
 from tessera.engine.model.moe import MoEWeights, moe, syncs_host
-from tessera.engine.model.norms import rms_norm
 from tessera.engine.model.rope import StepRope
 from tessera.engine.model.trace import ForwardTrace
 from tessera.engine.model.weights import held_dtype
@@ -247,8 +246,7 @@ class _Head:
 
     def logits(self, streams: mx.array) -> mx.array:
         """streams [rows, hc, D] -> logits [rows, vocab]."""
-        hidden = head_collapse(streams, self.hc, self.hc_eps, self.norm_eps)
-        return rms_norm(hidden, self.norm, self.norm_eps) @ self.head_t
+        return head_input(streams, self.hc, self.norm, self.hc_eps, self.norm_eps) @ self.head_t
 
     @cached_property
     def head_t(self) -> mx.array:

@@ -149,6 +149,15 @@ def expand(block_out: mx.array, streams: mx.array, post: mx.array, mix_t: mx.arr
     return post.astype(streams.dtype) * block_out[:, None, :] + mixed
 
 
+def head_input(streams: mx.array, w: HyperWeights, norm_weight: mx.array, hc_eps: float, norm_eps: float) -> mx.array:
+    """The vocabulary projection's input: `head_collapse` RMS-normed by the output norm's weight, [T, hc, D] -> [T, D].
+    On CUDA decode batches the part after the mix logits is one kernel (kernels/hc_collapse.py)."""
+    mixes = _mixes(streams.reshape(streams.shape[0], -1), w, w.scale32, norm_eps)  # [T, hc, 1]
+    if hc_collapse_kernels.head_is_supported(mixes, streams):
+        return hc_collapse_kernels.head_kernel(mixes, streams, norm_weight, hc_eps, norm_eps)
+    return rms_norm(_head_weighted(mixes, streams, hc_eps), norm_weight, norm_eps)
+
+
 def head_collapse(streams: mx.array, w: HyperWeights, hc_eps: float, norm_eps: float) -> mx.array:
     """Final collapse of the streams before the output norm: [T, hc, D] -> [T, D]. `w` holds the
     head's hc mixes (pre only): fn [hc, hc·D], base [hc], scale [1]."""
