@@ -30,6 +30,9 @@ A B C D D C B A (--rounds times; --arms picks a subset). Every arm takes greedy 
   at dd2ba84 and 22c7227 had the opposite default and an arm serving_overlap_sinkhorn_warp).
 - serving_overlap_no_hc_mix: serving_overlap with the hyper-connections' mixing logits through MLX (cast, norm,
   gemv, scale and bias) instead of their one kernel (TESSERA_HC_MIX_KERNEL=0, kernels/hc_mix.py).
+- serving_overlap_no_hc_collapse: serving_overlap with what follows those logits (coefficients, softmax, Sinkhorn,
+  weighted sum, the block's norm) through MLX instead of one kernel a collapse (TESSERA_HC_COLLAPSE_KERNEL=0,
+  kernels/hc_collapse.py).
 - serving_overlap_no_decode_attention: serving_overlap with the decode rows' mixed attention through MLX (cuBLAS
   products, masks, softmax, casts) instead of its one kernel (TESSERA_DECODE_ATTENTION_KERNEL=0,
   kernels/decode_attention_cuda.py).
@@ -80,7 +83,7 @@ use_source_tree()  # `tessera.*` = this checkout, unless it already is
 from docs.bench.probe_io import jsonl_emitter, load_probe_model  # noqa: E402
 from tessera.engine.model import attention, compiled, decode_async, quantized  # noqa: E402
 from tessera.engine.model.deepseek_v4 import PENDING_TOKEN, Segment  # noqa: E402
-from tessera.kernels import decode_attention_cuda, gather_qmv, hc_mix, mxfp8_qmv, rms_norm_cuda, row_gather, sinkhorn  # noqa: E402
+from tessera.kernels import decode_attention_cuda, gather_qmv, hc_collapse, hc_mix, mxfp8_qmv, rms_norm_cuda, row_gather, sinkhorn  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled, serving_step_seconds  # noqa: E402
 
 
@@ -176,6 +179,8 @@ ARMS["serving_overlap_sinkhorn_thread"] = with_setting(sinkhorn.warp_enabled, si
                                                        ARMS["serving_overlap"])  # TESSERA_SINKHORN_WARP=0
 ARMS["serving_overlap_no_hc_mix"] = with_setting(hc_mix.kernel_enabled, hc_mix.set_kernel_enabled, False,
                                                  ARMS["serving_overlap"])  # TESSERA_HC_MIX_KERNEL=0
+ARMS["serving_overlap_no_hc_collapse"] = with_setting(hc_collapse.kernel_enabled, hc_collapse.set_kernel_enabled, False,
+                                                      ARMS["serving_overlap"])  # TESSERA_HC_COLLAPSE_KERNEL=0
 ARMS["serving_overlap_no_decode_attention"] = with_setting(
     decode_attention_cuda.kernel_enabled, decode_attention_cuda.set_kernel_enabled, False,
     ARMS["serving_overlap"])  # TESSERA_DECODE_ATTENTION_KERNEL=0
