@@ -11,7 +11,7 @@ From a token's mix logits ([(2 + hc)·hc]: pre, post, comb; kernels/hc_mix.py) a
 Why a kernel: in MLX that is ten launches a collapse at one token (the logits' split, the coefficients, the
 weighted sum, a squeeze and two casts, the norm, a reshape, the softmax, the Sinkhorn kernel), two collapses a
 layer and the head's, each node a host cost on MLX's CUDA backend and a launch on the device. With this kernel a
-flash-width batch-1 step builds 337 nodes instead of 413, and on an H100 every one of three 64k decode pairs (a
+flash-width batch-1 step builds 332 nodes instead of 413, and on an H100 every one of three 64k decode pairs (a
 process each) ran faster with it, 2.75–3.96 against 3.35–5.92 ms a step (docs/BENCHMARKS.md, "Session 36").
 Here it is one launch: a block per token. Every thread
 computes the token's pre weights (hc sigmoids), the block sums the weighted streams' squares over its columns,
