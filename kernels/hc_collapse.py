@@ -84,11 +84,11 @@ def collapse_reference(logits: mx.array, streams: mx.array, norm_weight: mx.arra
     return post, mix_t, rms_norm_reference(weighted_sum(pre, streams), norm_weight, norm_eps)
 
 
-def is_supported(logits: mx.array, streams: mx.array) -> bool:
+def is_supported(streams: mx.array) -> bool:
+    """Whether the kernels take these streams' collapses (a layer's and the head's): shapes, dtype and switches only."""
     rows, hc = streams.shape[0], streams.shape[1]
     return (_switch.enabled() and hc_mix.kernel_enabled() and compile_enabled() and on_cuda()
-            and 0 < rows <= hc_mix.MAX_ROWS and hc * hc <= 32 and streams.dtype in DTYPES
-            and logits.dtype == mx.float32 and logits.shape[1] == (2 + hc) * hc)
+            and 0 < rows <= hc_mix.MAX_ROWS and hc * hc <= 32 and streams.dtype in DTYPES)
 
 
 _HEADER = hc_mix.HEADER + LANE_HEADER + r"""
@@ -178,7 +178,8 @@ def kernel_template(dtype: mx.Dtype, weight_dtype: mx.Dtype, hc: int, iters: int
 
 def collapse_kernel(logits: mx.array, streams: mx.array, norm_weight: mx.array, iters: int, hc_eps: float,
                     norm_eps: float) -> tuple[mx.array, mx.array, mx.array]:
-    """`collapse_reference`'s outputs in one launch, on a CUDA device (`is_supported`)."""
+    """`collapse_reference`'s outputs in one launch, on a CUDA device (`is_supported`); logits: the mix kernel's
+    [T, (2 + hc)·hc, 1] float32 (kernels/hc_mix.py)."""
     rows, hc, width = streams.shape
     kernel = compiled_kernel(KERNEL_NAME, INPUTS, OUTPUTS, _SOURCE, _HEADER)
     post, mix_t, normed = kernel(
@@ -198,15 +199,9 @@ def head_reference(logits: mx.array, streams: mx.array, norm_weight: mx.array, h
     return rms_norm_reference(weighted_sum(mx.sigmoid(logits) + hc_eps, streams), norm_weight, norm_eps)
 
 
-def head_is_supported(logits: mx.array, streams: mx.array) -> bool:
-    rows, hc = streams.shape[0], streams.shape[1]
-    return (_switch.enabled() and hc_mix.kernel_enabled() and compile_enabled() and on_cuda()
-            and 0 < rows <= hc_mix.MAX_ROWS and streams.dtype in DTYPES and logits.dtype == mx.float32
-            and logits.shape[1] == hc)
-
-
 def head_kernel(logits: mx.array, streams: mx.array, norm_weight: mx.array, hc_eps: float, norm_eps: float) -> mx.array:
-    """`head_reference`'s result in one launch, on a CUDA device (`head_is_supported`)."""
+    """`head_reference`'s result in one launch, on a CUDA device (`is_supported`); logits: the head's mix logits
+    [T, hc, 1] float32."""
     rows, hc, width = streams.shape
     kernel = compiled_kernel(HEAD_KERNEL_NAME, INPUTS, ("normed",), _HEAD_SOURCE, _HEADER)
     (normed,) = kernel(

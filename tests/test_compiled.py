@@ -398,9 +398,8 @@ def test_a_model_hands_the_collapse_kernels_each_blocks_operands_where_they_run(
         calls.append("head")
         return hc_collapse.head_reference(logits, streams, norm_weight, hc_eps, norm_eps)
 
-    monkeypatch.setattr(hc_collapse, "is_supported", lambda logits, streams: streams.shape[0] == 1)
+    monkeypatch.setattr(hc_collapse, "is_supported", lambda streams: streams.shape[0] == 1)
     monkeypatch.setattr(hc_collapse, "collapse_kernel", stand_in)
-    monkeypatch.setattr(hc_collapse, "head_is_supported", lambda logits, streams: streams.shape[0] == 1)
     monkeypatch.setattr(hc_collapse, "head_kernel", head_stand_in)
     got = step_logits(caches[1])
     assert len(calls) == 2 * cfg.num_hidden_layers + 1 and calls[-1] == "head"

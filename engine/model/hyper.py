@@ -82,27 +82,23 @@ def _evaluated(a: mx.array) -> mx.array:
 def block_input(streams: mx.array, w: HyperWeights, norm_weight: mx.array, sinkhorn_iters: int, hc_eps: float,
                 norm_eps: float) -> tuple[mx.array, mx.array, mx.array]:
     """streams: [T, hc, D] -> (post [T, hc, 1], mix_t [T, hc, hc], the block's normed input [T, D]): `hyper_weights`
-    with its collapsed sum RMS-normed by the block's norm weight. On CUDA decode batches the part after the mix
-    logits is one kernel (kernels/hc_collapse.py)."""
-    logits = _mixes(streams.reshape(streams.shape[0], -1), w, w.scale_per_mix, norm_eps)  # [T, (2 + hc)·hc, 1]
-    if hc_collapse_kernels.is_supported(logits, streams):
+    with its collapsed sum RMS-normed by the block's norm weight. On CUDA decode batches what follows the mix logits
+    is one kernel (kernels/hc_collapse.py)."""
+    if hc_collapse_kernels.is_supported(streams):
+        logits = _mixes(streams.reshape(streams.shape[0], -1), w, w.scale_per_mix, norm_eps)  # [T, (2 + hc)·hc, 1]
         return hc_collapse_kernels.collapse_kernel(logits, streams, norm_weight, sinkhorn_iters, hc_eps, norm_eps)
-    post, mix_t, collapsed = _weights_from_logits(logits, streams, sinkhorn_iters, hc_eps)
+    post, mix_t, collapsed = hyper_weights(streams, w, sinkhorn_iters, hc_eps, norm_eps)
     return post, mix_t, rms_norm(collapsed, norm_weight, norm_eps)
 
 
 def hyper_weights(streams: mx.array, w: HyperWeights, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
     """streams: [T, hc, D] -> (post [T, hc, 1], mix_t [T, hc, hc], collapsed block input [T, D]); mix_t is the
-    doubly stochastic comb transposed (mix_t[t, k, j] = comb[t, j, k]) in the streams' dtype, as `expand` reads it."""
-    logits = _mixes(streams.reshape(streams.shape[0], -1), w, w.scale_per_mix, norm_eps)  # [T, (2 + hc)·hc, 1]
-    return _weights_from_logits(logits, streams, sinkhorn_iters, hc_eps)
+    doubly stochastic comb transposed (mix_t[t, k, j] = comb[t, j, k]) in the streams' dtype, as `expand` reads it.
 
-
-def _weights_from_logits(logits: mx.array, streams: mx.array, sinkhorn_iters: int, hc_eps: float):
-    """logits [T, (2 + hc)·hc, 1] -> `hyper_weights`' three. The mixes come out as [T, mixes, 1], so pre and post
-    are split off already shaped to scale [T, hc, D] streams (one node for the three parts and none to expand pre
-    and post)."""
+    The mixes come out as [T, mixes, 1], so pre and post are split off already shaped to scale
+    [T, hc, D] streams (one node for the three parts and none to expand pre and post)."""
     num_tokens, hc, _ = streams.shape
+    logits = _mixes(streams.reshape(num_tokens, -1), w, w.scale_per_mix, norm_eps)  # [T, (2 + hc)·hc, 1]
     pre_logits, post_logits, comb_logits = mx.split(logits, [hc, 2 * hc], axis=1)  # one node, not three slices
     pre, post, probs = _coefficients(pre_logits, post_logits, comb_logits.reshape(num_tokens, hc, hc), hc_eps)
     return post, _mixing(probs, streams, sinkhorn_iters, hc_eps), _collapse(pre, streams)
@@ -151,11 +147,11 @@ def expand(block_out: mx.array, streams: mx.array, post: mx.array, mix_t: mx.arr
 
 def head_input(streams: mx.array, w: HyperWeights, norm_weight: mx.array, hc_eps: float, norm_eps: float) -> mx.array:
     """The vocabulary projection's input: `head_collapse` RMS-normed by the output norm's weight, [T, hc, D] -> [T, D].
-    On CUDA decode batches the part after the mix logits is one kernel (kernels/hc_collapse.py)."""
-    mixes = _mixes(streams.reshape(streams.shape[0], -1), w, w.scale32, norm_eps)  # [T, hc, 1]
-    if hc_collapse_kernels.head_is_supported(mixes, streams):
+    On CUDA decode batches what follows the mix logits is one kernel (kernels/hc_collapse.py)."""
+    if hc_collapse_kernels.is_supported(streams):
+        mixes = _mixes(streams.reshape(streams.shape[0], -1), w, w.scale32, norm_eps)  # [T, hc, 1]
         return hc_collapse_kernels.head_kernel(mixes, streams, norm_weight, hc_eps, norm_eps)
-    return rms_norm(_head_weighted(mixes, streams, hc_eps), norm_weight, norm_eps)
+    return rms_norm(head_collapse(streams, w, hc_eps, norm_eps), norm_weight, norm_eps)
 
 
 def head_collapse(streams: mx.array, w: HyperWeights, hc_eps: float, norm_eps: float) -> mx.array:
