@@ -13,7 +13,9 @@ Arms, in the order A B … B A (--rounds times), each a mode of the same model-l
   kernels/sinkhorn.py); the other arms take the default, a lane per matrix entry (session 18's runs, at
   22c7227, named the warp layout's arm compiled_sinkhorn_warp: then the thread per token was the default). compiled_no_hc_mix: compiled with
   the hyper-connections' mixing logits through MLX (TESSERA_HC_MIX_KERNEL=0, kernels/hc_mix.py); the other arms
-  take its kernel (the default). compiled_no_decode_attention: compiled with the decode rows' mixed attention
+  take its kernel (the default). compiled_no_hc_collapse: compiled with what follows those logits (coefficients,
+  softmax, Sinkhorn, weighted sum, the block's norm) through MLX (TESSERA_HC_COLLAPSE_KERNEL=0, kernels/hc_collapse.py);
+  the other arms take its kernel. compiled_no_decode_attention: compiled with the decode rows' mixed attention
   through MLX (TESSERA_DECODE_ATTENTION_KERNEL=0, kernels/decode_attention_cuda.py); the other arms take its kernel.
   compiled_rms_norm: compiled with bf16 RMS norms in one kernel each (TESSERA_RMS_NORM_KERNEL=1,
   kernels/rms_norm_cuda.py); the other arms take MLX's path (a cast, its norm, a cast back: the default).
@@ -60,7 +62,7 @@ from tessera.engine.model.compiled import set_step_compile_enabled, step_compile
 from tessera.engine.model.deepseek_v4 import Segment  # noqa: E402
 from tessera.engine.model.encode_thread import encode_thread  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled  # noqa: E402
-from tessera.kernels import decode_attention_cuda, hc_mix, mxfp8_qmv, rms_norm_cuda, sinkhorn  # noqa: E402
+from tessera.kernels import decode_attention_cuda, hc_collapse, hc_mix, mxfp8_qmv, rms_norm_cuda, sinkhorn  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class Arm:
     mxfp8_qmv: bool = True
     sinkhorn_warp: bool = True
     hc_mix: bool = True
+    hc_collapse: bool = True
     decode_attention: bool = True
     rms_norm: bool = False
 
@@ -84,6 +87,7 @@ SWITCHES = {"decode_async": (decode_async.decode_async_mode, decode_async.set_de
             "mxfp8_qmv": (mxfp8_qmv.kernel_enabled, mxfp8_qmv.set_kernel_enabled),
             "sinkhorn_warp": (sinkhorn.warp_enabled, sinkhorn.set_warp_enabled),
             "hc_mix": (hc_mix.kernel_enabled, hc_mix.set_kernel_enabled),
+            "hc_collapse": (hc_collapse.kernel_enabled, hc_collapse.set_kernel_enabled),
             "decode_attention": (decode_attention_cuda.kernel_enabled, decode_attention_cuda.set_kernel_enabled),
             "rms_norm": (rms_norm_cuda.kernel_enabled, rms_norm_cuda.set_kernel_enabled)}
 assert set(SWITCHES) == {f.name for f in fields(Arm)}
@@ -94,6 +98,7 @@ ARMS = {"off": Arm(step_compile=False), "thread": Arm(decode_async="thread", ste
         "compiled_no_mxfp8_qmv": Arm(mxfp8_qmv=False),
         "compiled_sinkhorn_thread": Arm(sinkhorn_warp=False),
         "compiled_no_hc_mix": Arm(hc_mix=False),
+        "compiled_no_hc_collapse": Arm(hc_collapse=False),
         "compiled_no_decode_attention": Arm(decode_attention=False),
         "compiled_rms_norm": Arm(rms_norm=True)}
 
