@@ -73,6 +73,12 @@ def weighted_sum(pre: mx.array, streams: mx.array) -> mx.array:
     return (pre * streams).sum(axis=1).astype(streams.dtype)
 
 
+def head_weighted_sum(mixes: mx.array, streams: mx.array, hc_eps: float) -> mx.array:
+    """The head's collapse: mixes [T, hc, 1] float32 (pre only), streams [T, hc, D] -> [T, D] in the streams' dtype,
+    the streams weighted by sigmoid(mixes) + eps and summed."""
+    return weighted_sum(mx.sigmoid(mixes) + hc_eps, streams)
+
+
 def collapse_reference(logits: mx.array, streams: mx.array, norm_weight: mx.array, iters: int, hc_eps: float,
                        norm_eps: float) -> tuple[mx.array, mx.array, mx.array]:
     """logits [T, (2 + hc)·hc, 1] float32, streams [T, hc, D], norm_weight [D] -> post [T, hc, 1] float32,
@@ -196,7 +202,7 @@ def collapse_kernel(logits: mx.array, streams: mx.array, norm_weight: mx.array, 
 def head_reference(logits: mx.array, streams: mx.array, norm_weight: mx.array, hc_eps: float, norm_eps: float) -> mx.array:
     """The head's collapse: logits [T, hc, 1] float32 (pre only), streams [T, hc, D], norm_weight [D] -> the normed
     input of the vocabulary projection [T, D] in the streams' dtype."""
-    return rms_norm_reference(weighted_sum(mx.sigmoid(logits) + hc_eps, streams), norm_weight, norm_eps)
+    return rms_norm_reference(head_weighted_sum(logits, streams, hc_eps), norm_weight, norm_eps)
 
 
 def head_kernel(logits: mx.array, streams: mx.array, norm_weight: mx.array, hc_eps: float, norm_eps: float) -> mx.array:

@@ -161,7 +161,4 @@ def head_collapse(streams: mx.array, w: HyperWeights, hc_eps: float, norm_eps: f
     return _head_weighted(mixes, streams, hc_eps)
 
 
-@shapeless
-def _head_weighted(mixes: mx.array, streams: mx.array, hc_eps: float) -> mx.array:
-    """mixes [T, hc, 1], streams [T, hc, D] -> [T, D]: the head's pre weights applied."""
-    return _collapse.plain(mx.sigmoid(mixes) + hc_eps, streams)
+_head_weighted = shapeless(hc_collapse_kernels.head_weighted_sum)
