@@ -73,6 +73,12 @@ def weighted_sum(by_pair: mx.array, weights: mx.array) -> mx.array:
     return (by_pair.astype(mx.float32) * weights[:, :, None]).sum(axis=1)
 
 
+def moe_output(routed: mx.array, shared: mx.array, like: mx.array) -> mx.array:
+    """routed [T, D] float32 (`weighted_sum`), shared [T, D] (the shared expert's rows) -> [T, D] in `like`'s dtype
+    (the block input's): the MoE's output, the routed sum rounded before the shared rows are added."""
+    return (routed.astype(like.dtype) + shared).astype(like.dtype)
+
+
 def combine_rows_reference(rows: mx.array, slot: mx.array, weights: mx.array) -> mx.array:
     """rows: [R, D] (every padded row through its expert), slot: [T·k] (pair t·k + j's row), weights:
     [T, k] -> [T, D] float32: Σ_j weights[t, j] · rows[slot[t·k + j]]."""

@@ -17,10 +17,13 @@ Where it runs: bf16 and fp16 rows (the casts it removes; float32 rows take MLX's
 any count, a width a multiple of 8 up to MAX_WIDTH, on CUDA with compilation on. A row's bits do not depend on
 how many rows a call has, so a prefill chunk and a decode batch norm a row alike.
 
-Switch: TESSERA_RMS_NORM_KERNEL=1 uses the kernel where `is_supported`; 0, the default, keeps the reference. Off:
-on an H100 its CUDA tests pass and it removes 41 of a flash-width batch-1 step's 337 launches, but no step got
-faster with it (64k decode, the serving step at 1 and 16 tokens: docs/BENCHMARKS.md, "Sessions 25 and 26 on
-H100s"). The probes' arms compiled_rms_norm and serving_overlap_rms_norm measure it.
+Switch: TESSERA_RMS_NORM_KERNEL=1, the default since session 37, uses the kernel where `is_supported`; 0 keeps the
+reference. Sessions 25 and 26 (H100s) saw no step faster with it, and it stayed off. Session 37 (an H100): its
+kernel tests and the model-level CUDA tests with it on pass (49 passed, 1 skipped), and in one process, A B B A,
+the 64k batch-1 step was no slower (median of four rounds 2.82 against 2.82 ms) and the 16k batch-16 step faster in
+both pairs (6.19 and 5.35 against 6.86 and 5.52 ms): docs/BENCHMARKS.md, "Session 37". It takes the attention's
+norms (q_a's, kv's, the heads' q, the indexer's) from three nodes to one each. The probes' arms compiled_rms_norm and
+serving_overlap_rms_norm set it on, serving_overlap_no_rms_norm off.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from tessera.kernels.shapeless import compile_enabled
 from tessera.kernels.switch import Switch
 
 ENV_VAR = "TESSERA_RMS_NORM_KERNEL"
-_switch = Switch(ENV_VAR, default=False)  # on once its CUDA tests have passed on a GPU (module docstring)
+_switch = Switch(ENV_VAR, default=True)
 
 ROWS_A_BLOCK = 4  # warps a block, a row each
 PIECE = 8  # elements a 16-byte load

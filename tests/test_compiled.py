@@ -404,3 +404,100 @@ def test_a_model_hands_the_collapse_kernels_each_blocks_operands_where_they_run(
     got = step_logits(caches[1])
     assert len(calls) == 2 * cfg.num_hidden_layers + 1 and calls[-1] == "head"
     assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+
+
+# ---- the expand, alone and with the MoE's sums (kernels/hc_expand.py) ---------------------------------
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("enabled", [True, False], ids=["compiled", "plain"])
+def test_the_expand_references_are_the_engines_bits(dtype, enabled):
+    """kernels/hc_expand.py's references (what its CUDA kernels are held to) are the engine's path where they do not
+    run: `expand_reference` is `hyper.expand` and the per-op formulation, and `expand_pairs_reference` is
+    `hyper.expand_pairs` and `hyper.expand` of the MoE's output as `moe` sums it, the same bits."""
+    from tessera.engine.model.moe import RoutedPairs
+    from tessera.kernels.hc_expand import expand_pairs_reference, expand_reference, pairs_output
+
+    compiled.set_compile_enabled(enabled)
+    for rows, k in ((1, 6), (5, 2), (3, 6)):
+        keys = iter(mx.random.split(mx.random.key(40 + rows), 8))
+        streams = mx.random.normal((rows, HC, WIDTH), key=next(keys)).astype(dtype)
+        block_out = (mx.random.normal((rows, WIDTH), key=next(keys)) * 3).astype(dtype)
+        post = 2 * mx.sigmoid(mx.random.normal((rows, HC, 1), key=next(keys)))
+        comb = mx.softmax(mx.random.normal((rows, HC, HC), key=next(keys)), axis=-1)
+        mix_t = as_mix_t(comb, dtype)
+        got = hyper.expand(block_out, streams, post, mix_t)
+        want = expand_reference(block_out, streams, post, mix_t)
+        assert got.dtype == dtype and mx.array_equal(got, want).item(), rows
+        assert mx.array_equal(got, reference_expand(block_out, streams, post, comb)).item(), rows
+        pairs = RoutedPairs(rows=mx.random.normal((rows * k, WIDTH), key=next(keys)).astype(dtype),
+                            weights=mx.random.uniform(0, 1, (rows, k), key=next(keys)),
+                            shared=mx.random.normal((rows, WIDTH), key=next(keys)).astype(dtype))
+        assert mx.array_equal(pairs_output(pairs.rows, pairs.weights, pairs.shared), pairs.output(streams)).item()
+        got = hyper.expand_pairs(pairs, streams, streams, post, mix_t)
+        want = expand_pairs_reference(pairs.rows, pairs.weights, pairs.shared, streams, post, mix_t)
+        assert got.dtype == dtype and mx.array_equal(got, want).item(), rows
+        assert mx.array_equal(got, hyper.expand(pairs.output(streams), streams, post, mix_t)).item(), rows
+
+
+@pytest.mark.parametrize("hashed", [False, True], ids=["learned", "hash"])
+def test_moe_is_its_pairs_summed(hashed):
+    """`moe` of a gathered-layout step is `moe_pairs` summed (`RoutedPairs.output`): the parts the expand kernel
+    takes are the MoE's, bit for bit."""
+    from tessera.engine.model.moe import MoEWeights, moe, moe_pairs
+
+    experts, dim, inner, vocab, top_k = 6, 32, 24, 50, 2
+    keys = iter(mx.random.split(mx.random.key(9), 10))
+    normal = lambda shape: mx.random.normal(shape, key=next(keys)) * 0.3  # noqa: E731
+    w = MoEWeights(
+        router=normal((experts, dim)), correction_bias=None if hashed else normal((experts,)),
+        tid2eid=mx.random.randint(0, experts, (vocab, top_k), key=next(keys)).astype(mx.uint32) if hashed else None,
+        w1=normal((experts, inner, dim)), w2=normal((experts, dim, inner)), w3=normal((experts, inner, dim)),
+        shared_w1=normal((inner, dim)), shared_w2=normal((dim, inner)), shared_w3=normal((inner, dim)),
+    )
+    for rows in (1, 4):
+        x = mx.random.normal((rows, dim), key=mx.random.key(rows)) * 4
+        ids = mx.arange(rows) % vocab
+        pairs = moe_pairs(x, ids, w, top_k, 1.5, 0.7)
+        assert pairs.rows.shape == (rows * top_k, dim) and pairs.weights.shape == (rows, top_k)
+        assert mx.array_equal(pairs.output(x), moe(x, ids, w, top_k, 1.5, 0.7)).item(), rows
+
+
+def test_a_model_hands_the_expand_kernels_each_blocks_operands_where_they_run(tmp_path, monkeypatch):
+    """Where the expand kernels are supported (a CUDA decode batch), each layer's attention half hands `expand_kernel`
+    its output and the collapse's post and mix_t, and its FFN half hands `expand_pairs_kernel` the MoE's pairs, weights
+    and shared rows. Stand-ins with the references' contracts take their place here: the decode step's logits must be
+    the bits of the path without them (a swapped post, a stale stream or a dropped shared expert would move them),
+    each stand-in called once a layer."""
+    from tessera.engine.model.deepseek_v4 import Segment
+    from tessera.engine.model.loader import load_model
+    from tessera.engine.tools.make_model import make_model
+    from tessera.kernels import hc_expand
+
+    model = load_model(make_model(tmp_path / "m", "tiny", seed=4, with_tokenizer=False), dtype="float32")
+    cfg = model.cfg
+    calls = []
+
+    def stand_in(block_out, streams, post, mix_t):
+        assert post.shape == (streams.shape[0], cfg.hc_mult, 1) and post.dtype == mx.float32
+        calls.append("attention")
+        return hc_expand.expand_reference(block_out, streams, post, mix_t)
+
+    def pairs_stand_in(rows, weights, shared, streams, post, mix_t):
+        assert weights.shape == (streams.shape[0], cfg.num_experts_per_tok) and rows.shape[0] == weights.size
+        calls.append("ffn")
+        return hc_expand.expand_pairs_reference(rows, weights, shared, streams, post, mix_t)
+
+    caches = [model.new_cache(), model.new_cache()]
+    for cache in caches:
+        model.forward([Segment(cache, list(range(3, 20)))])
+    want = model.forward([Segment(caches[0], [5])])
+    decode = lambda streams: streams.shape[0] == 1  # noqa: E731
+    monkeypatch.setattr(hc_expand, "is_supported", decode)
+    monkeypatch.setattr(hc_expand, "block_out_is_supported", lambda block_out, streams: decode(streams))
+    monkeypatch.setattr(hc_expand, "pairs_are_supported", lambda rows, weights, shared, streams: decode(streams))
+    monkeypatch.setattr(hc_expand, "expand_kernel", stand_in)
+    monkeypatch.setattr(hc_expand, "expand_pairs_kernel", pairs_stand_in)
+    got = model.forward([Segment(caches[1], [5])])
+    assert calls == ["attention", "ffn"] * cfg.num_hidden_layers
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))

@@ -36,8 +36,10 @@ MAX_NODES_PER_SEQUENCE_ON_CUDA = 2
 # reshaped), 565 and 677 before session 35 (the Sinkhorn kernel's eps add, cast and transposed write; the top-k
 # kernel's validity; the HCA mask made once). Official bf16: 595 and 715 before session 35 (the same, and
 # gather_qmm's lhs indices). 539 / 651 and 557 / 677 before session 36 (each collapse after its mix logits one
-# kernel, the head's too: kernels/hc_collapse.py).
-MAX_CUDA_STEP_NODES = {"plain": (476, 588), "official": (476, 596)}  # fmt: (ordinary, closing)
+# kernel, the head's too: kernels/hc_collapse.py). 476 / 588 and 476 / 596 before session 37 (each expand one kernel,
+# the MoE's sums in the FFN half's: kernels/hc_expand.py; the router after its product one kernel:
+# kernels/moe_route.py; bf16 norms one kernel each by default: kernels/rms_norm_cuda.py).
+MAX_CUDA_STEP_NODES = {"plain": (414, 526), "official": (406, 514)}  # fmt: (ordinary, closing)
 
 
 def _nodes(arrays, path) -> int:

@@ -69,10 +69,12 @@ def test_the_host_profile_lists_the_model_step_whatever_its_rank(tmp_path):
 
 def test_the_kernel_arms_run_with_their_kernel_switched_and_restore_it_after():
     """serving_overlap_sinkhorn_thread, serving_overlap_no_hc_mix, serving_overlap_no_hc_collapse,
-    serving_overlap_no_decode_attention and serving_overlap_rms_norm run the serving arm with TESSERA_SINKHORN_WARP,
-    TESSERA_HC_MIX_KERNEL, TESSERA_HC_COLLAPSE_KERNEL or TESSERA_DECODE_ATTENTION_KERNEL off, or TESSERA_RMS_NORM_KERNEL
-    on: a stand-in model and cache report the switches the moment the arm first uses them."""
-    from tessera.kernels import decode_attention_cuda, hc_collapse, hc_mix, rms_norm_cuda, sinkhorn
+    serving_overlap_no_hc_expand, serving_overlap_no_moe_route, serving_overlap_no_decode_attention and
+    serving_overlap_no_rms_norm run the serving arm with TESSERA_SINKHORN_WARP, TESSERA_HC_MIX_KERNEL,
+    TESSERA_HC_COLLAPSE_KERNEL, TESSERA_HC_EXPAND_KERNEL, TESSERA_MOE_ROUTE_KERNEL, TESSERA_DECODE_ATTENTION_KERNEL or
+    TESSERA_RMS_NORM_KERNEL off: a stand-in model and cache report the switches the
+    moment the arm first uses them."""
+    from tessera.kernels import decode_attention_cuda, hc_collapse, hc_expand, hc_mix, moe_route, rms_norm_cuda, sinkhorn
 
     script = _overlap_script()
 
@@ -84,7 +86,9 @@ def test_the_kernel_arms_run_with_their_kernel_switched_and_restore_it_after():
 
         def __getattr__(self, name):
             raise Seen({"sinkhorn_warp": sinkhorn.warp_enabled(), "hc_mix": hc_mix.kernel_enabled(),
-                        "hc_collapse": hc_collapse.kernel_enabled(), "decode_attention": decode_attention_cuda.kernel_enabled(), "rms_norm": rms_norm_cuda.kernel_enabled()})
+                        "hc_collapse": hc_collapse.kernel_enabled(), "hc_expand": hc_expand.kernel_enabled(),
+                        "moe_route": moe_route.kernel_enabled(), "decode_attention": decode_attention_cuda.kernel_enabled(),
+                        "rms_norm": rms_norm_cuda.kernel_enabled()})
 
     def switches_in(arm: str) -> dict:
         try:
@@ -93,13 +97,17 @@ def test_the_kernel_arms_run_with_their_kernel_switched_and_restore_it_after():
             return seen.args[0]
         raise AssertionError(f"{arm} never touched the model or cache")
 
-    on = {"sinkhorn_warp": True, "hc_mix": True, "hc_collapse": True, "decode_attention": True, "rms_norm": False}
+    on = {"sinkhorn_warp": True, "hc_mix": True, "hc_collapse": True, "hc_expand": True, "moe_route": True,
+          "decode_attention": True, "rms_norm": True}
     assert switches_in("serving_overlap") == on
     assert switches_in("serving_overlap_sinkhorn_thread") == {**on, "sinkhorn_warp": False}
     assert switches_in("serving_overlap_no_hc_mix") == {**on, "hc_mix": False}
     assert switches_in("serving_overlap_no_hc_collapse") == {**on, "hc_collapse": False}
     assert switches_in("serving_overlap_no_decode_attention") == {**on, "decode_attention": False}
-    assert switches_in("serving_overlap_rms_norm") == {**on, "rms_norm": True}
+    assert switches_in("serving_overlap_no_hc_expand") == {**on, "hc_expand": False}
+    assert switches_in("serving_overlap_no_moe_route") == {**on, "moe_route": False}
+    assert switches_in("serving_overlap_no_rms_norm") == {**on, "rms_norm": False}
+    assert switches_in("serving_overlap_rms_norm") == on
     assert sinkhorn.warp_enabled() and hc_mix.kernel_enabled() and hc_collapse.kernel_enabled()  # restored
-    assert decode_attention_cuda.kernel_enabled()
-    assert not rms_norm_cuda.kernel_enabled()
+    assert hc_expand.kernel_enabled() and moe_route.kernel_enabled() and decode_attention_cuda.kernel_enabled()
+    assert rms_norm_cuda.kernel_enabled()

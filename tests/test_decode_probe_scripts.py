@@ -19,19 +19,22 @@ def test_step_timeline_reports_the_host_split_of_every_arm_in_alternating_rounds
     rows = run_bench_script("issue14_step_timeline.py", tiny_model(tmp_path / "model"), tmp_path / "timeline.jsonl",
                             "--ctx", "100", "--steps", "3", "--rounds", "1", "--arms", "off", "compiled_thread", "compiled_unstacked",
                             "compiled_no_mxfp8_qmv", "compiled_sinkhorn_thread", "compiled_no_hc_mix",
-                            "compiled_no_hc_collapse", "compiled_no_decode_attention", "compiled_rms_norm")
+                            "compiled_no_hc_collapse", "compiled_no_hc_expand", "compiled_no_moe_route",
+                            "compiled_no_decode_attention", "compiled_no_rms_norm")
     rounds = [r for r in rows if r["what"] == "round"]
     order = ["off", "compiled_thread", "compiled_unstacked", "compiled_no_mxfp8_qmv", "compiled_sinkhorn_thread",
-             "compiled_no_hc_mix", "compiled_no_hc_collapse", "compiled_no_decode_attention", "compiled_rms_norm"]
+             "compiled_no_hc_mix", "compiled_no_hc_collapse", "compiled_no_hc_expand", "compiled_no_moe_route",
+             "compiled_no_decode_attention", "compiled_no_rms_norm"]
     assert [r["arm"] for r in rounds] == order + order[::-1]
     # each arm changes its one switch from the defaults (the compiled step, every kernel on), read back in the round
     defaults = {"step_compile": True, "stacked_inputs": True, "mxfp8_qmv": True, "sinkhorn_warp": True, "hc_mix": True,
-                "hc_collapse": True, "decode_attention": True, "rms_norm": False}
+                "hc_collapse": True, "hc_expand": True, "moe_route": True, "decode_attention": True,
+                "rms_norm": True}
     changed = {"off": {"step_compile": False}, "compiled_thread": {}, "compiled_unstacked": {"stacked_inputs": False},
                "compiled_no_mxfp8_qmv": {"mxfp8_qmv": False}, "compiled_sinkhorn_thread": {"sinkhorn_warp": False},
                "compiled_no_hc_mix": {"hc_mix": False}, "compiled_no_hc_collapse": {"hc_collapse": False},
                "compiled_no_decode_attention": {"decode_attention": False},
-               "compiled_rms_norm": {"rms_norm": True}}
+               "compiled_no_hc_expand": {"hc_expand": False}, "compiled_no_moe_route": {"moe_route": False}, "compiled_no_rms_norm": {"rms_norm": False}}
     for r in rounds:
         switches = {k: v for k, v in r["switches"].items() if k != "decode_async"}
         assert switches == {**defaults, **changed[r["arm"]]}, r["arm"]

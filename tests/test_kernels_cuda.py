@@ -181,6 +181,84 @@ def test_hc_collapse_head_kernel_is_the_reference_within_its_dtypes_rounding(row
     assert mx.array_equal(head_kernel(logits[-1:], streams[-1:], weight, 1e-6, 1e-6), got[-1:]).item()
 
 
+def _hc_expand_inputs(rows: int, hidden: int, dtype, slots: int = 6, exact: bool = False, seed: int = 0):
+    """(block_out, streams, post, mix_t, pair rows, weights, shared) at hc = 4. exact: small multiples of 1/4, so every
+    product and sum is exact in float32 and only the roundings to the streams' dtype remain (the same in any order)."""
+    rng = np.random.default_rng(seed + rows * 7 + hidden + slots)
+    if exact:
+        ints = lambda shape: rng.integers(-4, 5, shape).astype(np.float32)  # noqa: E731
+        quarters = lambda shape, low, high: rng.integers(4 * low, 4 * high + 1, shape).astype(np.float32) / 4  # noqa: E731
+        block_out, streams, rows_, shared = ints((rows, hidden)), ints((rows, 4, hidden)), ints((rows * slots, hidden)), ints((rows, hidden))
+        post, mix_t, weights = quarters((rows, 4, 1), 0, 2), quarters((rows, 4, 4), -1, 1), quarters((rows, slots), 0, 1)
+    else:
+        normal = lambda *shape: rng.standard_normal(shape, dtype=np.float32)  # noqa: E731
+        block_out, streams, rows_, shared = normal(rows, hidden) * 3, normal(rows, 4, hidden), normal(rows * slots, hidden), normal(rows, hidden)
+        post = 2 / (1 + np.exp(-normal(rows, 4, 1)))
+        mix_t = rng.dirichlet(np.ones(4), (rows, 4)).astype(np.float32)
+        weights = rng.uniform(0, 1, (rows, slots)).astype(np.float32)
+    as_dtype = lambda a: mx.array(a).astype(dtype)  # noqa: E731
+    return (as_dtype(block_out), as_dtype(streams), mx.array(post), as_dtype(mix_t), as_dtype(rows_), mx.array(weights),
+            as_dtype(shared))
+
+
+def _assert_within_expand_bound(got: mx.array, want: mx.array, block_out, streams, post, mix_t, dtype) -> None:
+    """The expand kernels against their references: MLX sums the [hc, hc] product (and the slots) in its own order,
+    which can tip a rounding to the streams' dtype by a unit of the size of the sum's terms, not of the result's
+    (the post-scaled output and the mixed streams can cancel). Float32 against a float64 evaluation instead: MLX's
+    float32 matmul may run on TF32 (its MLX_ENABLE_TF32), whose 10-bit products the kernel does not make."""
+    f64 = lambda a: np.array(a.astype(mx.float32), dtype=np.float64)  # noqa: E731
+    out, s, p, m = f64(block_out), f64(streams), f64(post), f64(mix_t)
+    size = np.abs(p) * np.abs(out)[:, None, :] + np.abs(m) @ np.abs(s)  # [T, hc, D]
+    a, b = f64(got), (p * out[:, None, :] + m @ s if dtype == mx.float32 else f64(want))
+    eps = {mx.bfloat16: 2.0**-8, mx.float16: 2.0**-11, mx.float32: 2.0**-24}[dtype]
+    assert np.all(np.abs(a - b) <= 4 * eps * size + 1e-30), float(np.max(np.abs(a - b) / (size + 1e-30)))
+    if dtype != mx.float32:
+        assert np.mean(a == b) >= 0.9
+
+
+@pytest.mark.parametrize("rows, dtype", [(1, mx.bfloat16), (16, mx.bfloat16), (64, mx.bfloat16), (3, mx.float16),
+                                         (5, mx.float32)])
+def test_hc_expand_kernel_is_the_reference_within_its_dtypes_rounding(rows, dtype):
+    """The attention half's expand (kernels/hc_expand.py) against `expand_reference` at V4 Flash's hidden 4096:
+    within a rounding of its terms' size and equal nearly everywhere; bit for bit on exact inputs; a token alone
+    gets its bits in the batch. A wrong post, a transposed mix_t or a stream's offset moves it far past."""
+    from tessera.kernels.hc_expand import block_out_is_supported, expand_kernel, expand_reference
+
+    block_out, streams, post, mix_t, *_ = _hc_expand_inputs(rows, 4096, dtype)
+    assert block_out_is_supported(block_out, streams)
+    got = expand_kernel(block_out, streams, post, mix_t)
+    want = expand_reference(block_out, streams, post, mix_t)
+    assert got.shape == want.shape == streams.shape and got.dtype == dtype
+    _assert_within_expand_bound(got, want, block_out, streams, post, mix_t, dtype)
+    assert mx.array_equal(expand_kernel(block_out[-1:], streams[-1:], post[-1:], mix_t[-1:]), got[-1:]).item()
+    block_out, streams, post, mix_t, *_ = _hc_expand_inputs(rows, 4096, dtype, exact=True)
+    assert mx.array_equal(expand_kernel(block_out, streams, post, mix_t),
+                          expand_reference(block_out, streams, post, mix_t)).item()
+
+
+@pytest.mark.parametrize("rows, hidden, slots, dtype", [(1, 4096, 6, mx.bfloat16), (16, 4096, 6, mx.bfloat16),
+                                                        (4, 1000, 2, mx.bfloat16), (2, 4096, 8, mx.float32)],
+                         ids=["decode-1", "decode-16", "narrow-top2", "float32-top8"])
+def test_hc_expand_pairs_kernel_is_the_reference_within_its_dtypes_rounding(rows, hidden, slots, dtype):
+    """The FFN half's expand with the MoE's sums in front (the pairs weighted and summed over the slots, rounded, the
+    shared rows added) against `expand_pairs_reference`: within a rounding of its terms' size, equal nearly
+    everywhere, bit for bit on exact inputs, and a token's same bits alone. A dropped shared row, a wrong slot's
+    weight or the routed sum left unrounded moves it."""
+    from tessera.kernels.hc_expand import expand_pairs_kernel, expand_pairs_reference, pairs_are_supported, pairs_output
+
+    _, streams, post, mix_t, rows_, weights, shared = _hc_expand_inputs(rows, hidden, dtype, slots)
+    assert pairs_are_supported(rows_, weights, shared, streams)
+    got = expand_pairs_kernel(rows_, weights, shared, streams, post, mix_t)
+    want = expand_pairs_reference(rows_, weights, shared, streams, post, mix_t)
+    assert got.shape == want.shape == streams.shape and got.dtype == dtype
+    _assert_within_expand_bound(got, want, pairs_output(rows_, weights, shared), streams, post, mix_t, dtype)
+    one = (rows_[-slots:], weights[-1:], shared[-1:], streams[-1:], post[-1:], mix_t[-1:])
+    assert mx.array_equal(expand_pairs_kernel(*one), got[-1:]).item()
+    _, streams, post, mix_t, rows_, weights, shared = _hc_expand_inputs(rows, hidden, dtype, slots, exact=True)
+    assert mx.array_equal(expand_pairs_kernel(rows_, weights, shared, streams, post, mix_t),
+                          expand_pairs_reference(rows_, weights, shared, streams, post, mix_t)).item()
+
+
 def _hc_mix_inputs(rows: int, hc: int, hidden: int, dtype, scales: int):
     rng = np.random.default_rng(rows * 7 + hidden)
     mixes = (2 + hc) * hc if scales == 3 else hc
@@ -784,3 +862,122 @@ def test_projections_take_the_mxfp8_qmv_kernel_for_a_decode_batchs_rows(mxfp8_qm
     assert got.shape == want.shape == (16, 1, 1024) and grouped.shape == want_grouped.shape == (8, 9, 128)
     np.testing.assert_allclose(got, want, rtol=2**-6, atol=2**-6 * float(np.abs(want).max()))
     np.testing.assert_allclose(grouped, want_grouped, rtol=2**-6, atol=2**-6 * float(np.abs(want_grouped).max()))
+
+
+# --- the MoE router after its product (kernels/moe_route.py) --------------------------------------------
+
+_ROUTE_SCALING = 1.5  # V4's routed_scaling_factor: not 1, so a dropped scaling shows
+
+
+@pytest.fixture
+def moe_route_on():
+    from tessera.kernels import moe_route
+
+    yield from _kernel_switched_on(moe_route)
+
+
+def _route_case(tokens: int, experts: int, k: int, seed: int, vocab: int = 1000):
+    """Router logits [T, E] float32 at a trained router's spread, a small correction bias [E], a token -> k distinct
+    experts table [vocab, k] uint32 (as the model holds it) and the tokens' ids [T] int32."""
+    rng = np.random.default_rng(seed)
+    logits = mx.array((rng.standard_normal((tokens, experts)) * 2).astype(np.float32))
+    bias = mx.array((rng.standard_normal(experts) * 0.1).astype(np.float32))
+    table = mx.array(np.stack([rng.permutation(experts)[:k] for _ in range(vocab)]).astype(np.uint32))
+    ids = mx.array(rng.integers(0, vocab, tokens).astype(np.int32))
+    return logits, bias, table, ids
+
+
+def _route(hashed: bool, kernel: bool, logits, bias, table, ids, k: int):
+    """-> (experts [T, k], weights [T, k]): the kernel's or the reference's, learned or hash routing."""
+    from tessera.kernels import moe_route
+
+    if hashed:
+        fn = moe_route.hash_route_kernel if kernel else moe_route.hash_route_reference
+        return fn(logits, table, ids, _ROUTE_SCALING)
+    fn = moe_route.route_kernel if kernel else moe_route.route_reference
+    return fn(logits, bias, k, _ROUTE_SCALING)
+
+
+@pytest.mark.parametrize("hashed", [False, True], ids=["learned", "hash"])
+@pytest.mark.parametrize("tokens", [1, 16, 64])
+@pytest.mark.parametrize("experts, k", [(256, 6), (4, 2)], ids=["v4", "tiny"])
+def test_route_kernel_picks_the_references_experts_and_weights(hashed, tokens, experts, k, moe_route_on):
+    """Each token's experts are the reference's (as a set; a hash layer's in the table's order), and each expert's
+    weight is the reference's within a few float32 ulps (MLX sums the k weights in its own order)."""
+    case = _route_case(tokens, experts, k, seed=tokens + experts)
+    got_e, got_w = _route(hashed, True, *case, k)
+    want_e, want_w = _route(hashed, False, *case, k)
+    assert got_e.dtype == mx.uint32 and got_w.dtype == mx.float32 and got_e.shape == got_w.shape == (tokens, k)
+    got_e, got_w, want_e, want_w = (np.array(a) for a in (got_e, got_w, want_e, want_w))
+    if hashed:
+        assert np.array_equal(got_e, want_e)
+    for t in range(tokens):
+        assert set(got_e[t].tolist()) == set(want_e[t].tolist()), t
+        by_got, by_want = np.argsort(got_e[t]), np.argsort(want_e[t])
+        np.testing.assert_allclose(got_w[t][by_got], want_w[t][by_want], rtol=2e-6, atol=0, err_msg=str(t))
+
+
+def test_route_kernel_fills_the_slots_in_descending_biased_order(moe_route_on):
+    """A learned layer's slots: the chosen experts by descending score + bias (MLX's scores, the same to an ulp)."""
+    from tessera.kernels import moe_route
+
+    logits, bias, table, ids = _route_case(64, 256, 6, seed=3)
+    experts, _ = moe_route.route_kernel(logits, bias, 6, _ROUTE_SCALING)
+    biased = np.array(moe_route.scores(logits) + bias)  # [T, E]
+    picked = np.take_along_axis(biased, np.array(experts).astype(np.int64), axis=1)  # [T, k]
+    assert np.all(picked[:, :-1] >= picked[:, 1:])
+    assert np.all(picked[:, -1] >= np.sort(biased, axis=1)[:, -6])  # none left out ranks above a chosen one
+
+
+def test_route_kernel_breaks_exact_ties_to_the_lower_expert(moe_route_on):
+    """Rows of equal logits and a bias of three values: the biased scores tie exactly within each value, so the
+    chosen experts are the stable descending order's first k (ties to the lower index), and their weights one value."""
+    from tessera.kernels import moe_route
+
+    rng = np.random.default_rng(4)
+    tokens, experts, k = 16, 256, 6
+    logits = mx.array(np.repeat(rng.uniform(-1, 1, (tokens, 1)), experts, axis=1).astype(np.float32))
+    bias_np = rng.choice(np.array([0.0, 0.25, 0.5], dtype=np.float32), experts)
+    got_e, got_w = moe_route.route_kernel(logits, mx.array(bias_np), k, _ROUTE_SCALING)
+    want = np.argsort(-bias_np, kind="stable")[:k]
+    assert np.array_equal(np.array(got_e), np.tile(want, (tokens, 1)))
+    got_w = np.array(got_w)
+    assert np.all(got_w == got_w[:, :1])
+
+
+@pytest.mark.parametrize("hashed", [False, True], ids=["learned", "hash"])
+def test_route_kernel_gives_a_token_the_same_bits_alone_and_in_a_batch(hashed, moe_route_on):
+    """A token's ranks and sums read its own row only: its experts and weights' bits at batch 1 and in a batch of 16."""
+    logits, bias, table, ids = _route_case(16, 256, 6, seed=5)
+    batch_e, batch_w = _route(hashed, True, logits, bias, table, ids, 6)
+    for t in range(16):
+        alone_e, alone_w = _route(hashed, True, logits[t : t + 1], bias, table, ids[t : t + 1], 6)
+        assert mx.array_equal(alone_e, batch_e[t : t + 1]).item() and _same_bits(alone_w, batch_w[t : t + 1]), t
+
+
+@pytest.mark.parametrize("hashed", [False, True], ids=["learned", "hash"])
+def test_the_engines_route_takes_the_kernel_in_a_decode_batch(hashed, moe_route_on):
+    """engine/model/moe.py `route` on a decode batch (bf16 rows, as the model's) takes the kernel and picks the experts
+    MLX's ops pick with the switch off, their weights within a few ulps."""
+    import dataclasses
+
+    from tessera.engine.model.moe import MoEWeights, route
+    from tessera.kernels import moe_route
+
+    rng = np.random.default_rng(6)
+    n = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    w = MoEWeights(router=n(256, 512) * 0.1, correction_bias=n(256) * 0.1, tid2eid=None, w1=n(1), w2=n(1), w3=n(1),
+                   shared_w1=n(1), shared_w2=n(1), shared_w3=n(1))
+    if hashed:
+        w = dataclasses.replace(w, correction_bias=None, tid2eid=_route_case(1, 256, 6, seed=7)[2])
+    x = n(8, 512).astype(mx.bfloat16)
+    ids = mx.arange(8, dtype=mx.int32)
+    assert moe_route.is_supported(moe_route.router_logits(x, w.router_t), 6)
+    got_e, got_w = route(x, ids, w, 6, _ROUTE_SCALING)
+    moe_route.set_kernel_enabled(False)
+    want_e, want_w = route(x, ids, w, 6, _ROUTE_SCALING)
+    got_e, got_w, want_e, want_w = (np.array(a) for a in (got_e, got_w, want_e, want_w))
+    for t in range(8):
+        by_got, by_want = np.argsort(got_e[t]), np.argsort(want_e[t])
+        assert np.array_equal(got_e[t][by_got], want_e[t][by_want]), t
+        np.testing.assert_allclose(got_w[t][by_got], want_w[t][by_want], rtol=2e-6, atol=0, err_msg=str(t))

@@ -444,3 +444,80 @@ def test_padded_layout_combines_per_token_as_the_pairs_form(monkeypatch):
     out = routed_experts(x, experts, weights, w, LIMIT, layout="padded")
     assert np.array_equal(np.array(out), np.array(pairs_form))
     assert np.array_equal(np.array(out), np.array(reference_routed_experts(x, experts, weights, w, LIMIT)))
+
+
+# ---- the router after its product (kernels/moe_route.py) ----------------------------------------------
+
+
+def _hash_weights(w: MoEWeights, vocab: int = 40, seed: int = 3) -> MoEWeights:
+    """`w` as a hash-routed layer: no bias, a token -> TOP_K distinct experts table held in uint32."""
+    rng = np.random.default_rng(seed)
+    table = np.stack([rng.permutation(EXPERTS)[:TOP_K] for _ in range(vocab)]).astype(np.uint32)
+    return dataclasses.replace(w, correction_bias=None, tid2eid=mx.array(table))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("enabled", [True, False], ids=["compiled", "plain"])
+@pytest.mark.parametrize("hashed", [False, True], ids=["learned", "hash"])
+def test_the_route_references_are_the_engines_route_bit_for_bit(dtype, enabled, hashed, monkeypatch):
+    """kernels/moe_route.py's `route_reference` and `hash_route_reference` (what its CUDA kernels are held to) are
+    `route` where the kernels do not run, on the router's product: the same experts in the same order, the same
+    weights' bits, compiled and plain, rows of either dtype (a scaling other than 1, so a dropped one shows)."""
+    from tessera.kernels import moe_route, shapeless
+
+    monkeypatch.setattr(shapeless._switch, "_enabled", enabled)
+    w = _hash_weights(_weights()) if hashed else _weights()
+    for rows in (1, 5, 3):
+        x = (mx.random.normal((rows, DIM), key=mx.random.key(40 + rows)) * 2).astype(dtype)
+        ids = mx.array(np.arange(rows) * 7 % 40, dtype=mx.int32)
+        logits = moe_route.router_logits(x, w.router_t)  # [T, E] float32
+        if hashed:
+            want = moe_route.hash_route_reference(logits, w.tid2eid, ids, 1.5)
+        else:
+            want = moe_route.route_reference(logits, w.correction_bias, TOP_K, 1.5)
+        got = route(x, ids, w, TOP_K, 1.5)
+        for name, a, b in zip(("experts", "weights"), got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape == (rows, TOP_K), name
+            assert mx.array_equal(a, b).item(), f"{name} differ at {rows} rows"
+        assert got[0].dtype == mx.uint32 and got[1].dtype == mx.float32
+
+
+def test_a_model_hands_the_route_kernels_each_layers_operands_where_they_run(tmp_path, monkeypatch):
+    """Where the route kernels are supported (a CUDA decode batch), each learned layer hands `route_kernel` the
+    router's product, its correction bias and the config's k and scaling, and each hash layer hands
+    `hash_route_kernel` the product, its table and the step's token ids. Stand-ins with the references' contracts
+    take their place here: the decode step's logits must be the bits of the path without them (a bias left out, a
+    wrong scaling or another token's row would move them), each stand-in called once a layer of its kind."""
+    from tessera.engine.model.deepseek_v4 import Segment
+    from tessera.engine.model.loader import load_model
+    from tessera.engine.tools.make_model import make_model
+    from tessera.kernels import moe_route
+
+    model = load_model(make_model(tmp_path / "m", "tiny", seed=5, with_tokenizer=False), dtype="float32")
+    cfg = model.cfg
+    calls = []
+
+    def stand_in(logits, bias, top_k, scaling):
+        assert logits.shape == (1, cfg.n_routed_experts) and logits.dtype == mx.float32 and bias.shape == (cfg.n_routed_experts,)
+        assert (top_k, scaling) == (cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+        calls.append("learned")
+        return moe_route.route_reference(logits, bias, top_k, scaling)
+
+    def hash_stand_in(logits, tid2eid, token_ids, scaling):
+        assert logits.shape == (1, cfg.n_routed_experts) and tid2eid.shape == (cfg.vocab_size, cfg.num_experts_per_tok)
+        assert token_ids.shape == (1,) and scaling == cfg.routed_scaling_factor
+        calls.append("hash")
+        return moe_route.hash_route_reference(logits, tid2eid, token_ids, scaling)
+
+    caches = [model.new_cache(), model.new_cache()]
+    for cache in caches:
+        model.forward([Segment(cache, list(range(3, 20)))])
+    want = model.forward([Segment(caches[0], [5])])
+    monkeypatch.setattr(moe_route, "is_supported", lambda logits, top_k: logits.shape[0] == 1)
+    monkeypatch.setattr(moe_route, "route_kernel", stand_in)
+    monkeypatch.setattr(moe_route, "hash_route_kernel", hash_stand_in)
+    got = model.forward([Segment(caches[1], [5])])
+    num_hash = cfg.mlp_layer_types.count("hash_moe")
+    assert 0 < num_hash < cfg.num_hidden_layers  # both kinds of layer are seen
+    assert calls == ["hash"] * num_hash + ["learned"] * (cfg.num_hidden_layers - num_hash)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))

@@ -83,7 +83,7 @@ def test_a_compiled_step_is_traced_anew_when_the_switch_flips():
     assert compiled._trace_switches() == before
 
 
-@pytest.mark.parametrize("value, expected", [(None, "False"), ("0", "False"), ("1", "True")])
+@pytest.mark.parametrize("value, expected", [(None, "True"), ("0", "False"), ("1", "True")])  # on by default
 def test_the_switch_reads_its_environment_variable(value, expected):
     from tests.support.env_switch import switch_in_fresh_process
 

@@ -26,14 +26,14 @@ from typing import Iterator, Sequence
 import mlx.core as mx
 
 from tessera.engine.model import compiled, moe
-from tessera.kernels import (cuda, decode_attention_cuda, gather_qmv, hc_collapse, hc_mix, indexer_cuda, moe_padded, mxfp8_qmv,
-                             rms_norm_cuda, row_gather, sinkhorn, topk_cuda)
+from tessera.kernels import (cuda, decode_attention_cuda, gather_qmv, hc_collapse, hc_expand, hc_mix, indexer_cuda, moe_padded, moe_route,
+                             mxfp8_qmv, rms_norm_cuda, row_gather, sinkhorn, topk_cuda)
 
 # The stand-ins' node labels (kinds the engine never builds itself) -> the kinds they stand for.
 STANDIN_KINDS = {"Depends": "CustomKernel", "CumMax": "RMSNorm"}
 # Every module that imported `on_cuda` or `compiled_kernel` by name (its own binding is what it calls).
-_CUDA_USERS = (cuda, decode_attention_cuda, gather_qmv, hc_collapse, hc_mix, indexer_cuda, moe_padded, mxfp8_qmv, rms_norm_cuda,
-               row_gather, sinkhorn, topk_cuda, moe)
+_CUDA_USERS = (cuda, decode_attention_cuda, gather_qmv, hc_collapse, hc_expand, hc_mix, indexer_cuda, moe_padded, moe_route, mxfp8_qmv,
+               rms_norm_cuda, row_gather, sinkhorn, topk_cuda, moe)
 
 
 def _standin_launch(*, inputs: Sequence[mx.array], output_shapes: Sequence[Sequence[int]],

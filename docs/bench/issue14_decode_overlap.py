@@ -33,11 +33,16 @@ A B C D D C B A (--rounds times; --arms picks a subset). Every arm takes greedy 
 - serving_overlap_no_hc_collapse: serving_overlap with what follows those logits (coefficients, softmax, Sinkhorn,
   weighted sum, the block's norm) through MLX instead of one kernel a collapse (TESSERA_HC_COLLAPSE_KERNEL=0,
   kernels/hc_collapse.py).
+- serving_overlap_no_hc_expand: serving_overlap with the hyper-connections' expand (and, after the MoE, its sums)
+  through MLX instead of one kernel each (TESSERA_HC_EXPAND_KERNEL=0, kernels/hc_expand.py).
+- serving_overlap_no_moe_route: serving_overlap with the MoE router's work after its product (scores, top-k,
+  weights) through MLX instead of one kernel (TESSERA_MOE_ROUTE_KERNEL=0, kernels/moe_route.py).
 - serving_overlap_no_decode_attention: serving_overlap with the decode rows' mixed attention through MLX (cuBLAS
   products, masks, softmax, casts) instead of its one kernel (TESSERA_DECODE_ATTENTION_KERNEL=0,
   kernels/decode_attention_cuda.py).
-- serving_overlap_rms_norm: serving_overlap with bf16 RMS norms in one kernel each instead of MLX's cast, norm and
-  cast back (TESSERA_RMS_NORM_KERNEL=1, kernels/rms_norm_cuda.py; off by default until measured on a GPU).
+- serving_overlap_rms_norm, serving_overlap_no_rms_norm: serving_overlap with bf16 RMS norms in one kernel each, or
+  through MLX's cast, norm and cast back (TESSERA_RMS_NORM_KERNEL=1 / 0, kernels/rms_norm_cuda.py; on by default
+  since session 37, so serving_overlap_rms_norm is serving_overlap since then).
 - serving_overlap_mma, serving_overlap_table: serving_overlap with the routed experts' bf16 rows through
   kernels/gather_qmv.py's tensor-core variant or its 16-entry-table kernel (TESSERA_GATHER_QMV_MMA=1 / 0).
   Session 29's raw files also hold serving_overlap_grouped and serving_overlap_ungrouped (a grouped expert kernel,
@@ -83,7 +88,7 @@ use_source_tree()  # `tessera.*` = this checkout, unless it already is
 from docs.bench.probe_io import jsonl_emitter, load_probe_model  # noqa: E402
 from tessera.engine.model import attention, compiled, decode_async, quantized  # noqa: E402
 from tessera.engine.model.deepseek_v4 import PENDING_TOKEN, Segment  # noqa: E402
-from tessera.kernels import decode_attention_cuda, gather_qmv, hc_collapse, hc_mix, mxfp8_qmv, rms_norm_cuda, row_gather, sinkhorn  # noqa: E402
+from tessera.kernels import decode_attention_cuda, gather_qmv, hc_collapse, hc_expand, hc_mix, moe_route, mxfp8_qmv, rms_norm_cuda, row_gather, sinkhorn  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled, serving_step_seconds  # noqa: E402
 
 
@@ -181,11 +186,17 @@ ARMS["serving_overlap_no_hc_mix"] = with_setting(hc_mix.kernel_enabled, hc_mix.s
                                                  ARMS["serving_overlap"])  # TESSERA_HC_MIX_KERNEL=0
 ARMS["serving_overlap_no_hc_collapse"] = with_setting(hc_collapse.kernel_enabled, hc_collapse.set_kernel_enabled, False,
                                                       ARMS["serving_overlap"])  # TESSERA_HC_COLLAPSE_KERNEL=0
+ARMS["serving_overlap_no_hc_expand"] = with_setting(hc_expand.kernel_enabled, hc_expand.set_kernel_enabled, False,
+                                                    ARMS["serving_overlap"])  # TESSERA_HC_EXPAND_KERNEL=0
+ARMS["serving_overlap_no_moe_route"] = with_setting(moe_route.kernel_enabled, moe_route.set_kernel_enabled, False,
+                                                    ARMS["serving_overlap"])  # TESSERA_MOE_ROUTE_KERNEL=0
 ARMS["serving_overlap_no_decode_attention"] = with_setting(
     decode_attention_cuda.kernel_enabled, decode_attention_cuda.set_kernel_enabled, False,
     ARMS["serving_overlap"])  # TESSERA_DECODE_ATTENTION_KERNEL=0
 ARMS["serving_overlap_rms_norm"] = with_setting(rms_norm_cuda.kernel_enabled, rms_norm_cuda.set_kernel_enabled, True,
                                                 ARMS["serving_overlap"])  # TESSERA_RMS_NORM_KERNEL=1
+ARMS["serving_overlap_no_rms_norm"] = with_setting(rms_norm_cuda.kernel_enabled, rms_norm_cuda.set_kernel_enabled, False,
+                                                   ARMS["serving_overlap"])  # TESSERA_RMS_NORM_KERNEL=0
 ARMS["serving_overlap_mma"] = with_setting(gather_qmv.mma_enabled, gather_qmv.set_mma_enabled, True,
                                            ARMS["serving_overlap"])  # TESSERA_GATHER_QMV_MMA=1
 ARMS["serving_overlap_table"] = with_setting(gather_qmv.mma_enabled, gather_qmv.set_mma_enabled, False,

@@ -15,10 +15,13 @@ Arms, in the order A B … B A (--rounds times), each a mode of the same model-l
   the hyper-connections' mixing logits through MLX (TESSERA_HC_MIX_KERNEL=0, kernels/hc_mix.py); the other arms
   take its kernel (the default). compiled_no_hc_collapse: compiled with what follows those logits (coefficients,
   softmax, Sinkhorn, weighted sum, the block's norm) through MLX (TESSERA_HC_COLLAPSE_KERNEL=0, kernels/hc_collapse.py);
-  the other arms take its kernel. compiled_no_decode_attention: compiled with the decode rows' mixed attention
+  the other arms take its kernel. compiled_no_hc_expand: compiled with the expand (and the MoE's sums before the FFN
+  half's) through MLX (TESSERA_HC_EXPAND_KERNEL=0, kernels/hc_expand.py); the other arms take its kernels.
+  compiled_no_moe_route: compiled with the router's scores, top-k and weights through MLX
+  (TESSERA_MOE_ROUTE_KERNEL=0, kernels/moe_route.py); the other arms take its kernel. compiled_no_decode_attention: compiled with the decode rows' mixed attention
   through MLX (TESSERA_DECODE_ATTENTION_KERNEL=0, kernels/decode_attention_cuda.py); the other arms take its kernel.
-  compiled_rms_norm: compiled with bf16 RMS norms in one kernel each (TESSERA_RMS_NORM_KERNEL=1,
-  kernels/rms_norm_cuda.py); the other arms take MLX's path (a cast, its norm, a cast back: the default).
+  compiled_rms_norm, compiled_no_rms_norm: compiled with bf16 RMS norms in one kernel each (TESSERA_RMS_NORM_KERNEL=1,
+  kernels/rms_norm_cuda.py, the default since session 37) or through MLX's path (a cast, its norm, a cast back: =0).
   (Session 13's `compiled_qmv` arm, a batch's projections through MLX's gemv in blocks of ≤ 7 rows, ran at
   commit db10e55; the switch it flipped was removed after the H200 measured it slower.)
 
@@ -62,7 +65,7 @@ from tessera.engine.model.compiled import set_step_compile_enabled, step_compile
 from tessera.engine.model.deepseek_v4 import Segment  # noqa: E402
 from tessera.engine.model.encode_thread import encode_thread  # noqa: E402
 from tessera.engine.tools.bench_decode import DecodeOptions, _filled  # noqa: E402
-from tessera.kernels import decode_attention_cuda, hc_collapse, hc_mix, mxfp8_qmv, rms_norm_cuda, sinkhorn  # noqa: E402
+from tessera.kernels import decode_attention_cuda, hc_collapse, hc_expand, hc_mix, moe_route, mxfp8_qmv, rms_norm_cuda, sinkhorn  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -76,8 +79,10 @@ class Arm:
     sinkhorn_warp: bool = True
     hc_mix: bool = True
     hc_collapse: bool = True
+    hc_expand: bool = True
+    moe_route: bool = True
     decode_attention: bool = True
-    rms_norm: bool = False
+    rms_norm: bool = True
 
 
 # switch -> (read it, set it)
@@ -88,6 +93,8 @@ SWITCHES = {"decode_async": (decode_async.decode_async_mode, decode_async.set_de
             "sinkhorn_warp": (sinkhorn.warp_enabled, sinkhorn.set_warp_enabled),
             "hc_mix": (hc_mix.kernel_enabled, hc_mix.set_kernel_enabled),
             "hc_collapse": (hc_collapse.kernel_enabled, hc_collapse.set_kernel_enabled),
+            "hc_expand": (hc_expand.kernel_enabled, hc_expand.set_kernel_enabled),
+            "moe_route": (moe_route.kernel_enabled, moe_route.set_kernel_enabled),
             "decode_attention": (decode_attention_cuda.kernel_enabled, decode_attention_cuda.set_kernel_enabled),
             "rms_norm": (rms_norm_cuda.kernel_enabled, rms_norm_cuda.set_kernel_enabled)}
 assert set(SWITCHES) == {f.name for f in fields(Arm)}
@@ -99,8 +106,11 @@ ARMS = {"off": Arm(step_compile=False), "thread": Arm(decode_async="thread", ste
         "compiled_sinkhorn_thread": Arm(sinkhorn_warp=False),
         "compiled_no_hc_mix": Arm(hc_mix=False),
         "compiled_no_hc_collapse": Arm(hc_collapse=False),
+        "compiled_no_hc_expand": Arm(hc_expand=False),
+        "compiled_no_moe_route": Arm(moe_route=False),
         "compiled_no_decode_attention": Arm(decode_attention=False),
-        "compiled_rms_norm": Arm(rms_norm=True)}
+        "compiled_rms_norm": Arm(rms_norm=True),
+        "compiled_no_rms_norm": Arm(rms_norm=False)}
 
 
 def step(model, caches, ids: list[int]) -> tuple[mx.array, float, float]:

@@ -30,7 +30,7 @@ from tests.support.source_tree import use_source_tree  # noqa: E402
 
 use_source_tree()  # `tessera.*` = this checkout, unless it already is
 
-from tessera.kernels import decode_attention_cuda, gather_qmv, hc_collapse, hc_mix, indexer_cuda, moe_padded, mxfp8_qmv, rms_norm_cuda, row_gather, sinkhorn, topk_cuda  # noqa: E402
+from tessera.kernels import decode_attention_cuda, gather_qmv, hc_collapse, hc_expand, hc_mix, indexer_cuda, moe_padded, moe_route, mxfp8_qmv, rms_norm_cuda, row_gather, sinkhorn, topk_cuda  # noqa: E402
 
 PRELUDE = """
 #include <cuda_fp16.h>
@@ -127,6 +127,35 @@ def hc_collapse_texts() -> list[KernelText]:
     return texts
 
 
+def hc_expand_texts() -> list[KernelText]:
+    """kernels/hc_expand.py's kernels: the expand with bf16 and float32 streams, and the MoE's pairs and expand with
+    bf16 streams and V4's six slots; hc = 4 (V4's)."""
+    texts = []
+    for dtype in (mx.bfloat16, mx.float32):
+        texts.append(KernelText(hc_expand.KERNEL_NAME, (("block_out", dtype), ("streams", dtype), ("post", mx.float32),
+                                                        ("mix_t", dtype)), (("out", dtype),), hc_expand._SOURCE,
+                                hc_expand._HEADER, tuple(hc_expand.kernel_template(dtype, 4))))
+    bf16 = mx.bfloat16
+    texts.append(KernelText(hc_expand.PAIRS_KERNEL_NAME, (("rows", bf16), ("weights", mx.float32), ("shared", bf16),
+                                                          ("streams", bf16), ("post", mx.float32), ("mix_t", bf16)),
+                            (("out", bf16),), hc_expand._PAIRS_SOURCE, hc_expand._HEADER,
+                            tuple(hc_expand.kernel_template(bf16, 4, 6))))
+    return texts
+
+
+def moe_route_texts() -> list[KernelText]:
+    """kernels/moe_route.py's kernels at V4 Flash's router (256 experts, top-6, scaling 1.5): learned routing with a
+    float32 bias, hash routing with a uint32 table and int32 token ids (the tokens a runtime shape)."""
+    f32, u32, template = mx.float32, mx.uint32, tuple(moe_route.kernel_template(256, 6, 1.5))
+    outputs = (("experts", u32), ("weights", f32))
+    return [
+        KernelText(moe_route.KERNEL_NAME, (("logits", f32), ("bias", f32)), outputs, moe_route._SOURCE, moe_route._HEADER,
+                   (("B", f32),) + template),
+        KernelText(moe_route.HASH_KERNEL_NAME, (("logits", f32), ("tid2eid", u32), ("token_ids", mx.int32)), outputs,
+                   moe_route._HASH_SOURCE, moe_route._HEADER, (("M", u32), ("I", mx.int32)) + template),
+    ]
+
+
 def checked_kernels() -> list[KernelText]:
     """Every kernel in kernels/, at V4 Flash's widths (batched kernels at 16 buffers)."""
     bf16, f32, i32, u32, u8 = mx.bfloat16, mx.float32, mx.int32, mx.uint32, mx.uint8
@@ -141,6 +170,8 @@ def checked_kernels() -> list[KernelText]:
         KernelText("tessera_hc_mix", (("flat", bf16), ("fn", f32), ("scale", f32), ("base", f32)), (("out", f32),),
                    hc_mix._SOURCE, hc_mix.HEADER, tuple(hc_mix.kernel_template(bf16, 1e-6))),
         *hc_collapse_texts(),
+        *hc_expand_texts(),
+        *moe_route_texts(),
         *decode_attention_texts(),
         *rms_norm_texts(),
         KernelText("tessera_take_rows", (("x", bf16), ("idx", i32)), (("out", bf16),), row_gather._SOURCE, "",

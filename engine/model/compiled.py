@@ -37,7 +37,7 @@ from typing import Callable
 import mlx.core as mx
 
 from tessera.engine.model.quantized import dense_min_rows
-from tessera.kernels import gather_qmv, hc_collapse, hc_mix, mxfp8_qmv, rms_norm_cuda, row_gather, sinkhorn
+from tessera.kernels import gather_qmv, hc_collapse, hc_expand, hc_mix, moe_route, mxfp8_qmv, rms_norm_cuda, row_gather, sinkhorn
 from tessera.kernels.shapeless import compile_enabled
 from tessera.kernels.switch import Switch
 
@@ -63,7 +63,8 @@ def _trace_switches() -> tuple[bool, ...]:
     with, so a flip in a running process (benchmarks) must reach a fresh trace, not a stale one."""
 
     return (compile_enabled(), sinkhorn.kernel_enabled(), sinkhorn.warp_enabled(), hc_mix.kernel_enabled(), hc_collapse.kernel_enabled(),
-            row_gather.kernel_enabled(), gather_qmv.kernel_enabled(), gather_qmv.mma_enabled(), mxfp8_qmv.kernel_enabled(), rms_norm_cuda.kernel_enabled(), dense_min_rows())
+            hc_expand.kernel_enabled(), row_gather.kernel_enabled(), gather_qmv.kernel_enabled(), gather_qmv.mma_enabled(),
+            mxfp8_qmv.kernel_enabled(), rms_norm_cuda.kernel_enabled(), moe_route.kernel_enabled(), dense_min_rows())
 
 
 class StepCompiled:

@@ -24,8 +24,8 @@ from tessera.engine.model.compressor import CompressorWeights
 from tessera.engine.model.config import HASH_MOE, ModelConfig
 from tessera.engine.model.decode_async import decode_async_mode
 from tessera.engine.model.encode_thread import EncodeThread, encode_thread
-from tessera.engine.model.hyper import HyperWeights, block_input, expand, head_input
-from tessera.engine.model.moe import MoEWeights, moe, syncs_host
+from tessera.engine.model.hyper import HyperWeights, block_input, expand, expand_pairs, head_input
+from tessera.engine.model.moe import MoEWeights, moe, moe_pairs, syncs_host
 from tessera.engine.model.rope import StepRope
 from tessera.engine.model.trace import ForwardTrace
 from tessera.engine.model.weights import held_dtype
@@ -273,9 +273,12 @@ def _ffn_half(cfg: ModelConfig, layer: LayerWeights, attn_out, streams, post, mi
     streams = expand(attn_out, streams, post, mix_t)
     post, mix_t, ffn_in = block_input(streams, layer.ffn_hc, layer.ffn_norm, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
     timer.stage("other", ffn_in)
-    ffn_out = moe(ffn_in, token_ids, layer.ffn, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit)
-    timer.stage("moe", ffn_out)
-    return expand(ffn_out, streams, post, mix_t)
+    args = (ffn_in, token_ids, layer.ffn, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit)
+    if syncs_host(ffn_in.shape[0], layer.ffn, cfg.num_experts_per_tok):  # the padded layout: a prefill chunk
+        ffn_out = timer.stage("moe", moe(*args))
+        return expand(ffn_out, streams, post, mix_t)
+    pairs = moe_pairs(*args)  # its sums are the expand's (one kernel on CUDA decode batches)
+    return timer.stage("moe", expand_pairs(pairs, ffn_in, streams, post, mix_t))
 
 
 def _compile_layer(cfg: ModelConfig, layer: LayerWeights, index: int) -> _CompiledLayer:

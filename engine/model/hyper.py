@@ -4,7 +4,9 @@ one block input and expanded back, mixed by a Sinkhorn-projected doubly-stochast
 A decode step runs 2 collapses per layer plus the head's, each a few dozen tiny ops (20 Sinkhorn
 iterations of 4×4 sums and divisions): most of a decode step's graph. The math lives in pure
 functions compiled shapeless (kernels/shapeless.py): their elementwise ops fuse into few
-kernels, and the slices and reshapes (which shapeless tracing cannot carry) stay here, outside."""
+kernels, and the slices and reshapes (which shapeless tracing cannot carry) stay here, outside.
+On CUDA decode batches a collapse after its mix logits, and an expand (the MoE's sums in front of
+the FFN half's), are one kernel each (kernels/hc_collapse.py, kernels/hc_expand.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ from functools import cached_property
 
 import mlx.core as mx
 
+from tessera.engine.model.moe import RoutedPairs
 from tessera.engine.model.norms import rms_norm
 from tessera.kernels import hc_collapse as hc_collapse_kernels
+from tessera.kernels import hc_expand as hc_expand_kernels
 from tessera.kernels import hc_mix as hc_mix_kernels
 from tessera.kernels import sinkhorn as sinkhorn_kernels
 from tessera.kernels.shapeless import compile_enabled, shapeless
@@ -137,12 +141,24 @@ def _mixing(probs: mx.array, streams: mx.array, iters: int, eps: float) -> mx.ar
 _collapse = shapeless(hc_collapse_kernels.weighted_sum)
 
 
-@shapeless
+_expand = shapeless(hc_expand_kernels.expand_reference)
+
+
 def expand(block_out: mx.array, streams: mx.array, post: mx.array, mix_t: mx.array) -> mx.array:
     """new[k] = post[k]·out + Σ_j comb[j, k]·streams[j]; block_out: [T, D], streams: [T, hc, D],
-    post: [T, hc, 1] and mix_t [T, hc, hc] (`hyper_weights`: mix_t[k, j] = comb[j, k], in the streams' dtype)."""
-    mixed = mix_t @ streams  # [T, hc, D]
-    return post.astype(streams.dtype) * block_out[:, None, :] + mixed
+    post: [T, hc, 1] and mix_t [T, hc, hc] (`hyper_weights`: mix_t[k, j] = comb[j, k], in the streams' dtype).
+    One CUDA kernel for a decode batch where supported (kernels/hc_expand.py)."""
+    if hc_expand_kernels.block_out_is_supported(block_out, streams):
+        return hc_expand_kernels.expand_kernel(block_out, streams, post, mix_t)
+    return _expand(block_out, streams, post, mix_t)
+
+
+def expand_pairs(pairs: RoutedPairs, like: mx.array, streams: mx.array, post: mx.array, mix_t: mx.array) -> mx.array:
+    """`expand` of the MoE's output (`pairs.output(like)`, like: the block input): on CUDA decode batches the MoE's
+    sums and the expand are one kernel (kernels/hc_expand.py)."""
+    if hc_expand_kernels.pairs_are_supported(pairs.rows, pairs.weights, pairs.shared, streams):
+        return hc_expand_kernels.expand_pairs_kernel(pairs.rows, pairs.weights, pairs.shared, streams, post, mix_t)
+    return expand(pairs.output(like), streams, post, mix_t)
 
 
 def head_input(streams: mx.array, w: HyperWeights, norm_weight: mx.array, hc_eps: float, norm_eps: float) -> mx.array:

@@ -31,10 +31,11 @@ import mlx.core as mx
 import numpy as np
 
 from tessera.engine.model.quantized import QuantizedWeight, Weight, linear
+from tessera.kernels import moe_route
 from tessera.kernels.cuda import on_cuda
 from tessera.kernels.gather_qmv import gather_qmv_kernel
 from tessera.kernels.gather_qmv import is_supported as gather_qmv_supported
-from tessera.kernels.moe_padded import combine_rows, index_is_supported, padded_indices_kernel
+from tessera.kernels.moe_padded import combine_rows, index_is_supported, moe_output, padded_indices_kernel
 from tessera.kernels.moe_padded import weighted_sum as _weighted_sum  # [T, k, D] -> [T, D]: the combine's definition
 from tessera.kernels.row_gather import take_rows
 from tessera.kernels.shapeless import shapeless
@@ -437,8 +438,15 @@ def reference_routed_experts(x: mx.array, experts: mx.array, weights: mx.array, 
 
 def route(x: mx.array, token_ids: mx.array, w: MoEWeights, top_k: int, scaling: float) -> tuple[mx.array, mx.array]:
     """x: [T, D] -> (experts [T, k] uint32, weights [T, k]) from sqrt(softplus(logits)). uint32: what the top-k gives
-    and the expert kernels take, so no cast kernel sits between them in a decode step (the hash table is held so)."""
-    scores = _router_scores(x, w.router_t)  # [T, E]
+    and the expert kernels take, so no cast kernel sits between them in a decode step (the hash table is held so).
+    The math is kernels/moe_route.py's; on CUDA decode batches what follows the product is one kernel there (one
+    graph node for seven, six in a hash layer: MLX's CUDA backend pays a host cost per node)."""
+    logits = _router_logits(x, w.router_t)  # [T, E] float32
+    if moe_route.is_supported(logits, top_k if w.tid2eid is None else w.tid2eid.shape[1]):
+        if w.tid2eid is not None:
+            return moe_route.hash_route_kernel(logits, w.tid2eid, token_ids, scaling)
+        return moe_route.route_kernel(logits, w.correction_bias, top_k, scaling)
+    scores = _router_scores(logits)  # [T, E]
     if w.tid2eid is not None:
         experts = w.tid2eid[token_ids]  # held in uint32 (weights.held_dtype)
     else:
@@ -446,22 +454,14 @@ def route(x: mx.array, token_ids: mx.array, w: MoEWeights, top_k: int, scaling: 
     return experts, _normalized(mx.take_along_axis(scores, experts, axis=-1), scaling)
 
 
-# The router's elementwise steps, compiled shapeless (kernels/shapeless.py); the slice of the top-k
-# stays outside (a shapeless trace cannot carry a Slice).
-@shapeless
-def _router_scores(x: mx.array, router_t: mx.array) -> mx.array:
-    """x [T, D], router_t [D, E] (MoEWeights.router_t) -> [T, E] float32: sqrt(softplus(router logits))."""
-    return mx.sqrt(mx.logaddexp(x.astype(mx.float32) @ router_t.astype(mx.float32), 0.0))
-
-
-@shapeless
-def _negated_biased(scores: mx.array, bias: mx.array) -> mx.array:
-    return -(scores + bias.astype(mx.float32))
-
-
-@shapeless(sums_over=(0, -1))  # the k slots (top-1: plain, kernels/shapeless.py)
-def _normalized(weights: mx.array, scaling: float) -> mx.array:
-    return weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * scaling
+# The router's steps, kernels/moe_route.py's functions compiled shapeless (kernels/shapeless.py), so the engine's
+# path is its reference's ops; the slice of the top-k stays outside (a shapeless trace cannot carry a Slice). The
+# product and the scores are two compiled functions, not one: the kernel takes the product, and the product (a
+# Matmul, after a cast of bf16 rows) fuses with nothing either way, so the plain path builds the same nodes.
+_router_logits = shapeless(moe_route.router_logits)  # x [T, D], router_t [D, E] (MoEWeights.router_t) -> [T, E] float32
+_router_scores = shapeless(moe_route.scores)  # [T, E] float32 -> sqrt(softplus(logits))
+_negated_biased = shapeless(moe_route.negated_biased)
+_normalized = shapeless(sums_over=(0, -1))(moe_route.normalized)  # the k slots (top-1: plain, kernels/shapeless.py)
 
 
 # moe() in a padded step lets the device run while the host works (mx.async_eval): the routing and
@@ -481,23 +481,50 @@ def moe(x: mx.array, token_ids: mx.array, w: MoEWeights, top_k: int, scaling: fl
     """x: [T, D] -> [T, D]: routed experts (each run once on the tokens routed to it) + shared expert."""
     experts, weights = route(x, token_ids, w, top_k, scaling)
     flat = experts.reshape(-1)  # [P = T·k]
+    if not uses_padded_layout(flat.shape[0], w.num_experts):
+        return _gathered(x, flat, weights, w, limit).output(x)
     order = mx.argsort(flat)  # pair indices, expert-sorted
-    padded = uses_padded_layout(flat.shape[0], w.num_experts)
-    counts = expert_counts(flat, w.num_experts) if padded else None
-    overlap = padded and _overlaps_host_work()
+    counts = expert_counts(flat, w.num_experts)
+    overlap = _overlaps_host_work()
     if overlap:
         mx.async_eval(counts, order, weights)
     shared = swiglu(x, w.shared_w1, w.shared_w2, w.shared_w3, limit)
     if overlap:
         mx.async_eval(shared)
-    routed = _routed(x, flat, order, weights, w, limit, "padded" if padded else "gathered", counts)
+    routed = _routed(x, flat, order, weights, w, limit, "padded", counts)
     out = _sum_in(routed, shared, x)
     if overlap:
         mx.async_eval(out)
     return out
 
 
-@shapeless
-def _sum_in(routed: mx.array, shared: mx.array, like: mx.array) -> mx.array:
-    """routed + shared in `like`'s dtype (like: the block input)."""
-    return (routed.astype(like.dtype) + shared).astype(like.dtype)
+@dataclass(frozen=True)
+class RoutedPairs:
+    """A gathered-layout MoE before its two sums: each (token, slot) pair's expert row, the router's weights and
+    the shared expert's rows. `output` sums them as `moe` does; a CUDA decode step's expand takes them as they
+    are instead, its one kernel making the sums (engine/model/hyper.py `expand_pairs`, kernels/hc_expand.py)."""
+
+    rows: mx.array  # [T·k, D]: pair (t, j) at row t·k + j, in the block input's dtype
+    weights: mx.array  # [T, k] float32
+    shared: mx.array  # [T, D] in the block input's dtype
+
+    def output(self, like: mx.array) -> mx.array:
+        """-> [T, D] in `like`'s dtype (the block input's): `moe`'s result."""
+        num_tokens, k = self.weights.shape
+        return _sum_in(_weighted_sum(self.rows.reshape(num_tokens, k, -1), self.weights), self.shared, like)  # (token, slot) order
+
+
+def moe_pairs(x: mx.array, token_ids: mx.array, w: MoEWeights, top_k: int, scaling: float, limit: float) -> RoutedPairs:
+    """`moe` of a step that runs the gathered layout (`syncs_host` is false: decode), without its sums."""
+    experts, weights = route(x, token_ids, w, top_k, scaling)
+    return _gathered(x, experts.reshape(-1), weights, w, limit)
+
+
+def _gathered(x: mx.array, flat: mx.array, weights: mx.array, w: MoEWeights, limit: float) -> RoutedPairs:
+    """x: [T, D], flat: [P = T·k] experts, weights: [T, k] -> the pairs through the gathered layout and the shared expert."""
+    shared = swiglu(x, w.shared_w1, w.shared_w2, w.shared_w3, limit)
+    rows = gathered_pairs(x, flat, mx.argsort(flat), weights.shape[1], w, limit)  # [P, D]
+    return RoutedPairs(rows, weights, shared)
+
+
+_sum_in = shapeless(moe_output)  # routed [T, D] float32 + shared [T, D] in the block input's dtype
