@@ -18,6 +18,9 @@ for MLX's CUDA backend, one kernel each for
   table work. The kernel is one launch reading `order`, `flat` and the counts where they are on the
   device, with the two capacities as its only upload (8 bytes). Integers: the same values or a bug.
 
+`moe_output` is the MoE's output from the combine's float32 sum and the shared expert's rows, both layouts' (and
+kernels/hc_expand.py's, which makes it inside the FFN half's expand on a decode batch).
+
 Switches: TESSERA_MOE_COMBINE_KERNEL=0 / TESSERA_MOE_INDEX_KERNEL=0 keep each reference on CUDA too (1, the
 default, uses the kernel where it is supported).
 """

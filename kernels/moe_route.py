@@ -16,7 +16,9 @@ ArgPartition, the Slice of its first k, GatherAxis, the weights' Sum and the fus
 the table's Gather and Squeeze instead of the three top-k nodes), and MLX's CUDA backend pays a host cost per node
 (~6 µs, docs/BENCHMARKS.md "Session 28 on an H100") in a batch-1 decode step bound by the host. With the kernel
 (one node) the tiny preset's CUDA-path step (docs/bench/cuda_standin.py; 2 learned, 2 hash layers) builds 22 nodes
-fewer (436 -> 414 when written); V4 Flash's, 40 learned and 3 hash layers, 255 fewer. Not yet run on a GPU.
+fewer (436 -> 414 when written); V4 Flash's, 40 learned and 3 hash layers, 255 fewer. On an H100 its CUDA tests
+pass, and in one process every 64k batch-1 round without it was 0.09-0.21 ms slower than every round with it
+(docs/BENCHMARKS.md, "Session 37").
 Here it is one launch: a block per token, a thread per expert.
 Each thread computes its expert's score (MLX's LogAddExp at y = 0: max + log1p(exp(min - max)), the infinities
 as MLX has them, then sqrt), puts its biased value in shared memory and counts its rank:

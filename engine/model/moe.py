@@ -511,7 +511,8 @@ class RoutedPairs:
     def output(self, like: mx.array) -> mx.array:
         """-> [T, D] in `like`'s dtype (the block input's): `moe`'s result."""
         num_tokens, k = self.weights.shape
-        return _sum_in(_weighted_sum(self.rows.reshape(num_tokens, k, -1), self.weights), self.shared, like)  # (token, slot) order
+        by_pair = self.rows.reshape(num_tokens, k, -1)  # [T, k, D]: (token, slot) order
+        return _sum_in(_weighted_sum(by_pair, self.weights), self.shared, like)
 
 
 def moe_pairs(x: mx.array, token_ids: mx.array, w: MoEWeights, top_k: int, scaling: float, limit: float) -> RoutedPairs:
