@@ -187,11 +187,17 @@ def _launch(name: str, inputs: tuple[str, ...], source: str, arrays: list[mx.arr
 
 def expand_kernel(block_out: mx.array, streams: mx.array, post: mx.array, mix_t: mx.array) -> mx.array:
     """`expand_reference` in one launch, on a CUDA device (`block_out_is_supported`)."""
-    return _launch(KERNEL_NAME, INPUTS, _SOURCE, [block_out, streams, post, mix_t], streams, None)
+    return _launch(KERNEL_NAME, INPUTS, _SOURCE, [block_out, streams, *_mixes(post, mix_t, streams)], streams, None)
 
 
 def expand_pairs_kernel(rows: mx.array, weights: mx.array, shared: mx.array, streams: mx.array, post: mx.array,
                         mix_t: mx.array) -> mx.array:
     """`expand_pairs_reference` in one launch, on a CUDA device (`pairs_are_supported`)."""
-    return _launch(PAIRS_KERNEL_NAME, PAIRS_INPUTS, _PAIRS_SOURCE, [rows, weights, shared, streams, post, mix_t],
-                   streams, weights.shape[1])
+    arrays = [rows, weights, shared, streams, *_mixes(post, mix_t, streams)]
+    return _launch(PAIRS_KERNEL_NAME, PAIRS_INPUTS, _PAIRS_SOURCE, arrays, streams, weights.shape[1])
+
+
+def _mixes(post: mx.array, mix_t: mx.array, streams: mx.array) -> tuple[mx.array, mx.array]:
+    """post and mix_t in the dtypes the kernels read them as (float32, the streams'): what the collapse makes them
+    already, so no node is added; a caller's other dtype is converted, never read as the wrong type."""
+    return post.astype(mx.float32), mix_t.astype(streams.dtype)
