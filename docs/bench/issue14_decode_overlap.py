@@ -178,25 +178,22 @@ ARMS["serving_overlap_batch_gather"] = with_setting(row_gather.batch_gather_enab
                                                     ARMS["serving_overlap"])  # TESSERA_DECODE_BATCH_GATHER=1
 ARMS["serving_overlap_no_batch_gather"] = with_setting(row_gather.batch_gather_enabled, row_gather.set_batch_gather_enabled,
                                                        False, ARMS["serving_overlap"])  # TESSERA_DECODE_BATCH_GATHER=0
-ARMS["serving_overlap_no_mxfp8_qmv"] = with_setting(mxfp8_qmv.kernel_enabled, mxfp8_qmv.set_kernel_enabled, False,
-                                                    ARMS["serving_overlap"])  # TESSERA_MXFP8_QMV_KERNEL=0
+# serving_overlap with one kernel's switch (`kernel_enabled` / `set_kernel_enabled` of its module) at a value:
+# arm -> (module, value); the environment variable each stands for in the module docstring above.
+KERNEL_ARMS = {
+    "serving_overlap_no_mxfp8_qmv": (mxfp8_qmv, False),  # TESSERA_MXFP8_QMV_KERNEL=0
+    "serving_overlap_no_hc_mix": (hc_mix, False),  # TESSERA_HC_MIX_KERNEL=0
+    "serving_overlap_no_hc_collapse": (hc_collapse, False),  # TESSERA_HC_COLLAPSE_KERNEL=0
+    "serving_overlap_no_hc_expand": (hc_expand, False),  # TESSERA_HC_EXPAND_KERNEL=0
+    "serving_overlap_no_moe_route": (moe_route, False),  # TESSERA_MOE_ROUTE_KERNEL=0
+    "serving_overlap_no_decode_attention": (decode_attention_cuda, False),  # TESSERA_DECODE_ATTENTION_KERNEL=0
+    "serving_overlap_rms_norm": (rms_norm_cuda, True),  # TESSERA_RMS_NORM_KERNEL=1
+    "serving_overlap_no_rms_norm": (rms_norm_cuda, False),  # TESSERA_RMS_NORM_KERNEL=0
+}
+for _name, (_module, _value) in KERNEL_ARMS.items():
+    ARMS[_name] = with_setting(_module.kernel_enabled, _module.set_kernel_enabled, _value, ARMS["serving_overlap"])
 ARMS["serving_overlap_sinkhorn_thread"] = with_setting(sinkhorn.warp_enabled, sinkhorn.set_warp_enabled, False,
                                                        ARMS["serving_overlap"])  # TESSERA_SINKHORN_WARP=0
-ARMS["serving_overlap_no_hc_mix"] = with_setting(hc_mix.kernel_enabled, hc_mix.set_kernel_enabled, False,
-                                                 ARMS["serving_overlap"])  # TESSERA_HC_MIX_KERNEL=0
-ARMS["serving_overlap_no_hc_collapse"] = with_setting(hc_collapse.kernel_enabled, hc_collapse.set_kernel_enabled, False,
-                                                      ARMS["serving_overlap"])  # TESSERA_HC_COLLAPSE_KERNEL=0
-ARMS["serving_overlap_no_hc_expand"] = with_setting(hc_expand.kernel_enabled, hc_expand.set_kernel_enabled, False,
-                                                    ARMS["serving_overlap"])  # TESSERA_HC_EXPAND_KERNEL=0
-ARMS["serving_overlap_no_moe_route"] = with_setting(moe_route.kernel_enabled, moe_route.set_kernel_enabled, False,
-                                                    ARMS["serving_overlap"])  # TESSERA_MOE_ROUTE_KERNEL=0
-ARMS["serving_overlap_no_decode_attention"] = with_setting(
-    decode_attention_cuda.kernel_enabled, decode_attention_cuda.set_kernel_enabled, False,
-    ARMS["serving_overlap"])  # TESSERA_DECODE_ATTENTION_KERNEL=0
-ARMS["serving_overlap_rms_norm"] = with_setting(rms_norm_cuda.kernel_enabled, rms_norm_cuda.set_kernel_enabled, True,
-                                                ARMS["serving_overlap"])  # TESSERA_RMS_NORM_KERNEL=1
-ARMS["serving_overlap_no_rms_norm"] = with_setting(rms_norm_cuda.kernel_enabled, rms_norm_cuda.set_kernel_enabled, False,
-                                                   ARMS["serving_overlap"])  # TESSERA_RMS_NORM_KERNEL=0
 ARMS["serving_overlap_mma"] = with_setting(gather_qmv.mma_enabled, gather_qmv.set_mma_enabled, True,
                                            ARMS["serving_overlap"])  # TESSERA_GATHER_QMV_MMA=1
 ARMS["serving_overlap_table"] = with_setting(gather_qmv.mma_enabled, gather_qmv.set_mma_enabled, False,
